@@ -1,0 +1,166 @@
+"""`Sampler`: one batched call per engine step turns the batch's logits into next tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import chain
+
+import torch
+from gearshift.worker.sampling.logprobs import TokenLogprobs, compute_logprobs
+from gearshift.worker.sampling.masks import apply_min_p, apply_top_k_top_p
+from gearshift.worker.sampling.params import SamplingParams
+from gearshift.worker.sampling.penalties import apply_penalties
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingState:
+    """What the sampler needs about one sequence this step (built by the engine)."""
+
+    params: SamplingParams
+    # Seeded requests only: made on the logits' device with manual_seed(seed), kept across steps.
+    generator: torch.Generator | None = None
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    # Masked while fewer than params.min_tokens tokens were generated (unless ignore_eos).
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """The next token of every row, and its logprobs where the request asked for them."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+
+class Sampler:
+    """Penalties → temperature → min-p / top-k / top-p → sample, vectorised over the batch.
+
+    Random rows use the exponential race (argmax of probs / Exp(1) noise), which draws exactly
+    one vocabulary-sized noise vector per row: a seeded row draws it from its own generator, so
+    its tokens depend only on its seed and logits, never on the rest of the batch.
+    """
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        # Noise source for unseeded rows; None uses torch's default generator.
+        self.generator = generator
+
+    def sample(self, logits: Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
+        """Next token per row of `logits` [batch, vocab] (any float dtype; computed in fp32)."""
+        if logits.dim() != 2 or logits.shape[0] != len(states):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} states")
+        params = [s.params for s in states]
+        banned = _min_tokens_bans(states, logits.shape[1])
+        penalised = [i for i, p in enumerate(params) if p.has_penalties]
+        if all(p.greedy for p in params) and not penalised and not banned[0]:
+            # Fast path: no copy, no softmax; argmax is exact in any float dtype.
+            token_ids = logits.argmax(dim=-1)
+        else:
+            work = logits.to(torch.float32, copy=True)
+            if banned[0]:
+                rows, cols = (torch.tensor(b, dtype=torch.long, device=work.device) for b in banned)
+                work.index_put_((rows, cols), torch.tensor(float("-inf"), device=work.device))
+            if penalised:
+                self._penalise(work, states, penalised)
+            token_ids = self._choose(work, states)
+        logprobs = compute_logprobs(logits, token_ids, [p.logprobs for p in params])
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+    def _penalise(self, work: Tensor, states: Sequence[SamplingState], rows: list[int]) -> None:
+        every_row = len(rows) == work.shape[0]
+        index = torch.tensor(rows, dtype=torch.long, device=work.device)
+        # Only rows with penalties get [rows, vocab] count tensors.
+        sub = work if every_row else work.index_select(0, index)
+        picked = [states[i] for i in rows]
+        apply_penalties(
+            sub,
+            [s.prompt_token_ids for s in picked],
+            [s.output_token_ids for s in picked],
+            [s.params.repetition_penalty for s in picked],
+            [s.params.presence_penalty for s in picked],
+            [s.params.frequency_penalty for s in picked],
+        )
+        if not every_row:
+            work.index_copy_(0, index, sub)
+
+    def _choose(self, work: Tensor, states: Sequence[SamplingState]) -> Tensor:
+        """Greedy rows: argmax of the penalised logits; the others: sampled after the masks."""
+        rows = [i for i, s in enumerate(states) if not s.params.greedy]
+        every_row = len(rows) == work.shape[0]
+        # Temperature and the masks never move the argmax, so greedy rows stop here.
+        token_ids = work.argmax(dim=-1) if not every_row else None
+        if token_ids is not None and not rows:
+            return token_ids
+        device = work.device
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        sub = work if every_row else work.index_select(0, index)
+        picked = [states[i].params for i in rows]
+
+        def column(values: list[float]) -> Tensor:
+            return torch.tensor(values, dtype=torch.float32).to(device)
+
+        sub.div_(column([p.temperature for p in picked]).unsqueeze(1))
+        if any(p.min_p > 0.0 for p in picked):
+            apply_min_p(sub, column([p.min_p for p in picked]))
+        use_top_k = any(p.top_k > 0 for p in picked)
+        use_top_p = any(p.top_p < 1.0 for p in picked)
+        if use_top_k or use_top_p:
+            top_k = torch.tensor([p.top_k for p in picked], dtype=torch.long).to(device)
+            apply_top_k_top_p(
+                sub,
+                top_k if use_top_k else None,
+                column([p.top_p for p in picked]) if use_top_p else None,
+            )
+        probs = sub.softmax(dim=-1)
+        noise = self._exponential_noise(probs, [states[i].generator for i in rows])
+        sampled = probs.div_(noise).argmax(dim=-1)
+        if token_ids is None:
+            return sampled
+        return token_ids.index_copy_(0, index, sampled)
+
+    def _exponential_noise(
+        self, probs: Tensor, generators: Sequence[torch.Generator | None]
+    ) -> Tensor:
+        """Exp(1) noise shaped like `probs`: seeded rows from their own generator, others shared."""
+        noise = torch.empty_like(probs)
+        vocab_size = probs.shape[1]
+        unseeded = [j for j, g in enumerate(generators) if g is None]
+        if len(unseeded) == len(generators):
+            noise.exponential_(generator=self.generator)
+        else:
+            # The one per-row loop: a generator can only fill one tensor at a time.
+            for j, gen in enumerate(generators):
+                if gen is not None:
+                    # Drawn where the generator lives (a CPU generator still works for CUDA
+                    # logits, at one small copy), always as one [vocab] vector per step.
+                    row = torch.empty(vocab_size, dtype=probs.dtype, device=gen.device)
+                    noise[j] = row.exponential_(generator=gen)
+            if unseeded:
+                shared = torch.empty(
+                    len(unseeded), vocab_size, dtype=probs.dtype, device=probs.device
+                )
+                index = torch.tensor(unseeded, dtype=torch.long, device=probs.device)
+                noise.index_copy_(0, index, shared.exponential_(generator=self.generator))
+        # A draw of exactly 0 would turn probs / noise into inf or nan (0/0 on a masked token).
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def _min_tokens_bans(
+    states: Sequence[SamplingState], vocab_size: int
+) -> tuple[list[int], list[int]]:
+    """(rows, token ids) to mask so that no stop or EOS token ends a row before min_tokens."""
+    rows: list[list[int]] = []
+    cols: list[list[int]] = []
+    for i, state in enumerate(states):
+        params = state.params
+        if len(state.output_token_ids) >= params.min_tokens:
+            continue
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= state.eos_token_ids
+        ids = sorted(t for t in stops if t < vocab_size)
+        rows.append([i] * len(ids))
+        cols.append(ids)
+    return list(chain.from_iterable(rows)), list(chain.from_iterable(cols))
