@@ -8,7 +8,7 @@ PYTEST := $(BIN)/python -m pytest
 
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: install test test-fast lint format bench generate proto clean
+.PHONY: install test test-fast lint format bench generate proto crd clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,16 @@ lint: install
 format: install
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
+
+# The API: regenerate the committed _pb2/_pb2_grpc modules (tests/proto checks they match).
+proto: install
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=proto --pyi_out=proto \
+		--grpc_python_out=proto proto/gearshift/v1/*.proto
+
+# The InferenceDeployment CRD, generated from the proto policy schema (tests/operator checks it).
+crd: install
+	$(BIN)/python -m gearshift.operator.reconcile.crd crds/inferencedeployments.gearshift.dev.yaml \
+		charts/gearshift/crds/inferencedeployments.gearshift.dev.yaml
 
 bench: install
 	$(BIN)/python benchmarks/offline_throughput.py

@@ -1,0 +1,1 @@
+"""Kubernetes operator for InferenceDeployment: CRD, children rendering, kopf handlers."""

@@ -1,0 +1,386 @@
+"""The InferenceDeployment CustomResourceDefinition, generated.
+
+`python -m gearshift.operator.reconcile.crd OUT...` (`make crd`) writes it to crds/ and to the
+chart; tests fail when either copy differs from what this module builds. `spec.policy` comes from
+the proto (crd_schema.py), the CEL rules for cross-field checks from crd_rules.py, the rest is
+written here.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from gearshift.operator.reconcile import crd_rules, crd_schema, names, spec
+
+
+def _obj(props: dict[str, Any], description: str = "", **extra: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "object", "properties": props, **extra}
+    if description:
+        out["description"] = description
+    return out
+
+
+def _int(
+    description: str, minimum: int | None = None, default: int | None = None
+) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "integer", "format": "int32", "description": description}
+    if minimum is not None:
+        out["minimum"] = minimum
+    if default is not None:
+        out["default"] = default
+    return out
+
+
+def _str(description: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "string", "description": description, **extra}
+
+
+_FREE = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+_INT_OR_STRING = {
+    "x-kubernetes-int-or-string": True,
+    "anyOf": [{"type": "integer"}, {"type": "string"}],
+}
+
+
+def spec_schema(policy: dict[str, Any]) -> dict[str, Any]:
+    return _obj(
+        {
+            "model": _obj(
+                {
+                    "source": _str(
+                        "Where the weights are: a path inside the worker image, "
+                        "pvc://CLAIM/PATH (mounted read-only) or hf://ORG/NAME (downloaded).",
+                        pattern=spec.MODEL_SOURCE_PATTERN,
+                    ),
+                    "name": _str("Served model name (API `model`). Default: metadata.name."),
+                    "dtype": _str(
+                        "Weight and activation dtype.", enum=list(spec.DTYPES), default="auto"
+                    ),
+                    "maxModelLen": _int("Context length limit. Default: the model's.", minimum=1),
+                },
+                "The model to serve.",
+                required=["source"],
+            ),
+            "engine": _str(
+                "gearshift, or vllm for stock `vllm serve` pods (static policy only).",
+                enum=list(spec.ENGINES),
+                default="gearshift",
+            ),
+            "images": _obj(
+                {
+                    "worker": _str("Worker image (CUDA + torch + gearshift)."),
+                    "router": _str("Router image (the operator/router image)."),
+                    "vllm": _str("vLLM image, for engine vllm."),
+                    "pullPolicy": _str(
+                        "Image pull policy.",
+                        enum=["Always", "IfNotPresent", "Never"],
+                        default="IfNotPresent",
+                    ),
+                    "pullSecrets": {
+                        "type": "array",
+                        "items": {"type": "string"},
+                        "description": "Names of image pull Secrets.",
+                    },
+                },
+                "Container images.",
+                required=["router"],
+            ),
+            "replicas": _int("Worker groups (the scale subresource).", minimum=0, default=1),
+            "group": _obj(
+                {
+                    "nodes": _int(
+                        "Pods per group (one per node).", minimum=1, default=spec.DEFAULT_NODES
+                    ),
+                    "gpusPerNode": _int(
+                        "Ranks (GPUs) per pod.", minimum=1, default=spec.DEFAULT_GPUS_PER_NODE
+                    ),
+                    "gpuResource": _str(
+                        "Extended resource requested per rank; empty requests none (CPU).",
+                        default=spec.DEFAULT_GPU_RESOURCE,
+                    ),
+                    "shmSize": {
+                        **_INT_OR_STRING,
+                        "description": "Size of /dev/shm (memory-backed; holds Seesaw's host KV "
+                        "store).",
+                        "default": spec.DEFAULT_SHM_SIZE,
+                    },
+                    "resources": {
+                        **_FREE,
+                        "description": "Worker container resources (core/v1 ResourceRequirements).",
+                    },
+                    "env": {
+                        "type": "array",
+                        "items": _FREE,
+                        "description": "Extra worker environment (core/v1 EnvVar).",
+                    },
+                },
+                "The shape of one worker group: nodes × gpusPerNode ranks run one engine.",
+                default={},
+            ),
+            "policy": policy,
+            "router": _obj(
+                {
+                    "replicas": _int("Router pods.", minimum=1, default=1),
+                    "service": _obj(
+                        {
+                            "type": _str(
+                                "Service type.", enum=list(spec.SERVICE_TYPES), default="ClusterIP"
+                            ),
+                            "port": _int(
+                                "OpenAI HTTP port.", minimum=1, default=spec.DEFAULT_ROUTER_PORT
+                            ),
+                            "grpcPort": _int(
+                                "gRPC Generation port.",
+                                minimum=1,
+                                default=spec.DEFAULT_ROUTER_GRPC_PORT,
+                            ),
+                        },
+                        default={},
+                    ),
+                    "apiKeySecret": _obj(
+                        {
+                            "name": _str("Secret name."),
+                            "key": _str("Key in the Secret.", default="api-key"),
+                        },
+                        "Secret holding the API key clients must send.",
+                        required=["name"],
+                    ),
+                    "resources": {**_FREE, "description": "Router container resources."},
+                },
+                "The request router (OpenAI HTTP, gRPC, admin API).",
+                default={},
+            ),
+            "scheduling": _obj(
+                {
+                    "nodeSelector": {
+                        "type": "object",
+                        "additionalProperties": {"type": "string"},
+                        "description": "Worker pod nodeSelector.",
+                    },
+                    "tolerations": {
+                        "type": "array",
+                        "items": _FREE,
+                        "description": "Worker pod tolerations.",
+                    },
+                    "affinity": {**_FREE, "description": "Worker pod affinity."},
+                    "priorityClassName": _str("PriorityClass of worker and router pods."),
+                    "schedulerName": _str("Scheduler of worker pods."),
+                    "gang": _obj(
+                        {
+                            "scheduler": _str(
+                                "Schedule a group's pods all or none: volcano (PodGroup, "
+                                "schedulerName volcano) or coscheduling (scheduler-plugins "
+                                "PodGroup).",
+                                enum=list(spec.GANG_SCHEDULERS),
+                                default="none",
+                            ),
+                            "timeoutSeconds": _int(
+                                "coscheduling scheduleTimeoutSeconds.", minimum=0
+                            ),
+                        },
+                        "Gang scheduling of multi-node groups.",
+                    ),
+                },
+                "Where worker pods run.",
+            ),
+            "rollout": _obj(
+                {
+                    "maxUnavailable": {
+                        **_INT_OR_STRING,
+                        "description": "Groups (or % of replicas) that may be unavailable "
+                        "while rolling.",
+                        "default": 1,
+                    },
+                    "maxSurge": {
+                        **_INT_OR_STRING,
+                        "description": "Extra groups (or % of replicas) created while rolling.",
+                        "default": 0,
+                    },
+                },
+                "How layout, model or image changes roll the groups.",
+            ),
+            "restartPolicy": _obj(
+                {
+                    "type": _str(
+                        "RecreateGroupOnPodFailure replaces all of a group's pods when one fails.",
+                        enum=list(spec.RESTART_POLICIES),
+                        default="RecreateGroupOnPodFailure",
+                    ),
+                    "backoffSeconds": _int(
+                        "Wait before the second restart; doubles after each.",
+                        minimum=0,
+                        default=spec.DEFAULT_BACKOFF_SECONDS,
+                    ),
+                    "maxBackoffSeconds": _int(
+                        "Longest wait between restarts.",
+                        minimum=0,
+                        default=spec.DEFAULT_MAX_BACKOFF_SECONDS,
+                    ),
+                    "maxRestarts": _int(
+                        "Restarts before giving up (Degraded).",
+                        minimum=0,
+                        default=spec.DEFAULT_MAX_RESTARTS,
+                    ),
+                },
+                "What happens when a worker pod fails.",
+                default={},
+                **{
+                    "x-kubernetes-validations": [
+                        {
+                            "rule": "self.maxBackoffSeconds >= self.backoffSeconds",
+                            "message": "maxBackoffSeconds must be at least backoffSeconds",
+                        }
+                    ]
+                },
+            ),
+        },
+        "The desired deployment.",
+        required=["model", "images", "policy"],
+        **{"x-kubernetes-validations": crd_rules.layout_rules()},
+    )
+
+
+def status_schema() -> dict[str, Any]:
+    condition = _obj(
+        {
+            "type": {"type": "string"},
+            "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
+            "reason": {"type": "string"},
+            "message": {"type": "string"},
+            "lastTransitionTime": {"type": "string", "format": "date-time"},
+            "observedGeneration": {"type": "integer", "format": "int64"},
+        },
+        required=["type", "status"],
+    )
+    group = _obj(
+        {
+            "name": {"type": "string"},
+            "index": {"type": "integer"},
+            "ready": {"type": "boolean"},
+            "gear": {"type": "string"},
+            "revision": {"type": "string"},
+            "surge": {"type": "boolean"},
+            "restarts": {"type": "integer"},
+            "lastRestartTime": {"type": "string", "format": "date-time"},
+            "message": {"type": "string"},
+        }
+    )
+    return _obj(
+        {
+            "observedGeneration": {"type": "integer", "format": "int64"},
+            "replicas": {
+                "type": "integer",
+                "description": "Groups that exist (surge groups excluded).",
+            },
+            "readyReplicas": {
+                "type": "integer",
+                "description": "Groups the router reports serving.",
+            },
+            "readyGroups": {"type": "string", "description": "serving/desired, for kubectl get."},
+            "selector": {"type": "string", "description": "Label selector of the group leaders."},
+            "policy": {"type": "string"},
+            "gear": {"type": "string", "description": "Gear of the serving groups."},
+            "endpoint": {"type": "string"},
+            "groups": {"type": "array", "items": group, "x-kubernetes-list-type": "atomic"},
+            "conditions": {
+                "type": "array",
+                "items": condition,
+                "x-kubernetes-list-type": "map",
+                "x-kubernetes-list-map-keys": ["type"],
+            },
+        }
+    )
+
+
+def build_crd(comments: dict[str, str] | None = None) -> dict[str, Any]:
+    policy = crd_schema.policy_schema(comments)
+    crd_rules.add_policy_rules(policy)
+    policy["description"] = (
+        "The parallel-layout policy: exactly one of static, shift, seesaw, sidp, tetris "
+        "(gearshift.v1.Policy in proto/gearshift/v1/policy.proto)."
+    )
+    schema = _obj(
+        {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec_schema(policy),
+            "status": status_schema(),
+        },
+        "A model served by groups of GPU workers whose parallel layout follows a policy.",
+        required=["spec"],
+        **{
+            "x-kubernetes-validations": [
+                {
+                    "rule": "size(self.metadata.name) <= 40",
+                    "message": "metadata.name: at most 40 characters (child names derive from it)",
+                }
+            ]
+        },
+    )
+    column = [
+        {"name": "Policy", "type": "string", "jsonPath": ".status.policy"},
+        {"name": "Gear", "type": "string", "jsonPath": ".status.gear"},
+        {"name": "Ready", "type": "string", "jsonPath": ".status.readyGroups"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{names.PLURAL}.{names.GROUP}"},
+        "spec": {
+            "group": names.GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "plural": names.PLURAL,
+                "singular": "inferencedeployment",
+                "kind": names.KIND,
+                "listKind": f"{names.KIND}List",
+                "shortNames": ["infd"],
+                "categories": ["gearshift"],
+            },
+            "versions": [
+                {
+                    "name": names.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": schema},
+                    "subresources": {
+                        "status": {},
+                        "scale": {
+                            "specReplicasPath": ".spec.replicas",
+                            "statusReplicasPath": ".status.replicas",
+                            "labelSelectorPath": ".status.selector",
+                        },
+                    },
+                    "additionalPrinterColumns": column,
+                }
+            ],
+        },
+    }
+
+
+HEADER = (
+    "# Generated by `make crd` (gearshift.operator.reconcile.crd) from proto/gearshift/v1.\n"
+    "# Do not edit.\n"
+)
+
+
+def render(comments: dict[str, str] | None = None) -> str:
+    return HEADER + yaml.safe_dump(
+        build_crd(comments), sort_keys=False, width=100, allow_unicode=True
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    text = render()
+    for out in argv if argv is not None else sys.argv[1:]:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""kopf handlers for InferenceDeployment: thin, idempotent, all roads lead to one reconcile pass.
+
+create/update/resume react to changes; a timer re-runs the same pass every `resync_seconds`, so
+router readiness, pod failures and rollout progress are noticed without watching every kind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from typing import Any
+
+import kopf
+from gearshift.operator.reconcile import names
+from gearshift.operator.reconcile.kube import Kube
+from gearshift.operator.reconcile.reconciler import Reconciler
+from gearshift.operator.reconcile.render_meta import is_owned_by
+from gearshift.operator.reconcile.settings import OperatorSettings
+from gearshift.operator.reconcile.spec import SpecError, parse
+from kubernetes import client, config
+
+# Read once at import: kopf needs the timer interval when the decorator runs. Frozen, not shared
+# mutable state.
+SETTINGS = OperatorSettings.from_env()
+RESOURCE = (names.GROUP, names.VERSION, names.PLURAL)
+
+# Children deleted explicitly on deletion (garbage collection does it too, through the owner
+# references; kmock and clusters with GC lag do not).
+_CHILD_KINDS = (
+    ("apps/v1", "StatefulSet"),
+    ("apps/v1", "Deployment"),
+    ("v1", "Service"),
+    ("v1", "ConfigMap"),
+    ("policy/v1", "PodDisruptionBudget"),
+    ("v1", "Pod"),
+)
+
+
+def _api_client() -> client.ApiClient:
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.ApiClient()
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.persistence.finalizer = f"{names.GROUP}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=names.GROUP, key="last-handled-configuration"
+    )
+    settings.posting.level = logging.WARNING
+    memo["kube"] = Kube(_api_client())
+
+
+async def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any) -> None:
+    # The timer and the change handlers may fire together for one object; one pass at a time.
+    lock = memo.setdefault("lock", asyncio.Lock())
+    async with lock:
+        reconciler = Reconciler(memo["kube"], SETTINGS, logger)
+        new_status = await reconciler.reconcile(dict(body), dt.datetime.now(dt.UTC))
+    for key, value in new_status.items():
+        patch.status[key] = value
+
+
+@kopf.on.create(*RESOURCE)
+@kopf.on.update(*RESOURCE)
+@kopf.on.resume(*RESOURCE)
+async def on_change(
+    body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any, **_: Any
+) -> None:
+    await _reconcile(body, patch, memo, logger)
+
+
+@kopf.timer(*RESOURCE, interval=SETTINGS.resync_seconds, initial_delay=SETTINGS.resync_seconds)
+async def resync(
+    body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any, **_: Any
+) -> None:
+    if body.get("metadata", {}).get("deletionTimestamp"):
+        return
+    await _reconcile(body, patch, memo, logger)
+
+
+@kopf.on.delete(*RESOURCE)
+async def on_delete(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+    try:
+        spec = parse(dict(body))
+    except SpecError:
+        return  # nothing was rendered for an invalid spec
+    kube: Kube = memo["kube"]
+    for api_version, kind in _CHILD_KINDS:
+        for obj in await kube.select(
+            api_version, kind, spec.namespace, {names.LABEL_DEPLOYMENT: spec.name}
+        ):
+            if is_owned_by(obj, spec) or kind == "Pod":
+                await kube.delete(api_version, kind, spec.namespace, obj["metadata"]["name"])
+    logger.info("deleted the children of %s/%s", spec.namespace, spec.name)

@@ -1,0 +1,190 @@
+"""A small async client for the children's kinds, over the official `kubernetes` ApiClient.
+
+Objects stay plain dicts in their API (camelCase) form, exactly as the renderers build them.
+`apply` is create-or-merge-patch with a last-applied annotation, kubectl-style: fields the
+operator stopped setting are removed, fields others set are left alone. (Server-side apply would
+do this natively; the JSON merge patch also works against kmock, which has no SSA or PUT.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from gearshift.operator.reconcile import names
+from kubernetes import client
+
+# (apiVersion, kind) → plural; the only kinds the operator reads or writes besides its own.
+PLURALS: dict[tuple[str, str], str] = {
+    ("v1", "ConfigMap"): "configmaps",
+    ("v1", "Service"): "services",
+    ("v1", "Pod"): "pods",
+    ("apps/v1", "StatefulSet"): "statefulsets",
+    ("apps/v1", "Deployment"): "deployments",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("scheduling.volcano.sh/v1beta1", "PodGroup"): "podgroups",
+    ("scheduling.x-k8s.io/v1alpha1", "PodGroup"): "podgroups",
+}
+
+
+class KubeError(RuntimeError):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+
+
+def _path(api_version: str, kind: str, namespace: str, name: str = "") -> str:
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    path = f"{prefix}/namespaces/{namespace}/{PLURALS[(api_version, kind)]}"
+    return f"{path}/{name}" if name else path
+
+
+def merge_patch(last: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any]:
+    """RFC 7386 patch that sets `desired` and removes what `last` had and `desired` lacks."""
+    patch: dict[str, Any] = {}
+    for key, value in desired.items():
+        old = last.get(key)
+        if isinstance(value, dict) and isinstance(old, dict):
+            patch[key] = merge_patch(old, value)
+        else:
+            patch[key] = value
+    for key in last:
+        if key not in desired:
+            patch[key] = None
+    return patch
+
+
+def _strip_applied(obj: dict[str, Any]) -> dict[str, Any]:
+    out = json.loads(json.dumps(obj))
+    annotations = out.get("metadata", {}).get("annotations") or {}
+    annotations.pop(names.ANNOTATION_APPLIED, None)
+    if "annotations" in out.get("metadata", {}) and not annotations:
+        del out["metadata"]["annotations"]
+    return out
+
+
+@dataclass
+class Snapshot:
+    """One pass's listing of a deployment's children, keyed by (apiVersion, kind, name)."""
+
+    kinds: set[tuple[str, str]]
+    objects: dict[tuple[str, str, str], dict[str, Any]]
+
+    def of_kind(self, api_version: str, kind: str) -> list[dict[str, Any]]:
+        return [o for (v, k, _), o in self.objects.items() if (v, k) == (api_version, kind)]
+
+
+@dataclass
+class Kube:
+    """Blocking client calls run in worker threads so kopf's event loop keeps going."""
+
+    api: client.ApiClient
+    timeout_seconds: float = 10.0
+
+    def _call(
+        self, method: str, path: str, body: Any = None, query: dict[str, str] | None = None
+    ) -> Any:
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = (
+                "application/merge-patch+json" if method == "PATCH" else "application/json"
+            )
+        m, url, h, b, _ = self.api.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=list((query or {}).items()),
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        response = self.api.call_api(
+            m, url, header_params=h, body=b, _request_timeout=self.timeout_seconds
+        )
+        response.read()
+        data: dict[str, Any] = json.loads(response.data) if response.data else {}
+        if response.status >= 400:
+            raise KubeError(response.status, str(data.get("message", data))[:500])
+        return data
+
+    async def _acall(
+        self, method: str, path: str, body: Any = None, query: dict[str, str] | None = None
+    ) -> Any:
+        return await asyncio.to_thread(self._call, method, path, body, query)
+
+    async def get(
+        self, api_version: str, kind: str, namespace: str, name: str
+    ) -> dict[str, Any] | None:
+        try:
+            return dict(await self._acall("GET", _path(api_version, kind, namespace, name)))
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def select(
+        self, api_version: str, kind: str, namespace: str, labels: dict[str, str]
+    ) -> list[dict[str, Any]]:
+        selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        data = await self._acall(
+            "GET", _path(api_version, kind, namespace), query={"labelSelector": selector}
+        )
+        items = data.get("items") or []
+        # Filter again: the server may ignore the selector (kmock does).
+        return [
+            obj
+            for obj in items
+            if obj.get("metadata", {}).get("namespace", namespace) == namespace
+            and all(
+                (obj.get("metadata", {}).get("labels") or {}).get(k) == v for k, v in labels.items()
+            )
+        ]
+
+    async def snapshot(
+        self, kinds: list[tuple[str, str]], namespace: str, labels: dict[str, str]
+    ) -> Snapshot:
+        objects: dict[tuple[str, str, str], dict[str, Any]] = {}
+        for api_version, kind in kinds:
+            for obj in await self.select(api_version, kind, namespace, labels):
+                objects[(api_version, kind, obj["metadata"]["name"])] = obj
+        return Snapshot(set(kinds), objects)
+
+    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        """Delete; False when it was already gone."""
+        try:
+            await self._acall("DELETE", _path(api_version, kind, namespace, name))
+        except KubeError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    async def apply(self, manifest: dict[str, Any], snapshot: Snapshot | None = None) -> str:
+        """Create or converge one object; returns "created", "updated" or "unchanged".
+
+        With a `snapshot` of this pass's listings the current object is taken from it instead of
+        being fetched (one list per kind per pass instead of one GET per child).
+        """
+        api_version, kind = manifest["apiVersion"], manifest["kind"]
+        meta = manifest["metadata"]
+        desired = _strip_applied(manifest)
+        applied_text = json.dumps(desired, sort_keys=True, separators=(",", ":"))
+        body = json.loads(applied_text)
+        body["metadata"].setdefault("annotations", {})[names.ANNOTATION_APPLIED] = applied_text
+        if snapshot is not None and (api_version, kind) in snapshot.kinds:
+            current = snapshot.objects.get((api_version, kind, meta["name"]))
+        else:
+            current = await self.get(api_version, kind, meta["namespace"], meta["name"])
+        if current is None:
+            await self._acall("POST", _path(api_version, kind, meta["namespace"]), body)
+            return "created"
+        last_text = (current.get("metadata", {}).get("annotations") or {}).get(
+            names.ANNOTATION_APPLIED
+        )
+        if last_text == applied_text:
+            return "unchanged"
+        last = json.loads(last_text) if last_text else {}
+        patch = merge_patch(last, body)
+        await self._acall("PATCH", _path(api_version, kind, meta["namespace"], meta["name"]), patch)
+        return "updated"

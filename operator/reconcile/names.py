@@ -1,0 +1,82 @@
+"""Names, labels, ports and paths shared by the children the operator renders.
+
+Kept in one place so the renderers, the reconciler and the tests agree on how a child is found.
+"""
+
+from __future__ import annotations
+
+GROUP = "gearshift.dev"
+VERSION = "v1alpha1"
+PLURAL = "inferencedeployments"
+KIND = "InferenceDeployment"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# Labels on every child; selectors use them (filtered client-side too: kmock has no selectors).
+LABEL_DEPLOYMENT = "gearshift.dev/deployment"
+LABEL_COMPONENT = "gearshift.dev/component"  # "worker" | "router"
+LABEL_GROUP = "gearshift.dev/group"  # the group's StatefulSet name
+LABEL_GROUP_INDEX = "gearshift.dev/group-index"
+LABEL_SURGE = "gearshift.dev/surge"  # "true" on groups created above `replicas` during a rollout
+LABEL_REVISION = "gearshift.dev/revision"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "gearshift-operator"
+# Set by the StatefulSet controller on Kubernetes ≥ 1.28; the pod's node rank within its group.
+LABEL_POD_INDEX = "apps.kubernetes.io/pod-index"
+
+# The last desired state the operator applied to a child (for removing fields it no longer sets).
+ANNOTATION_APPLIED = "gearshift.dev/last-applied"
+
+# Ports inside pods. Every pod has its own network namespace, so fixed numbers cannot collide.
+WORKER_GRPC_PORT = 50051  # Worker service + grpc.health.v1 (leader); health on every rank
+WORKER_DIST_PORT = 29500  # torch.distributed rendezvous on the group leader
+VLLM_HTTP_PORT = 8000
+ROUTER_HTTP_PORT = 8000
+ROUTER_GRPC_PORT = 50050  # Generation service
+ROUTER_ADMIN_PORT = 50060  # Admin service, only behind the ClusterIP admin Service
+
+CONFIG_DIR = "/etc/gearshift"
+ENGINE_CONFIG = f"{CONFIG_DIR}/engine.json"
+ROUTER_CONFIG = f"{CONFIG_DIR}/router.json"
+PVC_MOUNT = "/mnt/model"
+
+WORKER_HEALTH_SERVICE = "gearshift.v1.Worker"
+
+
+def config_map_name(name: str) -> str:
+    return f"{name}-config"
+
+
+def group_name(name: str, index: int) -> str:
+    """The StatefulSet and headless Service of group `index`."""
+    return f"{name}-g{index}"
+
+
+def router_name(name: str) -> str:
+    return f"{name}-router"
+
+
+def router_admin_service(name: str) -> str:
+    return f"{name}-router-admin"
+
+
+def pdb_name(name: str) -> str:
+    return f"{name}-workers"
+
+
+def leader_host(name: str, index: int, namespace: str, cluster_domain: str) -> str:
+    """DNS name of group `index`'s rank-0 pod through its headless Service."""
+    group = group_name(name, index)
+    return f"{group}-0.{group}.{namespace}.svc.{cluster_domain}"
+
+
+def base_labels(name: str, component: str) -> dict[str, str]:
+    return {LABEL_DEPLOYMENT: name, LABEL_COMPONENT: component, LABEL_MANAGED_BY: MANAGED_BY}
+
+
+def group_selector(name: str, index: int) -> dict[str, str]:
+    return {LABEL_DEPLOYMENT: name, LABEL_GROUP: group_name(name, index)}
+
+
+def scale_selector(name: str) -> str:
+    """Label selector of the scale subresource: the group leaders (one pod per group)."""
+    return f"{LABEL_DEPLOYMENT}={name},{LABEL_COMPONENT}=worker,{LABEL_POD_INDEX}=0"

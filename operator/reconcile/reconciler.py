@@ -1,0 +1,351 @@
+"""One level-triggered reconcile pass of an InferenceDeployment.
+
+Observe (groups, pods, router status) → plan (rollout, restarts, live policy) → act (apply
+children, replace pods, call Admin) → report (status). Every pass starts from what is observed,
+so a pass repeated, resumed after an operator restart or run by the periodic timer does nothing
+new when nothing changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from gearshift.operator.reconcile import (
+    names,
+    render_config,
+    render_router,
+    render_workers,
+    restarts,
+    rollout,
+    status,
+)
+from gearshift.operator.reconcile.admin_client import AdminClient, AdminUnavailable
+from gearshift.operator.reconcile.kube import Kube, Snapshot
+from gearshift.operator.reconcile.render_meta import is_owned_by
+from gearshift.operator.reconcile.settings import OperatorSettings
+from gearshift.operator.reconcile.spec import DeploymentSpec, SpecError, parse
+from gearshift.v1 import policy_fields, policy_pb2, router_pb2
+
+# Listed once per pass; every child of these kinds carries the deployment label.
+SNAPSHOT_KINDS = [
+    ("apps/v1", "StatefulSet"),
+    ("v1", "Service"),
+    ("v1", "ConfigMap"),
+    ("apps/v1", "Deployment"),
+    ("policy/v1", "PodDisruptionBudget"),
+    ("v1", "Pod"),
+]
+
+
+@dataclass
+class Reconciler:
+    kube: Kube
+    settings: OperatorSettings
+    logger: logging.Logger | logging.LoggerAdapter[logging.Logger]
+
+    async def reconcile(self, body: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
+        """Converge the children of `body`; returns the status to write."""
+        previous = dict(body.get("status") or {})
+        meta = body.get("metadata", {})
+        try:
+            spec = parse(body)
+        except SpecError as exc:
+            result = status.PassResult(
+                replicas=0, max_unavailable=1, groups=[], spec_error=str(exc)
+            )
+            return status.build(
+                result,
+                name=meta.get("name", ""),
+                policy_kind="",
+                endpoint="",
+                generation=int(meta.get("generation", 0)),
+                previous=previous,
+                now=now,
+            )
+        admin = AdminClient(
+            self.settings.admin_address_for(spec.name, spec.namespace),
+            self.settings.admin_timeout_seconds,
+        )
+        router, router_error = await self._router_status(admin)
+        result = await self._converge(spec, admin, router, router_error, previous, now)
+        return status.build(
+            result,
+            name=spec.name,
+            policy_kind=policy_fields.kind_of(spec.policy),
+            endpoint=render_router.endpoint(spec, self.settings.cluster_domain),
+            generation=spec.generation,
+            previous=previous,
+            now=now,
+        )
+
+    async def _router_status(
+        self, admin: AdminClient
+    ) -> tuple[router_pb2.RouterStatus | None, str]:
+        try:
+            return await admin.get_status(), ""
+        except AdminUnavailable as exc:
+            return None, str(exc)
+
+    async def _converge(
+        self,
+        spec: DeploymentSpec,
+        admin: AdminClient,
+        router: router_pb2.RouterStatus | None,
+        router_error: str,
+        previous: dict[str, Any],
+        now: dt.datetime,
+    ) -> status.PassResult:
+        domain = self.settings.cluster_domain
+        reported = {g.name: g for g in router.groups} if router else {}
+        snap = await self.kube.snapshot(
+            SNAPSHOT_KINDS, spec.namespace, {names.LABEL_DEPLOYMENT: spec.name}
+        )
+        sets = [
+            s
+            for s in snap.of_kind("apps/v1", "StatefulSet")
+            if is_owned_by(s, spec)
+            and (s["metadata"].get("labels") or {}).get(names.LABEL_COMPONENT) == "worker"
+        ]
+        observed = [self._observe(spec, s, reported, router is not None) for s in sets]
+        max_unavailable, max_surge = spec.rollout.resolve(spec.replicas)
+        plan = rollout.plan(observed, spec.replicas, max_unavailable, max_surge)
+        kept_surge = sorted(
+            {g.index for g in observed if g.surge and g.index >= spec.replicas} - set(plan.delete)
+        )
+        serving_indices = list(range(spec.replicas)) + kept_surge + plan.create_surge
+
+        await self.kube.apply(render_config.config_map(spec, serving_indices, domain), snap)
+
+        by_index = {g.index: g for g in observed}
+        states = status.previous_restarts(previous)
+        rolled: set[int] = set()
+        for index in plan.create:
+            await self._apply_group(spec, snap, index, surge=False)
+        for index in plan.create_surge:
+            await self._apply_group(spec, snap, index, surge=True)
+        for index in plan.roll:
+            surge = by_index[index].surge and index >= spec.replicas
+            await self._roll_group(spec, snap, admin, index, surge)
+            rolled.add(index)
+            states[names.group_name(spec.name, index)] = restarts.GroupRestartState()
+        for g in observed:
+            # Current groups are re-applied (a no-op unless labels moved, e.g. a surge group
+            # promoted to base). Outdated ones are left alone until they roll: a template change
+            # without replacing all pods would mix revisions inside one group.
+            if g.current and g.index not in rolled and g.index not in plan.delete:
+                await self._apply_group(
+                    spec, snap, g.index, surge=g.surge and g.index >= spec.replicas
+                )
+        for index in plan.delete:
+            await self._delete_group(spec, admin, index)
+
+        await self.kube.apply(render_router.deployment(spec), snap)
+        await self.kube.apply(render_router.service(spec), snap)
+        await self.kube.apply(render_router.admin_service(spec), snap)
+        await self.kube.apply(render_workers.disruption_budget(spec), snap)
+
+        reports, gave_up, restarting = await self._restarts(
+            spec, snap, admin, observed, states, rolled, plan, reported, now
+        )
+        policy_error = await self._apply_live_policy(spec, admin, router, observed)
+        return status.PassResult(
+            replicas=spec.replicas,
+            max_unavailable=max_unavailable,
+            groups=reports,
+            router_error=router_error,
+            scaling=bool(plan.create or [i for i in plan.delete if not by_index[i].surge]),
+            rolling=bool(plan.roll or plan.create_surge),
+            gave_up=gave_up,
+            restarting=restarting,
+            policy_error=policy_error,
+        )
+
+    def _observe(
+        self,
+        spec: DeploymentSpec,
+        sts: dict[str, Any],
+        reported: dict[str, router_pb2.GroupStatus],
+        router_up: bool,
+    ) -> rollout.ObservedGroup:
+        labels = sts.get("metadata", {}).get("labels") or {}
+        index = int(labels.get(names.LABEL_GROUP_INDEX, "-1"))
+        surge = labels.get(names.LABEL_SURGE) == "true"
+        desired = render_workers.stateful_set(spec, index, self.settings.cluster_domain, surge)
+        name = sts["metadata"]["name"]
+        revision = labels.get(names.LABEL_REVISION, "")
+        if router_up:
+            # A group whose pods were just replaced may still be reported serving for a moment;
+            # the revision it reports tells the old pods from the new ones.
+            rep = reported.get(name)
+            available = (
+                rep is not None
+                and rep.serving
+                and (not rep.stats.revision or rep.stats.revision == revision)
+            )
+        else:
+            ready = int((sts.get("status") or {}).get("readyReplicas") or 0)
+            available = ready >= spec.group.nodes
+        return rollout.ObservedGroup(
+            index=index,
+            revision=revision,
+            desired_revision=desired["metadata"]["labels"][names.LABEL_REVISION],
+            available=available,
+            surge=surge,
+        )
+
+    async def _apply_group(
+        self, spec: DeploymentSpec, snap: Snapshot, index: int, surge: bool
+    ) -> None:
+        await self.kube.apply(render_workers.headless_service(spec, index), snap)
+        pod_group = render_workers.pod_group(spec, index)
+        if pod_group is not None:
+            await self.kube.apply(pod_group)
+        sts = render_workers.stateful_set(spec, index, self.settings.cluster_domain, surge)
+        await self.kube.apply(sts, snap)
+
+    def _group_pods(self, spec: DeploymentSpec, snap: Snapshot, index: int) -> list[dict[str, Any]]:
+        group = names.group_name(spec.name, index)
+        return [
+            p
+            for p in snap.of_kind("v1", "Pod")
+            if (p["metadata"].get("labels") or {}).get(names.LABEL_GROUP) == group
+        ]
+
+    async def _replace_pods(
+        self, spec: DeploymentSpec, snap: Snapshot, admin: AdminClient, index: int
+    ) -> None:
+        """Drain the group at the router (best effort), then delete all its pods at once."""
+        group = names.group_name(spec.name, index)
+        try:
+            await admin.drain(group)
+        except AdminUnavailable as exc:
+            self.logger.info("drain %s skipped: %s", group, exc)
+        for pod in self._group_pods(spec, snap, index):
+            await self.kube.delete("v1", "Pod", spec.namespace, pod["metadata"]["name"])
+
+    async def _roll_group(
+        self, spec: DeploymentSpec, snap: Snapshot, admin: AdminClient, index: int, surge: bool
+    ) -> None:
+        self.logger.info(
+            "rolling group %s to the current revision", names.group_name(spec.name, index)
+        )
+        await self._apply_group(spec, snap, index, surge)
+        await self._replace_pods(spec, snap, admin, index)
+
+    async def _delete_group(self, spec: DeploymentSpec, admin: AdminClient, index: int) -> None:
+        group = names.group_name(spec.name, index)
+        with contextlib.suppress(AdminUnavailable):
+            await admin.drain(group)
+        await self.kube.delete("apps/v1", "StatefulSet", spec.namespace, group)
+        await self.kube.delete("v1", "Service", spec.namespace, group)
+        pod_group = render_workers.pod_group(spec, index)
+        if pod_group is not None:
+            await self.kube.delete(pod_group["apiVersion"], "PodGroup", spec.namespace, group)
+
+    async def _restarts(
+        self,
+        spec: DeploymentSpec,
+        snap: Snapshot,
+        admin: AdminClient,
+        observed: list[rollout.ObservedGroup],
+        states: dict[str, restarts.GroupRestartState],
+        rolled: set[int],
+        plan: rollout.RolloutPlan,
+        reported: dict[str, router_pb2.GroupStatus],
+        now: dt.datetime,
+    ) -> tuple[list[status.GroupReport], list[str], list[str]]:
+        reports, gave_up, restarting = [], [], []
+        existing = {g.index: g for g in observed if g.index not in plan.delete}
+        for index in sorted(set(existing) | set(plan.create) | set(plan.create_surge)):
+            g = existing.get(index)
+            name = names.group_name(spec.name, index)
+            state = states.get(name, restarts.GroupRestartState())
+            message = ""
+            if g is not None and index not in rolled:
+                pods = self._group_pods(spec, snap, index)
+                decision = restarts.decide(pods, state, spec.restart, now)
+                if decision.action == "restart":
+                    self.logger.info("restarting group %s: %s", name, decision.reason)
+                    await self._replace_pods(spec, snap, admin, index)
+                    state = restarts.GroupRestartState(state.restarts + 1, now)
+                    restarting.append(f"{name}: {decision.reason}")
+                    message = f"restarted: {decision.reason}"
+                elif decision.action == "wait":
+                    restarting.append(
+                        f"{name}: back-off {decision.wait_seconds:.0f}s ({decision.reason})"
+                    )
+                    message = f"restart back-off {decision.wait_seconds:.0f}s: {decision.reason}"
+                elif decision.action == "give-up":
+                    gave_up.append(f"{name}: {decision.reason}")
+                    message = decision.reason
+                elif g.available and state.restarts and restarts.settled(state, spec.restart, now):
+                    state = restarts.GroupRestartState()
+                elif not g.available and state.restarts:
+                    # Still Degraded until the restarted group serves again.
+                    restarting.append(f"{name}: recovering after restart {state.restarts}")
+            rep = reported.get(name)
+            reports.append(
+                status.GroupReport(
+                    name=name,
+                    index=index,
+                    ready=bool(g is not None and g.available and index not in rolled),
+                    gear=rep.gear if rep is not None else "",
+                    revision=_revision(g, index in rolled),
+                    current=g is None or g.current or index in rolled,
+                    surge=index >= spec.replicas,
+                    restarts=state.restarts,
+                    last_restart=state.last_restart,
+                    message=message or (rep.message if rep is not None else ""),
+                )
+            )
+        return reports, gave_up, restarting
+
+    async def _apply_live_policy(
+        self,
+        spec: DeploymentSpec,
+        admin: AdminClient,
+        router: router_pb2.RouterStatus | None,
+        observed: list[rollout.ObservedGroup],
+    ) -> str:
+        """Send changed live fields to the router when a current, serving group lacks them."""
+        if router is None:
+            return ""
+        desired = spec.full_policy
+        current = {names.group_name(spec.name, g.index) for g in observed if g.current}
+        stale = [
+            g.name
+            for g in router.groups
+            if g.serving
+            and g.name in current
+            and _live_differs(g.policy, desired, spec.group.ranks)
+        ]
+        if not stale:
+            return ""
+        payload = policy_fields.live_only(desired)
+        try:
+            response = await admin.apply_policy(payload)
+        except AdminUnavailable as exc:
+            return f"ApplyPolicy: {exc}"
+        self.logger.info("applied live policy to %s: %s", stale, response.applied)
+        if not response.applied:
+            failed = [f"{r.group}: {r.message}" for r in response.results if not r.applied]
+            return "ApplyPolicy refused: " + "; ".join(failed)
+        return ""
+
+
+def _live_differs(reported: policy_pb2.Policy, desired: policy_pb2.Policy, ranks: int) -> bool:
+    full = policy_fields.with_defaults(reported, ranks)
+    if policy_fields.kind_of(full) != policy_fields.kind_of(desired):
+        return False  # a different layout: the group rolls instead
+    changed = policy_fields.changed_fields(full, desired)
+    return bool(changed) and not policy_fields.non_live_changes(full, desired)
+
+
+def _revision(group: rollout.ObservedGroup | None, rolled: bool) -> str:
+    if group is None:
+        return ""
+    return group.desired_revision if group.current or rolled else group.revision

@@ -1,0 +1,40 @@
+"""Operator settings, from the environment (the chart sets them)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from gearshift.operator.reconcile import names
+
+DEFAULT_ADMIN_ADDRESS = "{router_admin}.{namespace}.svc.{cluster_domain}:{port}"
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    cluster_domain: str = "cluster.local"
+    # Where the operator reaches each deployment's router Admin API. A template over {name},
+    # {namespace}, {router_admin}, {cluster_domain}, {port}; tests point it at a loopback router.
+    admin_address: str = DEFAULT_ADMIN_ADDRESS
+    admin_timeout_seconds: float = 3.0
+    # Level-triggered resync: every pass re-reads children, router status and pods.
+    resync_seconds: float = 10.0
+
+    def admin_address_for(self, name: str, namespace: str) -> str:
+        return self.admin_address.format(
+            name=name,
+            namespace=namespace,
+            router_admin=names.router_admin_service(name),
+            cluster_domain=self.cluster_domain,
+            port=names.ROUTER_ADMIN_PORT,
+        )
+
+    @staticmethod
+    def from_env(env: dict[str, str] | None = None) -> OperatorSettings:
+        e = os.environ if env is None else env
+        return OperatorSettings(
+            cluster_domain=e.get("GEARSHIFT_CLUSTER_DOMAIN", "cluster.local"),
+            admin_address=e.get("GEARSHIFT_ROUTER_ADMIN_ADDRESS", DEFAULT_ADMIN_ADDRESS),
+            admin_timeout_seconds=float(e.get("GEARSHIFT_ADMIN_TIMEOUT_SECONDS", "3")),
+            resync_seconds=float(e.get("GEARSHIFT_RESYNC_SECONDS", "10")),
+        )

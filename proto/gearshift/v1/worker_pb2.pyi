@@ -1,0 +1,176 @@
+from gearshift.v1 import common_pb2 as _common_pb2
+from gearshift.v1 import policy_pb2 as _policy_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerGenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "tetris_plan")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TETRIS_PLAN_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    tetris_plan: TetrisPlan
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tetris_plan: _Optional[_Union[TetrisPlan, _Mapping]] = ...) -> None: ...
+
+class TetrisPlan(_message.Message):
+    __slots__ = ("chunks", "decode_instance")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[TetrisChunk]
+    decode_instance: int
+    def __init__(self, chunks: _Optional[_Iterable[_Union[TetrisChunk, _Mapping]]] = ..., decode_instance: _Optional[int] = ...) -> None: ...
+
+class TetrisChunk(_message.Message):
+    __slots__ = ("num_tokens", "prefill_instances")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    prefill_instances: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_tokens: _Optional[int] = ..., prefill_instances: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RequestTiming(_message.Message):
+    __slots__ = ("queued_time", "scheduled_time", "first_token_time", "finished_time")
+    QUEUED_TIME_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_TIME_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_TIME_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_TIME_FIELD_NUMBER: _ClassVar[int]
+    queued_time: float
+    scheduled_time: float
+    first_token_time: float
+    finished_time: float
+    def __init__(self, queued_time: _Optional[float] = ..., scheduled_time: _Optional[float] = ..., first_token_time: _Optional[float] = ..., finished_time: _Optional[float] = ...) -> None: ...
+
+class WorkerGenerateResponse(_message.Message):
+    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "usage", "timing")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    finish_reason: _common_pb2.FinishReason
+    usage: _common_pb2.Usage
+    timing: RequestTiming
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timing: _Optional[_Union[RequestTiming, _Mapping]] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GearStats(_message.Message):
+    __slots__ = ("name", "steps", "tokens", "busy_seconds")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    steps: int
+    tokens: int
+    busy_seconds: float
+    def __init__(self, name: _Optional[str] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., busy_seconds: _Optional[float] = ...) -> None: ...
+
+class InstanceStats(_message.Message):
+    __slots__ = ("role", "index", "queued_seconds", "kv_slots_free", "kv_slots_reserved", "batch_size")
+    class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        ROLE_UNSPECIFIED: _ClassVar[InstanceStats.Role]
+        PREFILL: _ClassVar[InstanceStats.Role]
+        DECODE: _ClassVar[InstanceStats.Role]
+    ROLE_UNSPECIFIED: InstanceStats.Role
+    PREFILL: InstanceStats.Role
+    DECODE: InstanceStats.Role
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_SLOTS_FREE_FIELD_NUMBER: _ClassVar[int]
+    KV_SLOTS_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    role: InstanceStats.Role
+    index: int
+    queued_seconds: float
+    kv_slots_free: int
+    kv_slots_reserved: int
+    batch_size: int
+    def __init__(self, role: _Optional[_Union[InstanceStats.Role, str]] = ..., index: _Optional[int] = ..., queued_seconds: _Optional[float] = ..., kv_slots_free: _Optional[int] = ..., kv_slots_reserved: _Optional[int] = ..., batch_size: _Optional[int] = ...) -> None: ...
+
+class WorkerStats(_message.Message):
+    __slots__ = ("model", "max_model_len", "running", "waiting", "kv_blocks_total", "kv_blocks_used", "kv_usage", "outstanding_tokens", "gear", "policy", "gears", "gear_switches", "host_kv_usage", "reshard_seconds", "fetched_weight_bytes", "preemptions", "ranks", "instances", "revision")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GEAR_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    GEARS_FIELD_NUMBER: _ClassVar[int]
+    GEAR_SWITCHES_FIELD_NUMBER: _ClassVar[int]
+    HOST_KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    RESHARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    max_model_len: int
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_usage: float
+    outstanding_tokens: int
+    gear: str
+    policy: _policy_pb2.Policy
+    gears: _containers.RepeatedCompositeFieldContainer[GearStats]
+    gear_switches: int
+    host_kv_usage: float
+    reshard_seconds: float
+    fetched_weight_bytes: int
+    preemptions: int
+    ranks: int
+    instances: _containers.RepeatedCompositeFieldContainer[InstanceStats]
+    revision: str
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_usage: _Optional[float] = ..., outstanding_tokens: _Optional[int] = ..., gear: _Optional[str] = ..., policy: _Optional[_Union[_policy_pb2.Policy, _Mapping]] = ..., gears: _Optional[_Iterable[_Union[GearStats, _Mapping]]] = ..., gear_switches: _Optional[int] = ..., host_kv_usage: _Optional[float] = ..., reshard_seconds: _Optional[float] = ..., fetched_weight_bytes: _Optional[int] = ..., preemptions: _Optional[int] = ..., ranks: _Optional[int] = ..., instances: _Optional[_Iterable[_Union[InstanceStats, _Mapping]]] = ..., revision: _Optional[str] = ...) -> None: ...
+
+class ApplyPolicyRequest(_message.Message):
+    __slots__ = ("policy",)
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    policy: _policy_pb2.Policy
+    def __init__(self, policy: _Optional[_Union[_policy_pb2.Policy, _Mapping]] = ...) -> None: ...
+
+class ApplyPolicyResponse(_message.Message):
+    __slots__ = ("applied", "message", "policy")
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    applied: bool
+    message: str
+    policy: _policy_pb2.Policy
+    def __init__(self, applied: _Optional[bool] = ..., message: _Optional[str] = ..., policy: _Optional[_Union[_policy_pb2.Policy, _Mapping]] = ...) -> None: ...
