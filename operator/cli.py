@@ -1,0 +1,104 @@
+"""The ``gearshift`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import uuid
+from collections.abc import Sequence
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="model folder, .gguf file, or 'smollm2'")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache size on CPU")
+    p.add_argument("--device", default="cpu")
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from gearshift.worker.config import EngineConfig
+    from gearshift.worker.engine.local import build_local_engine
+    from gearshift.worker.errors import GearshiftError
+    from gearshift.worker.sampling.params import InvalidSamplingParams, SamplingParams
+    from gearshift.worker.tokenizer.errors import TokenizerError
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+        )
+        config = EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=args.block_size,
+            kv_cache_bytes=args.kv_cache_bytes,
+            show_progress=True,
+        )
+        engine = build_local_engine(config)
+        assert engine.tokenizer is not None
+        if args.chat:
+            messages = [{"role": "system", "content": args.system}] if args.system else []
+            messages.append({"role": "user", "content": args.prompt})
+            prompt: list[int] | str = engine.tokenizer.apply_chat_template(messages)
+        else:
+            prompt = args.prompt
+        engine.add_request(uuid.uuid4().hex, prompt, params)
+    except (GearshiftError, InvalidSamplingParams, TokenizerError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finish = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+            if out.finished:
+                finish = out.finish_reason
+    sys.stdout.write("\n")
+    if finish is not None and finish.value not in ("stop", "length"):
+        print(f"error: generation ended with {finish.value}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gearshift", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt and print the text")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--system", default=None, help="system message for --chat")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.set_defaults(func=_cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

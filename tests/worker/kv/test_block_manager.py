@@ -1,0 +1,83 @@
+"""Block manager: all-or-nothing allocation, prefix cache reuse and eviction, no leaks."""
+
+from __future__ import annotations
+
+from gearshift.worker.kv.block_manager import BlockManager, BlockTable
+
+
+def _bm(blocks: int = 8, prefix: bool = True) -> BlockManager:
+    return BlockManager(
+        blocks, block_size=4, max_seqs=4, max_blocks_per_seq=8, enable_prefix_caching=prefix
+    )
+
+
+def test_allocation_is_all_or_nothing_and_rows_mirror_tables():
+    bm = _bm(4)
+    a, b = BlockTable(), BlockTable()
+    assert bm.allocate(a, 9)  # 3 blocks
+    assert not bm.allocate(b, 8)  # needs 2, 1 free
+    assert b.block_ids == [] and bm.num_free_blocks == 1
+    assert list(bm.tables[a.row, :3]) == a.block_ids
+    assert bm.allocate(a, 12) and len(a.block_ids) == 3  # still fits in 3 blocks
+    bm.free_table(a)
+    assert bm.num_free_blocks == 4 and bm.leaked_blocks() == [] and a.row == -1
+
+
+def test_full_blocks_are_reused_by_a_matching_prefix_only():
+    bm = _bm(8)
+    tokens = list(range(10))
+    a = BlockTable()
+    bm.allocate(a, 10)
+    bm.cache_full_blocks(a, tokens, 10)
+    assert len(a.hashes) == 2  # the third block is partial
+    hit = bm.match_prefix([*tokens[:8], 99, 98], 9)
+    assert hit.block_ids == tuple(a.block_ids[:2])
+    assert bm.match_prefix([0, 1, 2, 3, 7, 7, 7, 7], 8).block_ids == (a.block_ids[0],)
+    # A different first block breaks the chain even if the second block's tokens match.
+    assert bm.match_prefix([9, 1, 2, 3, *tokens[4:8]], 8).block_ids == ()
+    b = BlockTable()
+    assert bm.allocate(b, 10, hit)
+    assert b.block_ids[:2] == a.block_ids[:2] and bm.ref_counts[a.block_ids[0]] == 2
+    bm.free_table(a)
+    bm.free_table(b)
+    assert bm.leaked_blocks() == [] and bm.num_free_blocks == 8
+
+
+def test_freed_cached_blocks_survive_until_their_slot_is_needed():
+    bm = _bm(4)
+    tokens = list(range(8))
+    a = BlockTable()
+    bm.allocate(a, 8)
+    bm.cache_full_blocks(a, tokens, 8)
+    bm.free_table(a)
+    assert bm.match_prefix(tokens, 8).block_ids  # still cached while free
+    big = BlockTable()
+    assert bm.allocate(big, 16)  # takes every block, evicting the cached ones
+    assert bm.match_prefix(tokens, 8).block_ids == ()
+    bm.free_table(big)
+
+
+def test_hit_on_a_free_cached_block_counts_against_free_space():
+    bm = _bm(3)
+    tokens = list(range(8))
+    a = BlockTable()
+    bm.allocate(a, 8)
+    bm.cache_full_blocks(a, tokens, 8)
+    bm.free_table(a)
+    hit = bm.match_prefix(tokens, 8)
+    b = BlockTable()
+    # 2 cached blocks come back from the free list, leaving 1: 3 more blocks do not fit.
+    assert not bm.allocate(b, 20, hit)
+    assert bm.num_free_blocks == 3 and b.block_ids == []
+    assert bm.allocate(b, 12, hit)
+    bm.free_table(b)
+    assert bm.leaked_blocks() == []
+
+
+def test_prefix_caching_off_never_hits():
+    bm = _bm(8, prefix=False)
+    a = BlockTable()
+    bm.allocate(a, 8)
+    bm.cache_full_blocks(a, list(range(8)), 8)
+    assert bm.match_prefix(list(range(8)), 8).block_ids == ()
+    bm.free_table(a)

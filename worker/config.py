@@ -1,0 +1,74 @@
+"""Engine configuration: what the leader needs to build a model, its KV cache and its scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from gearshift.worker.errors import InvalidRequestError
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+DEFAULT_CPU_KV_BYTES = 4 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs with vLLM's names and meanings where one exists."""
+
+    model: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    block_size: int = 16
+    # CPU: bytes for KV blocks (default 4 GiB, capped at what max_num_seqs full-length sequences
+    # can use). GPU: fraction of free device memory after the weights.
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    show_progress: bool = False
+    detokenize: bool = True
+    skip_tokenizer_init: bool = False  # token ids in and out only (models without a tokenizer)
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise InvalidRequestError(
+                    name, f"{name} must be positive, got {getattr(self, name)}"
+                )
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise InvalidRequestError(
+                "max_model_len", f"max_model_len must be > 1, got {self.max_model_len}"
+            )
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise InvalidRequestError("kv_cache_bytes", "kv_cache_bytes must be positive")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise InvalidRequestError(
+                "gpu_memory_utilization", "gpu_memory_utilization must be in (0, 1]"
+            )
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise InvalidRequestError(
+                "dtype", f"dtype {self.dtype!r} is not one of auto, {', '.join(sorted(_DTYPES))}"
+            )
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+    """``auto`` takes the checkpoint's dtype (bf16 when it has none, e.g. quantised GGUF)."""
+    if name != "auto":
+        return _DTYPES[name]
+    dtype = _DTYPES.get(checkpoint_dtype or "", torch.bfloat16)
+    if dtype == torch.float16 and device.type == "cpu":
+        return torch.bfloat16  # fp16 matmuls are slow on CPUs; bf16 has the same footprint
+    return dtype

@@ -1,0 +1,377 @@
+"""The leader's engine: admit requests, run one scheduled step at a time, stream outputs.
+
+Not thread-safe: one thread drives ``add_request``/``abort_request``/``step`` (the worker server
+funnels its RPCs into that thread).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+from gearshift.worker.config import EngineConfig
+from gearshift.worker.engine.model_runner import Executor
+from gearshift.worker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from gearshift.worker.engine.plan import build_plan
+from gearshift.worker.engine.scheduler import Scheduler, SchedulerConfig
+from gearshift.worker.engine.sequence import FinishReason, Sequence
+from gearshift.worker.errors import InvalidRequestError
+from gearshift.worker.kv.block_manager import BlockManager
+from gearshift.worker.sampling.logprobs import TokenLogprobs
+from gearshift.worker.sampling.params import SamplingParams
+from gearshift.worker.sampling.sampler import Sampler, SamplingState
+from gearshift.worker.tokenizer.detokenizer import IncrementalDetokenizer
+from gearshift.worker.tokenizer.stop import StopChecker
+from gearshift.worker.tokenizer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for GetStats and metrics."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_usage: float
+    outstanding_tokens: int
+    num_preemptions: int
+    prefix_cache_hit_tokens: int
+    steps: int
+    prompt_tokens: int
+    generation_tokens: int
+    gear_steps: dict[str, int] = field(default_factory=dict)
+    gear_tokens: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _TextState:
+    detok: IncrementalDetokenizer
+    stop: StopChecker | None
+
+
+class LLMEngine:
+    """Leader-side engine over an executor (one process, or a multi-rank group's leader)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor,
+        blocks: BlockManager,
+        max_model_len: int,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        tokenizer: Tokenizer | None = None,
+        gear_names: tuple[str, ...] = ("default",),
+    ) -> None:
+        self.config = config
+        self.executor = executor
+        self.blocks = blocks
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.tokenizer = tokenizer
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len),
+            blocks,
+        )
+        self.sampler = Sampler()
+        self.gear_names = gear_names
+        self.requests: dict[str, Sequence] = {}
+        self._text: dict[str, _TextState] = {}
+        self._ids = itertools.count()
+        self._step = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.gear_steps = dict.fromkeys(gear_names, 0)
+        self.gear_tokens = dict.fromkeys(gear_names, 0)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("prompt", "this engine has no tokenizer; send token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; raises InvalidRequestError naming the bad field and changes nothing."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise InvalidRequestError("request_id", f"request id {request_id!r} is already running")
+        ids = self.tokenize(prompt)
+        self._check_prompt(ids, params)
+        room = self.max_model_len - len(ids)
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            params=params,
+            max_tokens=room if params.max_tokens is None else params.max_tokens,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            generator=torch.Generator().manual_seed(params.seed)
+            if params.seed is not None
+            else None,
+        )
+        if self.tokenizer is not None and self.config.detokenize:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens
+            )
+            stop = (
+                StopChecker(params.stop, params.include_stop_str_in_output) if params.stop else None
+            )
+            self._text[request_id] = _TextState(detok, stop)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise InvalidRequestError("prompt", "prompt is empty")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                "prompt", f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})"
+            )
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"prompt has {len(ids)} tokens; this model's maximum context length is "
+                f"{self.max_model_len} tokens, which leaves no room to generate",
+            )
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"this model's maximum context length is {self.max_model_len} tokens; the request "
+                f"asks for {len(ids) + params.max_tokens} ({len(ids)} in the prompt, "
+                f"{params.max_tokens} in max_tokens)",
+            )
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; False if it is unknown or already finished."""
+        seq = self.scheduler.abort(request_id)
+        self._forget(request_id)
+        return seq is not None
+
+    def _forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self._text.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def choose_gear(self, num_tokens: int) -> int:
+        """Which gear runs a step of ``num_tokens`` scheduled tokens; one gear by default."""
+        del num_tokens
+        return 0
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, sample, and report every request that progressed."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        gear = self.choose_gear(batch.num_tokens)
+        plan = build_plan(batch, self.blocks, self._step, gear, pad_to=self.pad_multiple(gear))
+        self._step += 1
+        name = self.gear_names[gear]
+        self.gear_steps[name] += 1
+        self.gear_tokens[name] += batch.num_tokens
+        try:
+            logits = self.executor.execute(plan)
+        except Exception as exc:
+            log.exception("forward pass failed at step %d", plan.step)
+            scheduled = batch.decodes + [s for s, _ in batch.prefills]
+            return [self._fail(seq, f"forward pass failed: {exc}") for seq in scheduled]
+        assert logits is not None, "the leader's executor must return logits"
+        sampling: list[Sequence] = []
+        for seq in batch.decodes:
+            seq.num_computed_tokens += 1
+            sampling.append(seq)
+        for seq, n in batch.prefills:
+            seq.num_computed_tokens += n
+            self.prompt_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens:
+                sampling.append(seq)
+        for seq in batch.decodes:
+            self.blocks.cache_full_blocks(seq.blocks, seq.token_ids, seq.num_computed_tokens)
+        for seq, _ in batch.prefills:
+            self.blocks.cache_full_blocks(seq.blocks, seq.token_ids, seq.num_computed_tokens)
+        outputs = self._sample_and_process(sampling, logits)
+        self.scheduler.remove_finished()
+        return outputs
+
+    def pad_multiple(self, gear: int) -> int:
+        """Token-count multiple a gear needs (Ulysses SP pads to SP); 1 by default."""
+        del gear
+        return 1
+
+    def _sample_and_process(
+        self, seqs: list[Sequence], logits: torch.Tensor
+    ) -> list[RequestOutput]:
+        eos = self.eos_token_ids
+        states = [
+            SamplingState(s.params, s.generator, s.prompt_token_ids, s.output_token_ids, eos)
+            for s in seqs
+        ]
+        sampled = self.sampler.sample(logits, states)
+        now = time.monotonic()
+        outputs = []
+        for i, seq in enumerate(seqs):
+            token = sampled.token_ids[i]
+            lp = sampled.logprobs[i]
+            outputs.append(self._process(seq, token, lp, now))
+        self.generation_tokens += len(seqs)
+        return outputs
+
+    def _process(
+        self, seq: Sequence, token: int, logprob: TokenLogprobs | None, now: float
+    ) -> RequestOutput:
+        seq.append_token(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        params = seq.params
+        reason: FinishReason | None = None
+        if seq.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                reason = FinishReason.STOP
+            elif token in params.stop_token_ids:
+                reason, seq.stop_reason = FinishReason.STOP, token
+        if reason is None and (
+            seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
+            reason = FinishReason.LENGTH
+        text = ""
+        state = self._text.get(seq.request_id)
+        if state is not None:
+            text = state.detok.step([token])
+            if reason is not None:
+                text += state.detok.flush()
+            # Stop strings count only once min_tokens is reached, like stop tokens.
+            if state.stop is not None and seq.num_output_tokens >= params.min_tokens:
+                result = state.stop.feed(text)
+                text = result.text
+                if result.stopped:
+                    reason, seq.stop_reason = FinishReason.STOP, result.stop_str
+                elif reason is not None:
+                    text += state.stop.flush()
+        out = self._output(seq, [token], text, [logprob] if logprob is not None else None)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            out.finished, out.finish_reason, out.stop_reason = True, reason, seq.stop_reason
+            out.metrics = self._metrics(seq, now)
+            self._forget(seq.request_id)
+        return out
+
+    def _output(
+        self, seq: Sequence, tokens: list[int], text: str, logprobs: list[TokenLogprobs] | None
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=tokens,
+            new_text=text,
+            finished=False,
+            finish_reason=None,
+            stop_reason=None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            metrics=self._metrics(seq, None),
+            new_logprobs=logprobs,
+        )
+
+    @staticmethod
+    def _metrics(seq: Sequence, finished: float | None) -> RequestMetrics:
+        return RequestMetrics(
+            seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, finished
+        )
+
+    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
+        self.scheduler.finish(seq, FinishReason.ERROR)
+        self.scheduler.remove_finished()
+        self._forget(seq.request_id)
+        out = self._output(seq, [], "", None)
+        out.finished, out.finish_reason, out.error = True, FinishReason.ERROR, message
+        return out
+
+    # ---- offline --------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Seq[str | Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[CompletionOutput]:
+        """Run prompts to completion; all prompts are validated before any is queued."""
+        plist = (
+            list(params) if isinstance(params, Seq) else [params or SamplingParams()] * len(prompts)
+        )
+        if len(plist) != len(prompts):
+            raise InvalidRequestError("params", f"{len(plist)} params for {len(prompts)} prompts")
+        tokenized = [self.tokenize(p) for p in prompts]
+        for ids, p in zip(tokenized, plist, strict=True):
+            self._check_prompt(ids, p)
+        rids = [f"generate-{next(self._ids)}" for _ in prompts]
+        results = {
+            rid: CompletionOutput(rid, ids, logprobs=[] if p.logprobs is not None else None)
+            for rid, ids, p in zip(rids, tokenized, plist, strict=True)
+        }
+        for rid, ids, p in zip(rids, tokenized, plist, strict=True):
+            self.add_request(rid, ids, p)
+        pending = set(rids)
+        while pending:
+            for out in self.step():
+                res = results.get(out.request_id)
+                if res is None:
+                    continue
+                res.token_ids.extend(out.new_token_ids)
+                res.text += out.new_text
+                if res.logprobs is not None and out.new_logprobs:
+                    res.logprobs.extend(out.new_logprobs)
+                if out.finished:
+                    res.finish_reason, res.stop_reason = out.finish_reason, out.stop_reason
+                    res.num_cached_tokens = out.num_cached_tokens
+                    pending.discard(out.request_id)
+        return [results[r] for r in rids]
+
+    def stats(self) -> EngineStats:
+        running = self.scheduler.running
+        outstanding = sum(
+            s.num_tokens - s.num_computed_tokens + s.max_tokens - s.num_output_tokens
+            for s in running
+        )
+        outstanding += sum(
+            s.num_tokens + s.max_tokens - s.num_output_tokens for s in self.scheduler.waiting
+        )
+        used = self.blocks.num_blocks - self.blocks.num_free_blocks
+        return EngineStats(
+            num_running=len(running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=self.blocks.num_blocks,
+            kv_blocks_used=used,
+            kv_usage=self.blocks.usage,
+            outstanding_tokens=outstanding,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_hit_tokens=self.blocks.prefix_hit_tokens,
+            steps=self._step,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            gear_steps=dict(self.gear_steps),
+            gear_tokens=dict(self.gear_tokens),
+        )
+
+    def shutdown(self) -> None:
+        for rid in list(self.requests):
+            self.abort_request(rid)
+        self.executor.shutdown()

@@ -1,0 +1,178 @@
+"""The leader's per-step plan (DESIGN.md: leader loop) and how it is built and shipped.
+
+A ``StepPlan`` holds everything a rank needs to run one forward pass: token ids, positions, KV slot
+mapping, block tables, sequence lengths, which rows produce logits, and which gear runs. It packs
+into a single int64 tensor so a multi-rank group ships it with two small broadcasts (header, body)
+instead of pickling objects every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gearshift.worker.attention.metadata import AttentionMetadata
+from gearshift.worker.engine.scheduler import ScheduledBatch
+from gearshift.worker.kv.block_manager import BlockManager
+
+HEADER_SIZE = 8
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's forward-pass inputs: decodes first, then prefill chunks (AttentionMetadata)."""
+
+    step: int
+    gear: int
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, W] int64
+    seq_lens: torch.Tensor  # [B] int64
+    logits_indices: torch.Tensor  # [S] int64: token rows whose logits the leader samples from
+    num_decodes: int
+    prefill_query_lens: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    def attention_metadata(self) -> AttentionMetadata:
+        nd = self.num_decodes
+        starts: list[int] = []
+        pos = nd
+        for n in self.prefill_query_lens:
+            starts.append(pos)
+            pos += n
+        seq_lens_host = self.seq_lens.tolist()
+        return AttentionMetadata(
+            num_decodes=nd,
+            slot_mapping=self.slot_mapping,
+            block_tables=self.block_tables,
+            seq_lens=self.seq_lens,
+            max_decode_seq_len=max(seq_lens_host[:nd], default=0),
+            prefill_starts=tuple(starts),
+            prefill_query_lens=self.prefill_query_lens,
+            prefill_seq_lens=tuple(seq_lens_host[nd:]),
+            num_padding=self.num_tokens - pos,
+        )
+
+    def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(header, body): the header's fixed size tells receivers how big the body is."""
+        t, b = self.num_tokens, self.num_seqs
+        w = int(self.block_tables.shape[1]) if b else 0
+        s = int(self.logits_indices.shape[0])
+        header = torch.tensor(
+            [self.step, self.gear, t, b, w, s, self.num_decodes, len(self.prefill_query_lens)]
+        )
+        body = torch.cat(
+            [
+                self.input_ids,
+                self.positions,
+                self.slot_mapping,
+                self.block_tables.reshape(-1),
+                self.seq_lens,
+                self.logits_indices,
+                torch.tensor(self.prefill_query_lens, dtype=torch.int64),
+            ]
+        )
+        return header, body
+
+    @staticmethod
+    def body_size(header: torch.Tensor) -> int:
+        _, _, t, b, w, s, _, np_ = header.tolist()
+        return 3 * t + b * w + b + s + np_
+
+    @classmethod
+    def unpack(cls, header: torch.Tensor, body: torch.Tensor) -> StepPlan:
+        step, gear, t, b, w, s, nd, np_ = header.tolist()
+        parts = torch.split(body, [t, t, t, b * w, b, s, np_])
+        return cls(
+            step=step,
+            gear=gear,
+            input_ids=parts[0],
+            positions=parts[1],
+            slot_mapping=parts[2],
+            block_tables=parts[3].view(b, w),
+            seq_lens=parts[4],
+            logits_indices=parts[5],
+            num_decodes=nd,
+            prefill_query_lens=tuple(parts[6].tolist()),
+        )
+
+    def to(self, device: torch.device) -> StepPlan:
+        if device.type == "cpu":
+            return self
+        move = {
+            k: getattr(self, k).to(device, non_blocking=True)
+            for k in (
+                "input_ids",
+                "positions",
+                "slot_mapping",
+                "block_tables",
+                "seq_lens",
+                "logits_indices",
+            )
+        }
+        return StepPlan(
+            step=self.step,
+            gear=self.gear,
+            num_decodes=self.num_decodes,
+            prefill_query_lens=self.prefill_query_lens,
+            **move,
+        )
+
+
+def build_plan(
+    batch: ScheduledBatch, blocks: BlockManager, step: int, gear: int = 0, pad_to: int = 1
+) -> StepPlan:
+    """Turn the scheduler's batch into a plan; ``pad_to`` pads the token count (Ulysses SP)."""
+    bs = blocks.block_size
+    decodes = batch.decodes
+    nd = len(decodes)
+    # Decodes: one token each, vectorised over sequences through their block-table rows.
+    d_pos = np.fromiter((s.num_computed_tokens for s in decodes), dtype=np.int64, count=nd)
+    d_ids = np.fromiter((s.token_ids[-1] for s in decodes), dtype=np.int64, count=nd)
+    rows = [s.blocks.row for s in decodes] + [s.blocks.row for s, _ in batch.prefills]
+    tables = blocks.tables[rows]
+    d_slots = tables[np.arange(nd), d_pos // bs] * bs + d_pos % bs
+    ids_parts, pos_parts, slot_parts = [d_ids], [d_pos], [d_slots]
+    seq_lens = np.empty(len(rows), dtype=np.int64)
+    seq_lens[:nd] = d_pos + 1
+    logits_rows = list(range(nd))
+    query_lens: list[int] = []
+    cursor = nd
+    for i, (seq, n) in enumerate(batch.prefills):
+        start = seq.num_computed_tokens
+        pos = np.arange(start, start + n, dtype=np.int64)
+        ids_parts.append(np.asarray(seq.token_ids[start : start + n], dtype=np.int64))
+        pos_parts.append(pos)
+        slot_parts.append(tables[nd + i, pos // bs] * bs + pos % bs)
+        seq_lens[nd + i] = start + n
+        query_lens.append(n)
+        cursor += n
+        if start + n == seq.num_tokens:
+            logits_rows.append(cursor - 1)  # the chunk reaches the end: sample from its last token
+    pad = (-cursor) % pad_to
+    if pad:
+        ids_parts.append(np.zeros(pad, dtype=np.int64))
+        pos_parts.append(np.zeros(pad, dtype=np.int64))
+        slot_parts.append(np.full(pad, -1, dtype=np.int64))
+    width = int(blocks.blocks_needed(int(seq_lens.max()))) if len(rows) else 0
+    return StepPlan(
+        step=step,
+        gear=gear,
+        input_ids=torch.from_numpy(np.concatenate(ids_parts)),
+        positions=torch.from_numpy(np.concatenate(pos_parts)),
+        slot_mapping=torch.from_numpy(np.concatenate(slot_parts)),
+        block_tables=torch.from_numpy(np.ascontiguousarray(tables[:, :width])),
+        seq_lens=torch.from_numpy(seq_lens),
+        logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
+        num_decodes=nd,
+        prefill_query_lens=tuple(query_lens),
+    )

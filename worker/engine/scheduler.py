@@ -1,0 +1,148 @@
+"""Continuous batching with chunked prefill under a token budget (FCFS, preemption by recompute).
+
+Each step the scheduler spends ``max_num_batched_tokens``: first one token for every running
+decode, then the rest of any running partial prefill, then new requests in arrival order (each may
+get a partial chunk). When the KV cache runs out, the most recently admitted running request is
+preempted: its blocks are freed and it goes back to the front of the queue to be recomputed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from gearshift.worker.engine.sequence import FinishReason, Sequence, SequenceStatus
+from gearshift.worker.kv.block_manager import BlockManager
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+
+@dataclass
+class ScheduledBatch:
+    """This step's work: decodes (one token each) first, then prefill chunks."""
+
+    decodes: list[Sequence] = field(default_factory=list)
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(n for _, n in self.prefills)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; the block manager owns the blocks."""
+
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Remove a request wherever it is and free its blocks; None if unknown."""
+        for seq in self.running:
+            if seq.request_id == request_id:
+                self.running.remove(seq)
+                self.finish(seq, FinishReason.ABORT)
+                return seq
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                self.finish(seq, FinishReason.ABORT)
+                return seq
+        return None
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.blocks.free_table(seq.blocks)
+
+    def remove_finished(self) -> None:
+        self.running = [s for s in self.running if not s.is_finished]
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        now = time.monotonic()
+        # Decodes first so a long prefill never starves running generations, then partial
+        # prefills in admission order.
+        order = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        order += [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        for seq in order:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._reserve(seq, n, batch):
+                continue
+            budget -= n
+            if n == 1 and seq.num_computed_tokens == seq.num_tokens - 1:
+                batch.decodes.append(seq)
+            else:
+                batch.prefills.append((seq, n))
+        if not batch.preempted:
+            budget = self._admit(batch, budget, now)
+        return batch
+
+    def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
+        """Blocks for ``n`` more tokens of a running sequence, preempting the youngest if needed."""
+        while not self.blocks.allocate(seq.blocks, seq.num_computed_tokens + n):
+            victim = self.running[-1]
+            self._preempt(victim, batch)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        self.blocks.free_table(seq.blocks)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+        # A preempted sequence may already sit in this step's batch; drop it from there.
+        if seq in batch.decodes:
+            batch.decodes.remove(seq)
+        batch.prefills = [(s, n) for s, n in batch.prefills if s is not seq]
+
+    def _admit(self, batch: ScheduledBatch, budget: int, now: float) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            # At least one token must run to produce logits, so the last prompt token never hits.
+            hit = self.blocks.match_prefix(seq.token_ids, seq.num_tokens - 1)
+            computed = len(hit.block_ids) * self.blocks.block_size
+            n = min(seq.num_tokens - computed, budget)
+            if not self.blocks.allocate(seq.blocks, computed + n, hit):
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens = computed
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+                seq.num_cached_tokens = computed
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.prefills.append((seq, n))
+            budget -= n
+        return budget

@@ -1,0 +1,171 @@
+"""Leader-side bookkeeping of KV blocks: allocation, freeing, and automatic prefix caching.
+
+Full blocks are content-addressed by a hash chained over the tokens of every block before them, so
+a block is reusable exactly when the whole prefix up to its end matches. Blocks whose last user
+left stay cached in an LRU free queue until their slot is needed again.
+
+Block tables live in one persistent int64 array, a row per running sequence, so building a step's
+block-table tensor is a single numpy fancy-index instead of a Python loop over sequences.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+_ROOT_HASH = -1
+
+
+@dataclass
+class BlockTable:
+    """The blocks one sequence holds, in token order; ``hashes`` covers its cached full blocks."""
+
+    block_ids: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
+    row: int = -1
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Cached full blocks matching the start of a prompt."""
+
+    block_ids: tuple[int, ...] = ()
+    hashes: tuple[int, ...] = ()
+
+
+class BlockManager:
+    """Owns the free list, reference counts, the prefix cache and the block-table rows."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_seqs: int,
+        max_blocks_per_seq: int,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        if num_blocks <= 0:
+            raise ValueError("the KV cache has no room for a single block")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        # Insertion order is eviction order: the first key is evicted first.
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # chained hash → block id
+        self.tables = np.zeros((max_seqs, max_blocks_per_seq), dtype=np.int64)
+        self.free_rows = list(range(max_seqs - 1, -1, -1))
+        self.prefix_queries = 0
+        self.prefix_hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by running sequences (cached-but-free blocks count as free)."""
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, token_ids: Sequence[int], max_tokens: int) -> PrefixHit:
+        """Longest run of cached full blocks covering at most ``max_tokens`` leading tokens."""
+        if not self.enable_prefix_caching:
+            return PrefixHit()
+        bs = self.block_size
+        blocks: list[int] = []
+        hashes: list[int] = []
+        parent = _ROOT_HASH
+        for start in range(0, max_tokens - bs + 1, bs):
+            h = hash((parent, tuple(token_ids[start : start + bs])))
+            block = self.cached.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+            hashes.append(h)
+            parent = h
+        self.prefix_queries += 1
+        self.prefix_hit_tokens += len(blocks) * bs
+        return PrefixHit(tuple(blocks), tuple(hashes))
+
+    def allocate(self, table: BlockTable, num_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Grow ``table`` to hold ``num_tokens`` tokens, first reusing ``hit``; all or nothing."""
+        if not hit and num_tokens <= len(table.block_ids) * self.block_size:
+            return True  # the common decode step: the last block still has room
+        prefix = hit.block_ids if hit else ()
+        need = self.blocks_needed(num_tokens) - len(table.block_ids) - len(prefix)
+        reclaimed = sum(1 for b in prefix if self.ref_counts[b] == 0)
+        if need > len(self.free) - reclaimed:
+            return False
+        if table.row < 0:
+            table.row = self.free_rows.pop()
+        row = self.tables[table.row]
+        if hit:
+            for b in hit.block_ids:
+                if self.ref_counts[b] == 0:
+                    del self.free[b]
+                self.ref_counts[b] += 1
+                row[len(table.block_ids)] = b
+                table.block_ids.append(b)
+            table.hashes.extend(hit.hashes)
+        for _ in range(max(need, 0)):
+            b, _ = self.free.popitem(last=False)
+            old = self.block_hash[b]
+            if old is not None:
+                # Evict the cached content this slot held.
+                if self.cached.get(old) == b:
+                    del self.cached[old]
+                self.block_hash[b] = None
+            self.ref_counts[b] = 1
+            row[len(table.block_ids)] = b
+            table.block_ids.append(b)
+        return True
+
+    def cache_full_blocks(
+        self, table: BlockTable, token_ids: Sequence[int], num_computed: int
+    ) -> None:
+        """Register blocks whose every token now has KV computed."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = min(num_computed // bs, len(table.block_ids))
+        parent = table.hashes[-1] if table.hashes else _ROOT_HASH
+        for i in range(len(table.hashes), full):
+            h = hash((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
+            table.hashes.append(h)
+            block = table.block_ids[i]
+            if h not in self.cached and self.block_hash[block] is None:
+                self.cached[h] = block
+                self.block_hash[block] = h
+            parent = h
+
+    def free_table(self, table: BlockTable) -> None:
+        """Release every block of ``table`` and its row; cached blocks stay reusable."""
+        for b in reversed(table.block_ids):
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self.free[b] = None
+                if self.block_hash[b] is None:
+                    # Uncached blocks hold nothing reusable: hand them out first.
+                    self.free.move_to_end(b, last=False)
+        table.block_ids.clear()
+        table.hashes.clear()
+        if table.row >= 0:
+            self.free_rows.append(table.row)
+            table.row = -1
+
+    def leaked_blocks(self) -> list[int]:
+        """Blocks still referenced; empty once every sequence has been freed."""
+        return [b for b, n in enumerate(self.ref_counts) if n]
+
+    def reset_prefix_cache(self) -> None:
+        for h, b in list(self.cached.items()):
+            if self.ref_counts[b] == 0:
+                del self.cached[h]
+                self.block_hash[b] = None
