@@ -21,6 +21,7 @@ from gearshift.worker.engine.scheduler import Scheduler, SchedulerConfig
 from gearshift.worker.engine.sequence import FinishReason, Sequence
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.kv.block_manager import BlockManager
+from gearshift.worker.policies.base import GearPolicy, StaticPolicy
 from gearshift.worker.sampling.logprobs import TokenLogprobs
 from gearshift.worker.sampling.params import SamplingParams
 from gearshift.worker.sampling.sampler import Sampler, SamplingState
@@ -48,6 +49,8 @@ class EngineStats:
     generation_tokens: int
     gear_steps: dict[str, int] = field(default_factory=dict)
     gear_tokens: dict[str, int] = field(default_factory=dict)
+    gear: str = ""
+    gear_switches: int = 0
 
 
 @dataclass
@@ -68,7 +71,7 @@ class LLMEngine:
         vocab_size: int,
         eos_token_ids: frozenset[int],
         tokenizer: Tokenizer | None = None,
-        gear_names: tuple[str, ...] = ("default",),
+        policy: GearPolicy | None = None,
     ) -> None:
         self.config = config
         self.executor = executor
@@ -82,15 +85,17 @@ class LLMEngine:
             blocks,
         )
         self.sampler = Sampler()
-        self.gear_names = gear_names
+        self.policy = policy or StaticPolicy()
         self.requests: dict[str, Sequence] = {}
         self._text: dict[str, _TextState] = {}
         self._ids = itertools.count()
         self._step = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        self.gear_steps = dict.fromkeys(gear_names, 0)
-        self.gear_tokens = dict.fromkeys(gear_names, 0)
+        self.gear_steps = dict.fromkeys(self.policy.gear_names, 0)
+        self.gear_tokens = dict.fromkeys(self.policy.gear_names, 0)
+        self.gear_switches = 0
+        self.current_gear = 0
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -173,20 +178,20 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
 
-    def choose_gear(self, num_tokens: int) -> int:
-        """Which gear runs a step of ``num_tokens`` scheduled tokens; one gear by default."""
-        del num_tokens
-        return 0
-
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, sample, and report every request that progressed."""
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        gear = self.choose_gear(batch.num_tokens)
-        plan = build_plan(batch, self.blocks, self._step, gear, pad_to=self.pad_multiple(gear))
+        gear = self.policy.choose_gear(batch.num_tokens)
+        if gear != self.current_gear:
+            self.gear_switches += 1
+            self.current_gear = gear
+        plan = build_plan(
+            batch, self.blocks, self._step, gear, pad_to=self.policy.pad_multiple(gear)
+        )
         self._step += 1
-        name = self.gear_names[gear]
+        name = self.policy.gear_names[gear]
         self.gear_steps[name] += 1
         self.gear_tokens[name] += batch.num_tokens
         try:
@@ -212,11 +217,6 @@ class LLMEngine:
         outputs = self._sample_and_process(sampling, logits)
         self.scheduler.remove_finished()
         return outputs
-
-    def pad_multiple(self, gear: int) -> int:
-        """Token-count multiple a gear needs (Ulysses SP pads to SP); 1 by default."""
-        del gear
-        return 1
 
     def _sample_and_process(
         self, seqs: list[Sequence], logits: torch.Tensor
@@ -369,6 +369,8 @@ class LLMEngine:
             generation_tokens=self.generation_tokens,
             gear_steps=dict(self.gear_steps),
             gear_tokens=dict(self.gear_tokens),
+            gear=self.policy.gear_names[self.current_gear],
+            gear_switches=self.gear_switches,
         )
 
     def shutdown(self) -> None:
