@@ -64,8 +64,9 @@ def bench_gearshift(n: int, out_len: int, dtype: str) -> dict[str, float]:
 
 
 def bench_transformers(n: int, out_len: int, dtype: str) -> dict[str, float]:
-    from gearshift.worker.model.registry import resolve_model_path
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gearshift.worker.model.registry import resolve_model_path
 
     path = resolve_model_path("smollm2")
     torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]

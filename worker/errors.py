@@ -19,6 +19,10 @@ class InvalidRequestError(GearshiftError, ValueError):
         self.message = message
 
 
+class GroupFailure(GearshiftError, RuntimeError):
+    """A rank of the worker group died or a collective failed; the group cannot go on."""
+
+
 class ModelLoadError(GearshiftError):
     """The model could not be found or read; the message names the path or name."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import grpc
+
 from gearshift.v1 import policy_pb2, router_pb2, router_pb2_grpc
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from gearshift.operator.reconcile import crd_rules, crd_schema, names, spec
 
 

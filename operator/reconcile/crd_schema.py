@@ -14,9 +14,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gearshift.v1 import policy_fields, policy_pb2
 from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
+
+from gearshift.v1 import policy_fields, policy_pb2
 
 PROTO_ROOT = Path(__file__).resolve().parents[2] / "proto"
 

@@ -12,13 +12,14 @@ import logging
 from typing import Any
 
 import kopf
+from kubernetes import client, config
+
 from gearshift.operator.reconcile import names
 from gearshift.operator.reconcile.kube import Kube
 from gearshift.operator.reconcile.reconciler import Reconciler
 from gearshift.operator.reconcile.render_meta import is_owned_by
 from gearshift.operator.reconcile.settings import OperatorSettings
 from gearshift.operator.reconcile.spec import SpecError, parse
-from kubernetes import client, config
 
 # Read once at import: kopf needs the timer interval when the decorator runs. Frozen, not shared
 # mutable state.

@@ -13,8 +13,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from gearshift.operator.reconcile import names
 from kubernetes import client
+
+from gearshift.operator.reconcile import names
 
 # (apiVersion, kind) → plural; the only kinds the operator reads or writes besides its own.
 PLURALS: dict[tuple[str, str], str] = {

@@ -11,11 +11,12 @@ import hashlib
 import json
 from typing import Any
 
+from google.protobuf import json_format
+
 from gearshift.operator.reconcile import names
 from gearshift.operator.reconcile.render_meta import child_metadata
 from gearshift.operator.reconcile.spec import DeploymentSpec
 from gearshift.v1 import policy_fields, policy_pb2
-from google.protobuf import json_format
 
 
 def _policy_json(policy: policy_pb2.Policy) -> dict[str, Any]:

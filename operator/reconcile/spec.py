@@ -11,8 +11,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from gearshift.v1 import policy_fields, policy_pb2
 from google.protobuf import json_format
+
+from gearshift.v1 import policy_fields, policy_pb2
 
 DEFAULT_NODES = 1
 DEFAULT_GPUS_PER_NODE = 1

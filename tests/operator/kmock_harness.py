@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from gearshift.operator.reconcile import names
-from gearshift.v1 import policy_fields, policy_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from kmock import KubernetesEmulator, ResourceInfo, Server
 from kubernetes import client
+
+from gearshift.operator.reconcile import names
+from gearshift.v1 import policy_fields, policy_pb2, router_pb2, router_pb2_grpc, worker_pb2
 
 CR_PATH = f"/apis/{names.GROUP}/{names.VERSION}/namespaces/{{ns}}/{names.PLURAL}"
 

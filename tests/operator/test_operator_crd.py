@@ -9,10 +9,11 @@ import kubernetes_validate
 import pytest
 import yaml
 from crd_validation import validate, version_schema
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+
 from gearshift.operator.reconcile import crd as crd_module
 from gearshift.operator.reconcile import crd_schema
 from gearshift.v1 import policy_pb2
-from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "crds" / "inferencedeployments.gearshift.dev.yaml"

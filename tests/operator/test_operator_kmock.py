@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 import yaml
-from gearshift.operator.reconcile import names
-from gearshift.v1 import policy_fields, policy_pb2
 from google.protobuf import json_format
 from kmock_harness import Api, OperatorProcess, StandInAdmin, condition, wait_for
+
+from gearshift.operator.reconcile import names
+from gearshift.v1 import policy_fields, policy_pb2
 
 NS = "ml"
 STS = f"/apis/apps/v1/namespaces/{NS}/statefulsets"

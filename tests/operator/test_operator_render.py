@@ -10,6 +10,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+
 from gearshift.operator.reconcile import (
     names,
     render_config,

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from gearshift.v1 import policy_fields, policy_pb2
 from google.protobuf import json_format
+
+from gearshift.v1 import policy_fields, policy_pb2
 
 
 def _policy(d: dict) -> policy_pb2.Policy:

@@ -7,10 +7,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
 from gearshift.worker.config import EngineConfig
 from gearshift.worker.engine.llm_engine import LLMEngine
 from gearshift.worker.engine.local import build_local_engine
-
 from tests.worker.helpers import RecordingExecutor, make_hf_checkpoint
 
 

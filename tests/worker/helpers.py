@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from gearshift.worker.engine.llm_engine import LLMEngine
 from gearshift.worker.engine.outputs import RequestOutput
 from gearshift.worker.engine.plan import StepPlan

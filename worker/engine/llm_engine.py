@@ -13,13 +13,14 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
+
 from gearshift.worker.config import EngineConfig
 from gearshift.worker.engine.model_runner import Executor
 from gearshift.worker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from gearshift.worker.engine.plan import build_plan
 from gearshift.worker.engine.scheduler import Scheduler, SchedulerConfig
 from gearshift.worker.engine.sequence import FinishReason, Sequence
-from gearshift.worker.errors import InvalidRequestError
+from gearshift.worker.errors import GroupFailure, InvalidRequestError
 from gearshift.worker.kv.block_manager import BlockManager
 from gearshift.worker.policies.base import GearPolicy, StaticPolicy
 from gearshift.worker.sampling.logprobs import TokenLogprobs
@@ -96,6 +97,7 @@ class LLMEngine:
         self.gear_tokens = dict.fromkeys(self.policy.gear_names, 0)
         self.gear_switches = 0
         self.current_gear = 0
+        self.dead: str | None = None  # why the worker group can no longer run steps
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -115,6 +117,8 @@ class LLMEngine:
     ) -> None:
         """Queue a request; raises InvalidRequestError naming the bad field and changes nothing."""
         params = params or SamplingParams()
+        if self.dead is not None:
+            raise GroupFailure(self.dead)
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"request id {request_id!r} is already running")
         ids = self.tokenize(prompt)
@@ -176,6 +180,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def keepalive(self) -> None:
+        """Call every few seconds while idle: keeps a multi-rank group's followers alive."""
+        if self.dead is None:
+            self.executor.keepalive()
+
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -196,7 +205,14 @@ class LLMEngine:
         self.gear_tokens[name] += batch.num_tokens
         try:
             logits = self.executor.execute(plan)
-        except Exception as exc:
+        except GroupFailure as exc:
+            # The group is gone: every request ends now with the reason, none hangs.
+            log.error("%s", exc)
+            self.dead = str(exc)
+            everyone = list(self.scheduler.running) + list(self.scheduler.waiting)
+            self.scheduler.waiting.clear()
+            return [self._fail(seq, str(exc)) for seq in everyone]
+        except Exception as exc:  # a failed forward ends its requests, not the engine
             log.exception("forward pass failed at step %d", plan.step)
             scheduled = batch.decodes + [s for s, _ in batch.prefills]
             return [self._fail(seq, f"forward pass failed: {exc}") for seq in scheduled]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from gearshift.worker.config import DEFAULT_CPU_KV_BYTES, EngineConfig, resolve_dtype
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.kv.cache import KVCacheSpec

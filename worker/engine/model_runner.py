@@ -1,13 +1,16 @@
-"""Runs a StepPlan through the model on this rank; the leader gets the logits to sample from."""
+"""Runs a StepPlan through one of this rank's gears; the leader gets the logits to sample from."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
 from gearshift.worker.engine.plan import StepPlan
 from gearshift.worker.kv.cache import LayerKV
 from gearshift.worker.model.llama import AttentionCore, LlamaForCausalLM
+from gearshift.worker.parallel.comm import CommGroup
 
 
 class Executor(Protocol):
@@ -15,32 +18,67 @@ class Executor(Protocol):
 
     def execute(self, plan: StepPlan) -> torch.Tensor | None: ...
 
+    def keepalive(self) -> None: ...
+
     def shutdown(self) -> None: ...
 
 
-class ModelRunner:
-    """One rank's model, KV cache and attention core."""
+@dataclass
+class Gear:
+    """The model built for one layout on this rank (DESIGN.md: layouts and gears)."""
 
-    def __init__(
-        self,
-        model: LlamaForCausalLM,
-        kv_caches: list[LayerKV],
-        core: AttentionCore,
-        device: torch.device,
-    ) -> None:
-        self.model = model
+    name: str
+    model: LlamaForCausalLM
+    core: AttentionCore
+    sp: CommGroup  # tokens of a step are split over this group (Ulysses); size 1: not split
+
+    def weight_bytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        for p in self.model.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+        return total
+
+
+class ModelRunner:
+    """This rank's gears and the KV cache they share."""
+
+    def __init__(self, gears: list[Gear], kv_caches: list[LayerKV], device: torch.device) -> None:
+        self.gears = gears
         self.kv_caches = kv_caches
-        self.core = core
         self.device = device
+
+    @property
+    def model(self) -> LlamaForCausalLM:
+        return self.gears[0].model
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         """fp32 logits [S, vocab] for ``plan.logits_indices`` on the group's first rank."""
+        gear = self.gears[plan.gear]
         plan = plan.to(self.device)
         meta = plan.attention_metadata()
-        hidden = self.model(plan.input_ids, plan.positions, self.kv_caches, meta, self.core)
-        logits = self.model.compute_logits(hidden[plan.logits_indices])
+        ids, positions = plan.input_ids, plan.positions
+        sp = gear.sp
+        if sp.size > 1:
+            # Alg. 2 line 1: each SP rank runs the dense layers on its slice of the tokens.
+            chunk = ids.shape[0] // sp.size
+            ids = ids[sp.rank * chunk : (sp.rank + 1) * chunk]
+            positions = positions[sp.rank * chunk : (sp.rank + 1) * chunk]
+        hidden = gear.model(ids, positions, self.kv_caches, meta, gear.core)
+        if sp.size > 1:
+            # Line 13: the hidden states come together where the logits are made.
+            gathered = sp.gather_to_first(hidden)
+            if gathered is None:
+                return None
+            hidden = gathered
+        logits = gear.model.compute_logits(hidden[plan.logits_indices])
         return None if logits is None else logits.float()
+
+    def keepalive(self) -> None:
+        """Nothing to keep alive in one process."""
 
     def shutdown(self) -> None:
         self.kv_caches = []

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from gearshift.worker.attention.metadata import AttentionMetadata
 from gearshift.worker.engine.scheduler import ScheduledBatch
 from gearshift.worker.kv.block_manager import BlockManager

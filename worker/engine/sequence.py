@@ -11,6 +11,7 @@ from gearshift.worker.kv.block_manager import BlockTable
 
 if TYPE_CHECKING:
     import torch
+
     from gearshift.worker.sampling.params import SamplingParams
 
 

@@ -6,12 +6,13 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch import nn
+
 from gearshift.worker.errors import ModelLoadError
 from gearshift.worker.model.config import ModelConfig
 from gearshift.worker.model.llama import LlamaForCausalLM
 from gearshift.worker.model.weights import WeightSource
 from gearshift.worker.parallel.comm import CommGroup
-from torch import nn
 
 
 def _route(model: LlamaForCausalLM, name: str) -> tuple[nn.Module, str, str | int | None]:

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from gearshift.worker.errors import ModelLoadError
 
 Bounds = tuple[tuple[int, int], ...]

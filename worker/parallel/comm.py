@@ -35,27 +35,43 @@ class CommGroup:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def _logical(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        # torch.distributed orders a group's members by global rank; ours may differ (the shift
+        # gear's SP_TP order), so per-rank results are put back in our order.
+        by_global = dict(zip(sorted(self.ranks), parts, strict=True))
+        return [by_global[r] for r in self.ranks]
+
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        """Concatenate every rank's ``x`` along ``dim`` (all ranks get the result)."""
+        """Concatenate every rank's ``x`` along ``dim`` in group order (all ranks get it)."""
         if self.size == 1:
             return x
+        x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=dim)
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(self._logical(parts), dim=dim)
 
     def gather_to_first(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor | None:
-        """Concatenate along ``dim`` on group rank 0 only; other ranks get None."""
+        """Concatenate along ``dim`` in group order on group rank 0 only; others get None."""
         if self.size == 1:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
         dist.gather(x, parts, dst=self.ranks[0], group=self.group)
-        return torch.cat(parts, dim=dim) if parts is not None else None
+        return torch.cat(self._logical(parts), dim=dim) if parts is not None else None
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         """Split dim 0 into ``size`` equal parts; part i goes to rank i (Ulysses' exchange)."""
         if self.size == 1:
             return x
+        # Only groups whose order is ascending global rank (SP groups and their subgroups).
+        assert list(self.ranks) == sorted(self.ranks), "all_to_all needs an ascending group"
+        # empty_like would copy a transposed input's strides; the collective writes row-major.
+        x = x.contiguous()
         out = torch.empty_like(x)
-        dist.all_to_all_single(out, x.contiguous(), group=self.group)
+        dist.all_to_all_single(out, x, group=self.group)
         return out
+
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.broadcast(x, src=self.ranks[0], group=self.group)
+        return x

@@ -7,11 +7,12 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 import torch
+from torch import Tensor
+
 from gearshift.worker.sampling.logprobs import TokenLogprobs, compute_logprobs
 from gearshift.worker.sampling.masks import apply_min_p, apply_top_k_top_p
 from gearshift.worker.sampling.params import SamplingParams
 from gearshift.worker.sampling.penalties import apply_penalties
-from torch import Tensor
 
 
 @dataclass(frozen=True)

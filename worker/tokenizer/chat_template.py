@@ -10,11 +10,12 @@ from functools import cached_property
 from typing import Any
 
 import jinja2
-from gearshift.worker.tokenizer.errors import ChatTemplateError
 from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from gearshift.worker.tokenizer.errors import ChatTemplateError
 
 Message = Mapping[str, Any]
 

@@ -13,10 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gearshift.worker.tokenizer.errors import TokenizerLoadError
-from gearshift.worker.tokenizer.gguf_metadata import MetadataValue
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
+
+from gearshift.worker.tokenizer.errors import TokenizerLoadError
+from gearshift.worker.tokenizer.gguf_metadata import MetadataValue
 
 logger = logging.getLogger(__name__)
 

@@ -14,11 +14,12 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Tokenizer as Backend
+
 from gearshift.worker.tokenizer.chat_template import ChatTemplate, Message
 from gearshift.worker.tokenizer.errors import ChatTemplateError, TokenizerLoadError
 from gearshift.worker.tokenizer.gguf_metadata import read_gguf_metadata
 from gearshift.worker.tokenizer.gguf_vocab import build_gguf_tokenizer
-from tokenizers import Tokenizer as Backend
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from gearshift.v1 import options_pb2, policy_pb2
 from google.protobuf import text_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
+
+from gearshift.v1 import options_pb2, policy_pb2
 
 POLICY_KINDS: tuple[str, ...] = tuple(
     f.name for f in policy_pb2.Policy.DESCRIPTOR.oneofs_by_name["kind"].fields

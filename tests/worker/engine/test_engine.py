@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from gearshift.worker.engine.sequence import FinishReason
 from gearshift.worker.errors import InvalidRequestError, ModelLoadError
 from gearshift.worker.sampling.params import InvalidSamplingParams, SamplingParams
-
 from tests.worker.helpers import run_recording
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gearshift.worker.sampling.params import SamplingParams
 
+from gearshift.worker.sampling.params import SamplingParams
 from tests.worker.helpers import FAMILIES, hf_logits, run_recording
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from gearshift.worker.sampling.params import SamplingParams
 
 CHATS = [

@@ -6,10 +6,11 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
+
 from gearshift.worker.errors import ModelLoadError
 from gearshift.worker.model.registry import resolve_model_path
 from gearshift.worker.model.weights import GGUFSource, SafetensorsSource, open_weight_source
-from safetensors.torch import save_file
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +80,10 @@ def test_unknown_model_names_the_model(tmp_path):
 
 
 def test_checkpoint_missing_a_tensor_is_refused(tiny_checkpoint, tmp_path):
+    from safetensors.torch import load_file
+
     from gearshift.worker.model.config import ModelConfig
     from gearshift.worker.model.loader import build_model
-    from safetensors.torch import load_file
 
     folder = tiny_checkpoint("llama2-bias")
     tensors = load_file(str(folder / "model.safetensors"))

@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+
 from gearshift.worker.sampling import Sampler, SamplingParams, SamplingState
 from gearshift.worker.sampling.penalties import apply_penalties
 

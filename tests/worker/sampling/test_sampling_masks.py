@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from gearshift.worker.sampling import apply_min_p, apply_top_k, apply_top_k_top_p, apply_top_p
 
 

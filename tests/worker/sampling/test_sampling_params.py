@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 import pytest
+
 from gearshift.worker.sampling import InvalidSamplingParams, SamplingParams
 
 INVALID: list[tuple[str, Any]] = [

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from gearshift.worker.tokenizer import Tokenizer
 
 SMOLLM_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

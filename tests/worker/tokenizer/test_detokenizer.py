@@ -6,6 +6,7 @@ import random
 from collections.abc import Sequence
 
 import pytest
+
 from gearshift.worker.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = [

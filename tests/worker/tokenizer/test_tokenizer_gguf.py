@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from gearshift.worker.tokenizer import Tokenizer
 from gearshift.worker.tokenizer.gguf_metadata import read_gguf_metadata
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from gearshift.worker.errors import ModelLoadError
 from gearshift.worker.model.layers.linear import cpu_packing_supported, pack_weight, packed_linear
 from gearshift.worker.model.weights import LazyWeight
 from gearshift.worker.parallel.comm import CommGroup
-from torch import nn
 
 
 class VocabParallelEmbedding(nn.Module):

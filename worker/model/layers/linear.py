@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from gearshift.worker.errors import ModelLoadError
 from gearshift.worker.model.weights import LazyWeight
 from gearshift.worker.parallel.comm import CommGroup
-from torch import nn
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:

@@ -1,0 +1,53 @@
+"""A worker group's leader in its own process, for tests that kill ranks.
+
+Prints ``ranks <pid> <pid> ...`` (followers 1..N-1) and ``generating`` once the group runs, then
+generates until told otherwise; on a group failure prints the engine's error and exits 4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gearshift.worker.config import EngineConfig
+from gearshift.worker.launch import ParallelConfig, start_engine
+from gearshift.worker.sampling.params import SamplingParams
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--sp", type=int, default=1)
+    ap.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    args = ap.parse_args()
+    parallel = ParallelConfig(
+        tp=args.tp,
+        sp=args.sp,
+        timeout_s=30.0,
+        heartbeat_interval_s=0.5,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+    )
+    config = EngineConfig(
+        model=args.model, dtype="float32", skip_tokenizer_init=True, kv_cache_bytes=16 << 20
+    )
+    engine = start_engine(config, parallel)
+    print("ranks", *[p.pid for p in engine.executor.children], flush=True)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(f"r{i}", [1 + i, 2, 3, 4], params)
+    print("generating", flush=True)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished and out.error:
+                print(f"request {out.request_id} failed: {out.error}", flush=True)
+        if engine.dead is not None:
+            print(f"group failed: {engine.dead}", file=sys.stderr, flush=True)
+            engine.shutdown()
+            return 4
+    engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""The leader's control messages to the other ranks: step plans, keep-alives, shutdown.
+
+Messages go over a gloo group on every platform (DESIGN.md) as a fixed-size int64 header plus,
+for a step, the plan's packed body: two small broadcasts per step, no pickling.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from gearshift.worker.engine.plan import HEADER_SIZE, StepPlan
+from gearshift.worker.parallel.comm import CommGroup
+
+STEP, KEEPALIVE, SHUTDOWN = 1, 2, 3
+
+
+class ControlChannel:
+    """Broadcasts from the group's first rank over the control group."""
+
+    def __init__(self, group: CommGroup, keepalive_interval: float = 5.0) -> None:
+        self.group = group
+        self.keepalive_interval = keepalive_interval
+        self._last_sent = time.monotonic()
+
+    def _header(self) -> torch.Tensor:
+        return torch.zeros(1 + HEADER_SIZE, dtype=torch.int64)
+
+    def send(self, kind: int, plan: StepPlan | None = None) -> None:
+        header = self._header()
+        header[0] = kind
+        body = None
+        if plan is not None:
+            plan_header, body = plan.pack()
+            header[1:] = plan_header
+        self.group.broadcast_from_first(header)
+        if body is not None:
+            self.group.broadcast_from_first(body)
+        self._last_sent = time.monotonic()
+
+    def keepalive(self) -> None:
+        """Keep idle followers inside their receive timeout."""
+        if time.monotonic() - self._last_sent >= self.keepalive_interval:
+            self.send(KEEPALIVE)
+
+    def recv(self) -> tuple[int, StepPlan | None]:
+        header = self.group.broadcast_from_first(self._header())
+        kind = int(header[0])
+        if kind != STEP:
+            return kind, None
+        plan_header = header[1:]
+        body = torch.empty(StepPlan.body_size(plan_header), dtype=torch.int64)
+        self.group.broadcast_from_first(body)
+        return kind, StepPlan.unpack(plan_header, body)

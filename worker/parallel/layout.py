@@ -1,0 +1,84 @@
+"""Rank order and head ownership of a worker group (Shift §3.2.2, §3.3.1, Fig. 7).
+
+World size G = SP x TP. TP groups are contiguous ranks, SP groups are strided, so global rank r
+has ``tp_rank = r % TP`` and ``sp_rank = r // TP``. In the base gear TP shards heads over the TP
+group and Ulysses' all-to-all then splits each TP shard over the SP group: rank (s, t) ends up with
+head block ``t * SP + s``. The shift gear runs TP over all G ranks in SP_TP order — the SP groups
+concatenated — which gives every rank that same block, so both gears read and write the same KV
+cache (KV cache invariance).
+
+KV heads follow the same rule; when a group has more ranks than KV heads, each KV head is held by
+``G / kv_heads`` consecutive blocks (TP replicates them by loading, Ulysses by Alg. 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gearshift.worker.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """(SP, TP) over ``sp * tp`` ranks; pure arithmetic, no process groups."""
+
+    sp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("sp", "tp"):
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(name, f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def world_size(self) -> int:
+        return self.sp * self.tp
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp
+
+    def sp_rank(self, rank: int) -> int:
+        return rank // self.tp
+
+    def tp_groups(self) -> list[list[int]]:
+        """Contiguous: [[0, 1], [2, 3], [4, 5]] for SP 3, TP 2."""
+        return [[s * self.tp + t for t in range(self.tp)] for s in range(self.sp)]
+
+    def sp_groups(self) -> list[list[int]]:
+        """Strided: [[0, 2, 4], [1, 3, 5]] for SP 3, TP 2."""
+        return [[s * self.tp + t for s in range(self.sp)] for t in range(self.tp)]
+
+    def sp_tp_order(self) -> list[int]:
+        """The shift gear's TP order, SP groups concatenated: [0, 2, 4, 1, 3, 5] (§3.3.2)."""
+        return [r for group in self.sp_groups() for r in group]
+
+    def head_block(self, rank: int) -> int:
+        """Index of the block of ``heads / G`` query heads this rank attends over, in both gears."""
+        return self.tp_rank(rank) * self.sp + self.sp_rank(rank)
+
+    def kv_heads_per_rank(self, num_kv_heads: int) -> int:
+        return max(1, num_kv_heads // self.world_size)
+
+    def kv_head_start(self, rank: int, num_kv_heads: int) -> int:
+        """First KV head (of ``kv_heads_per_rank``) this rank holds in its cache."""
+        block = self.head_block(rank)
+        if self.world_size <= num_kv_heads:
+            return block * (num_kv_heads // self.world_size)
+        return block // (self.world_size // num_kv_heads)
+
+    def check_model(self, num_heads: int, num_kv_heads: int) -> None:
+        """Refuse layouts whose heads do not split evenly, naming the sizes involved."""
+        g = self.world_size
+        if num_heads % g:
+            raise InvalidRequestError(
+                "world_size", f"{num_heads} attention heads do not split over sp x tp = {g} ranks"
+            )
+        for name, size in (("tp", self.tp), ("world_size", g)):
+            if size >= num_kv_heads and size % num_kv_heads:
+                raise InvalidRequestError(
+                    name, f"{name} {size} is not a multiple of the {num_kv_heads} KV heads"
+                )
+            if size < num_kv_heads and num_kv_heads % size:
+                raise InvalidRequestError(
+                    name, f"{num_kv_heads} KV heads do not split over {name} {size}"
+                )
