@@ -8,7 +8,7 @@ PYTEST := $(BIN)/python -m pytest
 
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: install test test-fast lint format bench generate proto crd clean
+.PHONY: install test test-fast lint format bench generate serve proto crd clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,12 @@ install: $(STAMP)
 # The main job: greedy chat completion from the embedded default model.
 generate: install
 	$(BIN)/gearshift generate --model smollm2 --chat --prompt "$(PROMPT)" --max-tokens 64
+
+# The OpenAI-compatible server: router + one worker group of 3 ranks under the shift policy
+# (base gear Ulysses SP 3, shift gear TP 3) on :8000 (docs/serving.md, docs/parallelism.md).
+SERVE_ARGS ?= --policy shift --sp 3
+serve: install
+	$(BIN)/gearshift serve --model smollm2 $(SERVE_ARGS) --port 8000
 
 test: install
 	$(PYTEST) -m "not gpu" tests

@@ -128,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     _add_parallel_args(gen)
     gen.set_defaults(func=_cmd_generate)
+    # The serving commands live in their own modules (gearshift.operator.commands).
+    from gearshift.operator.commands import router, serve, worker
+
+    for command in (worker, router, serve):
+        command.add_parser(sub)
     return parser
 
 

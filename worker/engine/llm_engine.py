@@ -194,7 +194,8 @@ class LLMEngine:
             return []
         gear = self.policy.choose_gear(batch.num_tokens)
         if gear != self.current_gear:
-            self.gear_switches += 1
+            # The first step picks a gear; only later changes are switches.
+            self.gear_switches += self._step > 0
             self.current_gear = gear
         plan = build_plan(
             batch, self.blocks, self._step, gear, pad_to=self.policy.pad_multiple(gear)

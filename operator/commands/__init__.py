@@ -1,0 +1,1 @@
+"""Subcommands of the `gearshift` CLI beside `generate`: worker, router, serve."""

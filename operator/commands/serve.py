@@ -1,0 +1,193 @@
+"""`gearshift serve`: the router plus N local worker groups, as on a cluster but on one machine."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from gearshift.operator.commands import children as kids
+from gearshift.operator.commands.router import add_router_args, port_flag, serve_until_signal
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("serve", help="serve a model: router + local worker groups")
+    p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help="as --model")
+    p.add_argument("--model", default=None, help="model folder, .gguf file, or 'smollm2'")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--name", default="gearshift", help="deployment name; groups are NAME-gI")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-bytes", type=int, default=None)
+    p.add_argument("--num-threads", type=int, default=None, help="per group; default: shared")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--policy", choices=("static", "shift"), default="static")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel (shift: of the base gear)")
+    p.add_argument("--sp", type=int, default=1, help="Ulysses sequence parallel")
+    p.add_argument(
+        "--shift-threshold",
+        "--threshold",
+        type=int,
+        default=None,
+        dest="threshold",
+        help="shift: scheduled tokens above which the base gear runs (live)",
+    )
+    p.add_argument("--groups", type=int, default=1, help="worker groups (replicas)")
+    p.add_argument("--worker-start-timeout", type=float, default=600.0)
+    add_router_args(p)
+    p.set_defaults(func=run)
+
+
+def policy_json(args: argparse.Namespace) -> dict[str, Any]:
+    if args.policy == "shift":
+        shift: dict[str, Any] = {"sp": args.sp, "tp": args.tp}
+        if args.threshold is not None:
+            shift["threshold"] = args.threshold
+        return {"shift": shift}
+    return {"static": {"tp": args.tp, "sp": args.sp}}
+
+
+def max_requests_per_group(args: argparse.Namespace) -> int:
+    return int(args.max_requests_per_group or 2 * args.max_num_seqs)
+
+
+def default_threads(groups: int, ranks: int) -> int:
+    """Torch threads per rank: the cores less one for the router, shared by every rank.
+
+    Oversubscribed OpenMP threads spin against each other, which costs far more than a core.
+    """
+    cores = os.cpu_count() or 1
+    return max(1, (cores - 1 if cores > 1 else 1) // (groups * ranks))
+
+
+def _worker_args(args: argparse.Namespace, engine_json: Path, ranks: int) -> list[str]:
+    threads = args.num_threads or default_threads(args.groups, ranks)
+    out = [
+        "--config",
+        str(engine_json),
+        "--device",
+        args.device,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        # The router bounds the queue (and answers 429); the worker must not refuse first.
+        "--max-waiting",
+        str(max_requests_per_group(args)),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--block-size",
+        str(args.block_size),
+        "--num-threads",
+        str(threads),
+    ]
+    if args.kv_cache_bytes:
+        out += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
+    if not args.enable_prefix_caching:
+        out.append("--no-enable-prefix-caching")
+    return out
+
+
+async def _serve(args: argparse.Namespace, workdir: Path) -> int:
+    from google.protobuf import json_format
+
+    from gearshift.operator.router import config as config_mod
+    from gearshift.operator.router.server import RouterServer
+    from gearshift.v1 import policy_fields, policy_pb2
+    from gearshift.worker.model.registry import default_served_name
+
+    model = args.model or args.model_pos or "smollm2"
+    served = args.served_model_name or default_served_name(model)
+    raw_policy = policy_json(args)
+    policy = json_format.ParseDict(raw_policy, policy_pb2.Policy())
+    ranks = args.tp * args.sp
+    problems = policy_fields.layout_errors(policy, ranks)
+    if problems or args.groups < 1:
+        print(f"error: {'; '.join(problems) or '--groups must be >= 1'}", file=sys.stderr)
+        return 2
+    engine_json = workdir / "engine.json"
+    engine_json.write_text(
+        json.dumps(
+            {
+                "deployment": args.name,
+                "engine": "gearshift",
+                "model": {
+                    "path": model,
+                    "name": served,
+                    "dtype": args.dtype,
+                    "maxModelLen": args.max_model_len,
+                },
+                "group": {"nodes": 1, "gpusPerNode": ranks, "ranks": ranks},
+                "policy": json_format.MessageToDict(policy_fields.with_defaults(policy, ranks)),
+            }
+        )
+    )
+    keys = config_mod.read_api_keys(
+        args.api_key, args.api_key_file, "GEARSHIFT_API_KEY", os.environ
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    worker_args = _worker_args(args, engine_json, ranks)
+    children = [
+        kids.spawn_worker(f"{args.name}-g{i}", worker_args, workdir / f"g{i}.ready")
+        for i in range(args.groups)
+    ]
+    watcher: asyncio.Task[None] | None = None
+    try:
+        await kids.wait_ready(children, args.worker_start_timeout, stop)
+        watcher = asyncio.create_task(kids.watch_children(children))
+        cfg = config_mod.RouterConfig(
+            model_name=served,
+            model_path=model,
+            groups=tuple(config_mod.GroupSpec(c.name, c.address) for c in children),
+            policy=policy,
+            host=args.host,
+            http_port=8000 if args.port is None else args.port,
+            grpc_port=port_flag(50050 if args.grpc_port is None else args.grpc_port),
+            admin_host=args.admin_host or "127.0.0.1",
+            admin_port=port_flag(50060 if args.admin_port is None else args.admin_port),
+            api_keys=keys,
+            max_requests_per_group=max_requests_per_group(args),
+            drain_timeout_s=args.drain_timeout,
+        )
+        groups = [{"name": c.name, "address": c.address, "pid": c.proc.pid} for c in children]
+        extra: dict[str, object] = {"groups": groups}
+        if not stop.is_set():
+            await serve_until_signal(RouterServer(cfg), args.ready_file, extra, stop)
+    except kids.ChildFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except (config_mod.ConfigError, OSError, RuntimeError) as exc:  # RuntimeError: gRPC bind
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+        await asyncio.to_thread(kids.stop_children, children)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    workdir = Path(tempfile.mkdtemp(prefix="gearshift-serve-"))
+    try:
+        return asyncio.run(_serve(args, workdir))
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(workdir)

@@ -1,0 +1,1 @@
+"""The router: OpenAI-compatible HTTP, gRPC Generation and Admin, over worker groups."""

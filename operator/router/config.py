@@ -1,0 +1,123 @@
+"""The router's configuration: router.json (the operator's contract) plus flags.
+
+router.json is documented in docs/operator.md: `{deployment, model: {name, path}, backend,
+groups: [{name, address}], policy, ports: {http, grpc, admin}, apiKeyEnv}`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import json_format
+
+from gearshift.v1 import policy_pb2
+
+
+class ConfigError(ValueError):
+    """router.json or a flag is invalid; the message names it."""
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One worker group: its name (the operator's StatefulSet name) and leader address."""
+
+    name: str
+    address: str
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything the router process needs; ports 0 let the OS pick."""
+
+    model_name: str
+    model_path: str  # where the tokenizer loads from: a folder, a .gguf, or "smollm2"
+    groups: tuple[GroupSpec, ...] = ()
+    policy: policy_pb2.Policy | None = None
+    host: str = "0.0.0.0"
+    http_port: int = 8000
+    grpc_port: int | None = 50050  # None: no gRPC Generation service
+    admin_host: str = "0.0.0.0"
+    admin_port: int | None = 50060  # None: no Admin service
+    api_keys: tuple[str, ...] = ()
+    # Requests in flight per group before the router answers 429.
+    max_requests_per_group: int = 512
+    poll_interval_s: float = 1.0
+    rpc_timeout_s: float = 2.0
+    drain_timeout_s: float = 30.0
+    config_path: Path | None = None  # re-read for group changes (a mounted ConfigMap)
+    reload_interval_s: float = 5.0
+    backend: str = "worker-grpc"
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def with_overrides(self, **changes: Any) -> RouterConfig:
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+def read_api_keys(
+    keys: list[str] | None, key_file: str | None, env_name: str | None, env: Mapping[str, str]
+) -> tuple[str, ...]:
+    """Keys from flags, a file (one per line, # comments) and an environment variable."""
+    out = [k for k in keys or [] if k]
+    if key_file:
+        try:
+            lines = Path(key_file).read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the API key file {key_file}: {exc}") from exc
+        out += [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    if env_name and env.get(env_name):
+        out.append(env[env_name].strip())
+    return tuple(dict.fromkeys(out))
+
+
+def parse_groups(raw: Any) -> tuple[GroupSpec, ...]:
+    if not isinstance(raw, list):
+        raise ConfigError("router.json: groups must be a list")
+    groups = []
+    for i, g in enumerate(raw):
+        if not isinstance(g, Mapping) or not g.get("name") or not g.get("address"):
+            raise ConfigError(f"router.json: groups[{i}] needs a name and an address")
+        groups.append(GroupSpec(str(g["name"]), str(g["address"])))
+    if len({g.name for g in groups}) != len(groups):
+        raise ConfigError("router.json: group names must be unique")
+    return tuple(groups)
+
+
+def read_file(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return data
+
+
+def from_file(path: Path, env: Mapping[str, str] | None = None) -> RouterConfig:
+    """A RouterConfig from router.json; the API key comes from the env variable it names."""
+    env = os.environ if env is None else env
+    data = read_file(path)
+    model = data.get("model") or {}
+    policy = None
+    if data.get("policy"):
+        try:
+            policy = json_format.ParseDict(data["policy"], policy_pb2.Policy())
+        except json_format.ParseError as exc:
+            raise ConfigError(f"{path}: invalid policy: {exc}") from exc
+    ports = data.get("ports") or {}
+    return RouterConfig(
+        model_name=str(model.get("name") or data.get("deployment") or "model"),
+        model_path=str(model.get("path") or ""),
+        groups=parse_groups(data.get("groups") or []),
+        policy=policy,
+        http_port=int(ports.get("http", 8000)),
+        grpc_port=int(ports.get("grpc", 50050)),
+        admin_port=int(ports.get("admin", 50060)),
+        api_keys=read_api_keys(None, None, data.get("apiKeyEnv") or None, env),
+        config_path=path,
+        backend=str(data.get("backend") or "worker-grpc"),
+    )

@@ -1,0 +1,256 @@
+"""One request through the worker groups: routing, retry before the first token, token deltas.
+
+A request goes to the least loaded serving group. If that group fails before any token came
+back (unreachable, full, crashed) the request is sent to another group; after a token it ends
+with a clear error instead, since its output cannot be replayed elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+
+import grpc
+
+from gearshift.operator.router import errors
+from gearshift.operator.router.group import Lease
+from gearshift.operator.router.metrics import RouterMetrics
+from gearshift.operator.router.pool import GroupPool
+from gearshift.operator.router.text import LogprobEntry, TextOptions, TextState
+from gearshift.v1 import common_pb2, worker_pb2
+from gearshift.worker.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+_FINISH = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
+# Statuses that say "this group cannot take the request now": try another one.
+_GROUP_FAILURES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.UNIMPLEMENTED,
+}
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A tokenised, validated request, ready for a worker."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: common_pb2.SamplingParams  # worker-side parameters (no stop strings)
+    text: TextOptions
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """One output token (or, with token_id None, the end of a request without one)."""
+
+    token_id: int | None
+    text: str
+    logprob: LogprobEntry | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class RunResult:
+    """What the response needs once the deltas are consumed."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    group: str = ""
+    text: str = ""
+
+
+class RequestRun:
+    """Streams the deltas of one request and keeps its result and metrics."""
+
+    def __init__(
+        self,
+        pool: GroupPool,
+        tokenizer: Tokenizer,
+        metrics: RouterMetrics,
+        request: PreparedRequest,
+    ) -> None:
+        self.pool = pool
+        self.metrics = metrics
+        self.request = request
+        self.state = TextState(tokenizer, request.prompt_token_ids, request.text)
+        self.result = RunResult(prompt_tokens=len(request.prompt_token_ids))
+        self._first_token: float | None = None
+        self._last_token: float | None = None
+        self._queue_time: float | None = None
+        self._recorded = False
+
+    def _max_tokens(self) -> int:
+        s = self.request.sampling
+        if s.HasField("max_tokens"):
+            return int(s.max_tokens)
+        limit = self.pool.max_model_len
+        return max(0, limit - len(self.request.prompt_token_ids)) if limit else 0
+
+    async def deltas(self) -> AsyncGenerator[TokenDelta, None]:
+        """Token deltas; raises APIError before the first one, or after it on a failure."""
+        tried: set[str] = set()
+        attempt = 0
+        try:
+            while True:
+                lease = self.pool.acquire(
+                    len(self.request.prompt_token_ids), self._max_tokens(), tried
+                )
+                tried.add(lease.group.name)
+                self.result.group = lease.group.name
+                try:
+                    # aclosing: a consumer that stops early must still cancel the worker call.
+                    async with contextlib.aclosing(self._attempt(lease, attempt)) as stream:
+                        async for delta in stream:
+                            yield delta
+                    return
+                except _Retry as retry:
+                    attempt += 1
+                    self.metrics.retries.labels(self.metrics.model_name).inc()
+                    log.warning(
+                        "request %s: group %s failed before its first token (%s); retrying",
+                        self.request.request_id,
+                        lease.group.name,
+                        retry,
+                    )
+                    if not any(g.name not in tried for g in self.pool.serving()):
+                        raise retry.error from None
+        except errors.APIError as exc:
+            if self._first_token is None:
+                self.metrics.rejected.labels(self.metrics.model_name, str(exc.status)).inc()
+                self._recorded = True
+            else:
+                self._record("error")
+            raise
+        finally:
+            if not self._recorded and self._first_token is not None:
+                self._record("abort")  # the client went away mid-stream
+
+    async def _attempt(self, lease: Lease, attempt: int) -> AsyncGenerator[TokenDelta, None]:
+        req = self.request
+        wire = worker_pb2.WorkerGenerateRequest(
+            request_id=f"{req.request_id}-{attempt}",
+            prompt_token_ids=req.prompt_token_ids,
+            sampling=req.sampling,
+        )
+        call = lease.group.stub.Generate(wire)
+        try:
+            async for response in call:
+                for delta in self._on_response(lease, response):
+                    yield delta
+                    if delta.finish_reason is not None:
+                        return
+        except grpc.aio.AioRpcError as exc:
+            raise self._classify(lease, exc) from None
+        finally:
+            lease.release()
+            if not call.done():
+                # The client left, or a stop string ended the request: the worker frees its KV.
+                call.cancel()
+
+    def _classify(self, lease: Lease, exc: grpc.aio.AioRpcError) -> Exception:
+        code, details = exc.code(), exc.details() or exc.code().name
+        group = lease.group.name
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return errors.from_worker_invalid(exc)
+        if self._first_token is not None:
+            return errors.worker_failed(
+                f"worker group {group} failed after {self.result.completion_tokens} tokens: "
+                f"{code.name}: {details}"
+            )
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return _Retry(errors.overloaded(f"every worker group is full ({details})"))
+        if code in _GROUP_FAILURES:
+            if code == grpc.StatusCode.UNAVAILABLE:
+                lease.group.mark_failed(f"{code.name}: {details}")
+            return _Retry(
+                errors.unavailable(f"no worker group could serve the request: {group}: {details}")
+            )
+        return errors.internal(f"worker group {group}: {code.name}: {details}")
+
+    def _on_response(
+        self, lease: Lease, response: worker_pb2.WorkerGenerateResponse
+    ) -> list[TokenDelta]:
+        now = time.monotonic()
+        n = len(response.token_ids)
+        if response.HasField("timing") and self._queue_time is None:
+            t = response.timing
+            if t.scheduled_time and t.queued_time:
+                self._queue_time = t.scheduled_time - t.queued_time
+        if response.HasField("usage"):
+            self.result.cached_tokens = response.usage.cached_prompt_tokens
+        finish = _FINISH.get(response.finish_reason)
+        if n:
+            lease.on_tokens(n)
+            if self._first_token is None:
+                self._first_token = now
+            elif self._last_token is not None:
+                gap = (now - self._last_token) / n
+                for _ in range(n):
+                    self.metrics.itl.labels(self.metrics.model_name).observe(gap)
+            self._last_token = now
+        out = []
+        for i, token in enumerate(response.token_ids):
+            last = finish is not None and i == n - 1
+            step = self.state.feed(token, last)
+            self.result.completion_tokens += 1
+            lp = self.state.logprob(response.logprobs[i]) if i < len(response.logprobs) else None
+            reason = finish if last else None
+            if step.stop_str is not None:
+                reason, self.result.stop_reason = "stop", step.stop_str
+            out.append(TokenDelta(token, step.text, lp, reason))
+            if reason is not None:
+                self._finish(reason)
+                return out
+        if finish is not None:
+            out.append(TokenDelta(None, self.state.finish(), None, finish))
+            self._finish(finish)
+        return out
+
+    def _finish(self, reason: str) -> None:
+        self.result.finish_reason = reason
+        self.result.text = self.state.text
+        self._record(reason)
+
+    def _record(self, reason: str) -> None:
+        if self._recorded:
+            return
+        self._recorded = True
+        now = time.monotonic()
+        first = self._first_token
+        self.metrics.observe_finished(
+            finish_reason=reason,
+            prompt_tokens=self.result.prompt_tokens,
+            output_tokens=self.result.completion_tokens,
+            e2e=now - self.request.arrival_time,
+            ttft=first - self.request.arrival_time if first is not None else None,
+            decode_time=(self._last_token - first)
+            if first is not None and self._last_token is not None
+            else None,
+            queue_time=self._queue_time,
+        )
+
+
+class _Retry(Exception):
+    """The group failed before the first token; `error` is the answer if no group is left."""
+
+    def __init__(self, error: errors.APIError) -> None:
+        super().__init__(error.message)
+        self.error = error

@@ -1,0 +1,158 @@
+"""One worker group as the router sees it: its channel, health, last stats and load."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gearshift.operator.router.config import GroupSpec
+from gearshift.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+HEALTH_SERVICE = "gearshift.v1.Worker"
+# Keepalive pings notice a worker that died without closing its connections (a lost node),
+# so no stream waits forever on it.
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 64 << 20),
+]
+
+
+@dataclass
+class GroupLoad:
+    """Tokens this router has sent to the group and not yet seen finish.
+
+    The outstanding tokens of a request are its prompt until the first token comes back,
+    plus what is left of its max_tokens (DESIGN.md: routing by load).
+    """
+
+    in_flight: int = 0
+    outstanding_tokens: int = 0
+    # What the worker reported beyond this router's own requests at the last poll (other
+    # router replicas, requests the worker still counts): added to the local figure.
+    others: int = 0
+
+
+class WorkerGroup:
+    """A client of one group leader's Worker service, polled for health and stats."""
+
+    def __init__(self, spec: GroupSpec, rpc_timeout_s: float) -> None:
+        self.spec = spec
+        self.rpc_timeout_s = rpc_timeout_s
+        self.channel = grpc.aio.insecure_channel(spec.address, options=CHANNEL_OPTIONS)
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self.load = GroupLoad()
+        self.healthy = False
+        self.draining = False
+        self.removed = False  # gone from the configuration; closed once idle
+        self.stats: worker_pb2.WorkerStats | None = None
+        self.message = "not polled yet"
+        self.last_poll = 0.0
+        self.finished = asyncio.Event()  # set whenever in_flight drops to 0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def serving(self) -> bool:
+        """New requests may go here: healthy, answering GetStats, not drained or removed."""
+        return self.healthy and not self.draining and not self.removed
+
+    @property
+    def score(self) -> int:
+        return self.load.outstanding_tokens + self.load.others
+
+    async def poll(self) -> None:
+        """One health check and GetStats, each bounded by rpc_timeout_s."""
+        try:
+            health = await self._health.Check(
+                health_pb2.HealthCheckRequest(service=HEALTH_SERVICE), timeout=self.rpc_timeout_s
+            )
+            if health.status != health_pb2.HealthCheckResponse.SERVING:
+                self._set_down("the worker reports NOT_SERVING (loading or stopping)")
+                return
+            stats = await self.stub.GetStats(
+                worker_pb2.GetStatsRequest(), timeout=self.rpc_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            self._set_down(f"{exc.code().name}: {exc.details()}")
+            return
+        self.stats = stats
+        self.load.others = max(0, stats.outstanding_tokens - self.load.outstanding_tokens)
+        if not self.healthy:
+            log.info("group %s at %s is serving", self.name, self.spec.address)
+        self.healthy, self.message, self.last_poll = True, "", time.monotonic()
+
+    def _set_down(self, message: str) -> None:
+        if self.healthy:
+            log.warning("group %s at %s is down: %s", self.name, self.spec.address, message)
+        self.healthy, self.message, self.last_poll = False, message, time.monotonic()
+
+    def mark_failed(self, message: str) -> None:
+        """A request saw the group fail: stop routing to it until a poll says otherwise."""
+        self._set_down(message)
+
+    async def run_poller(self, interval_s: float) -> None:
+        while not self.removed:
+            await self.poll()
+            await asyncio.sleep(interval_s)
+
+    def add(self, tokens: int) -> None:
+        self.load.in_flight += 1
+        self.load.outstanding_tokens += tokens
+        self.finished.clear()
+
+    def consume(self, tokens: int) -> None:
+        self.load.outstanding_tokens = max(0, self.load.outstanding_tokens - tokens)
+
+    def done(self, tokens_left: int) -> None:
+        self.load.in_flight -= 1
+        self.consume(tokens_left)
+        if self.load.in_flight == 0:
+            self.finished.set()
+
+    async def close(self) -> None:
+        self.removed = True
+        with contextlib.suppress(Exception):
+            await self.channel.close()
+
+
+@dataclass
+class Lease:
+    """One request's claim on a group; its outstanding tokens shrink as tokens arrive."""
+
+    group: WorkerGroup
+    prompt_tokens: int
+    max_tokens: int
+    remaining: int = field(init=False)
+    first: bool = field(default=True, init=False)
+    released: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        self.remaining = self.prompt_tokens + self.max_tokens
+        self.group.add(self.remaining)
+
+    def on_tokens(self, n: int) -> None:
+        # The first token also means the prompt is computed.
+        used = min(self.remaining, n + (self.prompt_tokens if self.first else 0))
+        self.first = False
+        self.remaining -= used
+        self.group.consume(used)
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.group.done(self.remaining)
+            self.remaining = 0

@@ -1,0 +1,199 @@
+"""OpenAI response objects: completions and chat completions, whole and as stream chunks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gearshift.operator.router.generate import RunResult
+from gearshift.operator.router.text import LogprobEntry
+
+
+def usage(result: RunResult) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+    }
+    if result.cached_tokens:
+        out["prompt_tokens_details"] = {"cached_tokens": result.cached_tokens}
+    return out
+
+
+# ---- /v1/completions ---------------------------------------------------------------------
+
+
+class CompletionLogprobs:
+    """The legacy completions `logprobs` object, built token by token."""
+
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float] = []
+        self.top_logprobs: list[dict[str, float]] = []
+        self.text_offset: list[int] = []
+
+    def add(self, entry: LogprobEntry, offset: int) -> None:
+        self.tokens.append(entry.token)
+        self.token_logprobs.append(entry.logprob)
+        top = {t.token: t.logprob for t in entry.top}
+        top.setdefault(entry.token, entry.logprob)  # vLLM lists the sampled token too
+        self.top_logprobs.append(top)
+        self.text_offset.append(offset)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs,
+            "text_offset": self.text_offset,
+        }
+
+
+def completion(
+    rid: str, created: int, model: str, text: str, logprobs: dict[str, Any] | None, r: RunResult
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": r.finish_reason,
+                "stop_reason": r.stop_reason,
+            }
+        ],
+        "usage": usage(r),
+    }
+
+
+def completion_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    text: str,
+    logprobs: dict[str, Any] | None = None,
+    finish_reason: str | None = None,
+    stop_reason: str | int | None = None,
+    include_usage: bool = False,
+) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+            }
+        ],
+    }
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def usage_chunk(rid: str, created: int, model: str, obj: str, r: RunResult) -> dict[str, Any]:
+    """The last chunk with `stream_options.include_usage`: no choices, the usage."""
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage(r),
+    }
+
+
+# ---- /v1/chat/completions ----------------------------------------------------------------
+
+
+def chat_logprob(entry: LogprobEntry) -> dict[str, Any]:
+    return {
+        "token": entry.token,
+        "logprob": entry.logprob,
+        "bytes": list(entry.token.encode("utf-8")),
+        "top_logprobs": [
+            {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8"))}
+            for t in entry.top
+        ],
+    }
+
+
+def chat_completion(
+    rid: str,
+    created: int,
+    model: str,
+    text: str,
+    logprobs: list[dict[str, Any]] | None,
+    r: RunResult,
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "tool_calls": []},
+                "logprobs": {"content": logprobs} if logprobs is not None else None,
+                "finish_reason": r.finish_reason,
+                "stop_reason": r.stop_reason,
+            }
+        ],
+        "usage": usage(r),
+    }
+
+
+def chat_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    delta: dict[str, Any],
+    logprobs: list[dict[str, Any]] | None = None,
+    finish_reason: str | None = None,
+    stop_reason: str | int | None = None,
+    include_usage: bool = False,
+) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "delta": delta,
+                "logprobs": {"content": logprobs} if logprobs is not None else None,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+            }
+        ],
+    }
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def model_list(model: str, root: str, created: int, max_model_len: int | None) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": model,
+                "object": "model",
+                "created": created,
+                "owned_by": "gearshift",
+                "root": root,
+                "parent": None,
+                "max_model_len": max_model_len,
+            }
+        ],
+    }

@@ -1,0 +1,123 @@
+"""The router's worker groups: which serve, which gets the next request, reconfiguration."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterable
+
+from gearshift.operator.router import errors
+from gearshift.operator.router.config import GroupSpec
+from gearshift.operator.router.group import Lease, WorkerGroup
+
+log = logging.getLogger(__name__)
+
+
+class GroupPool:
+    """Routes each request to the serving group with the fewest outstanding tokens."""
+
+    def __init__(
+        self, max_requests_per_group: int, poll_interval_s: float, rpc_timeout_s: float
+    ) -> None:
+        self.max_requests_per_group = max_requests_per_group
+        self.poll_interval_s = poll_interval_s
+        self.rpc_timeout_s = rpc_timeout_s
+        self.groups: dict[str, WorkerGroup] = {}
+        self._pollers: dict[str, asyncio.Task[None]] = {}
+        self._turn = 0  # breaks ties between equally loaded groups in turn
+
+    # ---- membership -----------------------------------------------------------------------
+
+    async def configure(self, specs: Iterable[GroupSpec]) -> None:
+        """Make the pool match `specs`: add new groups, retire missing or moved ones."""
+        wanted = {s.name: s for s in specs}
+        for name, group in list(self.groups.items()):
+            if name not in wanted or wanted[name].address != group.spec.address:
+                await self._retire(group)
+        for name, spec in wanted.items():
+            if name not in self.groups:
+                group = WorkerGroup(spec, self.rpc_timeout_s)
+                self.groups[name] = group
+                self._pollers[name] = asyncio.create_task(
+                    group.run_poller(self.poll_interval_s), name=f"poll-{name}"
+                )
+                log.info("group %s at %s added", name, spec.address)
+        await asyncio.gather(*(g.poll() for g in self.groups.values()))
+
+    async def _retire(self, group: WorkerGroup) -> None:
+        """Stop routing to a group now; close its channel once its requests finished."""
+        log.info("group %s removed; closing when idle", group.name)
+        group.removed = True
+        self.groups.pop(group.name, None)
+        poller = self._pollers.pop(group.name, None)
+        if poller is not None:
+            poller.cancel()
+
+        async def close_when_idle() -> None:
+            if group.load.in_flight:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(group.finished.wait(), 600)
+            await group.close()
+
+        asyncio.get_running_loop().create_task(close_when_idle())
+
+    async def close(self) -> None:
+        for poller in self._pollers.values():
+            poller.cancel()
+        await asyncio.gather(*(g.close() for g in self.groups.values()))
+
+    # ---- state ----------------------------------------------------------------------------
+
+    def get(self, name: str) -> WorkerGroup | None:
+        return self.groups.get(name)
+
+    def serving(self) -> list[WorkerGroup]:
+        return [g for g in self.groups.values() if g.serving]
+
+    @property
+    def ready(self) -> bool:
+        """At least one group serves."""
+        return any(g.serving for g in self.groups.values())
+
+    @property
+    def in_flight(self) -> int:
+        return sum(g.load.in_flight for g in self.groups.values())
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The served context length, as the workers report it (None before any answered)."""
+        for g in self.groups.values():
+            if g.stats is not None and g.stats.max_model_len:
+                return int(g.stats.max_model_len)
+        return None
+
+    # ---- routing --------------------------------------------------------------------------
+
+    def acquire(self, prompt_tokens: int, max_tokens: int, exclude: set[str]) -> Lease:
+        """A lease on the least loaded serving group not in `exclude`.
+
+        Raises 503 when no group serves (or every one was tried) and 429 when every serving
+        group already has max_requests_per_group requests in flight.
+        """
+        candidates = [g for g in self.serving() if g.name not in exclude]
+        if not candidates:
+            if not self.ready:
+                raise errors.unavailable("no worker group is serving")
+            raise errors.unavailable("every serving worker group failed this request")
+        free = [g for g in candidates if g.load.in_flight < self.max_requests_per_group]
+        if not free:
+            raise errors.overloaded(
+                f"the server is at capacity ({self.max_requests_per_group} requests per group "
+                f"in flight on {len(self.serving())} groups); retry later"
+            )
+        self._turn += 1
+        best = min(
+            free,
+            key=lambda g: (
+                g.score,
+                g.load.in_flight,
+                (list(self.groups).index(g.name) - self._turn) % len(self.groups),
+            ),
+        )
+        return Lease(best, prompt_tokens, max_tokens)

@@ -1,0 +1,164 @@
+"""One router process: HTTP (uvicorn) and gRPC (Generation, Admin) on one asyncio loop.
+
+Shutdown drains: new requests get 503, those in flight finish (bounded), then the servers stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import uvicorn
+
+from gearshift.operator.router import config as config_mod
+from gearshift.operator.router.admin import AdminService
+from gearshift.operator.router.config import RouterConfig
+from gearshift.operator.router.core import Router
+from gearshift.operator.router.grpc_api import GenerationService
+from gearshift.operator.router.http_api import ApiKeyMiddleware, build_app
+from gearshift.operator.router.metrics import RouterMetrics
+from gearshift.operator.router.pool import GroupPool
+from gearshift.v1 import router_pb2_grpc
+from gearshift.worker.model.registry import resolve_model_path
+from gearshift.worker.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class _Uvicorn(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # The process owner handles SIGTERM (drain first); uvicorn must not stop on its own.
+        yield
+
+
+@dataclass(frozen=True)
+class BoundPorts:
+    http: int
+    grpc: int | None
+    admin: int | None
+
+
+def load_tokenizer(model_path: str) -> Tokenizer:
+    """The tokenizer of the served model: a folder, a .gguf, or an embedded model's name."""
+    return Tokenizer.from_path(resolve_model_path(model_path))
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+class RouterServer:
+    """Starts, reconfigures and drains one router."""
+
+    def __init__(self, config: RouterConfig, tokenizer: Tokenizer | None = None) -> None:
+        self.config = config
+        self._tokenizer = tokenizer
+        self.router: Router | None = None
+        self._http: _Uvicorn | None = None
+        self._http_task: asyncio.Task[None] | None = None
+        self._grpc: list[grpc.aio.Server] = []
+        self._reload_task: asyncio.Task[None] | None = None
+        self.ports: BoundPorts | None = None
+
+    async def start(self) -> BoundPorts:
+        cfg = self.config
+        if cfg.backend != "worker-grpc":
+            raise config_mod.ConfigError(
+                f"backend {cfg.backend!r} is not supported by this router (only worker-grpc)"
+            )
+        tokenizer = self._tokenizer
+        if tokenizer is None:
+            tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model_path)
+        pool = GroupPool(cfg.max_requests_per_group, cfg.poll_interval_s, cfg.rpc_timeout_s)
+        metrics = RouterMetrics(cfg.model_name, lambda: list(pool.groups.values()))
+        router = self.router = Router(cfg, tokenizer, pool, metrics)
+        await pool.configure(cfg.groups)
+
+        app = build_app(router)
+        app.add_middleware(ApiKeyMiddleware, keys=cfg.api_keys)
+        sock = _listen(cfg.host, cfg.http_port)
+        http_port = int(sock.getsockname()[1])
+        self._http = _Uvicorn(
+            uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+        )
+        self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]))
+        for _ in range(200):
+            if self._http.started or self._http_task.done():
+                break
+            await asyncio.sleep(0.025)
+        if not self._http.started:
+            raise RuntimeError(f"the HTTP server did not start on {cfg.host}:{http_port}")
+
+        grpc_port = admin_port = None
+        if cfg.grpc_port is not None:
+            server = grpc.aio.server()
+            router_pb2_grpc.add_GenerationServicer_to_server(GenerationService(router), server)
+            grpc_port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+            await server.start()
+            self._grpc.append(server)
+        if cfg.admin_port is not None:
+            server = grpc.aio.server()
+            router_pb2_grpc.add_AdminServicer_to_server(AdminService(router), server)
+            admin_port = server.add_insecure_port(f"{cfg.admin_host}:{cfg.admin_port}")
+            await server.start()
+            self._grpc.append(server)
+        if cfg.config_path is not None:
+            self._reload_task = asyncio.create_task(self._reload_loop())
+        self.ports = BoundPorts(http_port, grpc_port, admin_port)
+        log.info(
+            "router for %s: http %s:%d, grpc %s, admin %s, %d groups",
+            cfg.model_name,
+            cfg.host,
+            http_port,
+            grpc_port,
+            admin_port,
+            len(cfg.groups),
+        )
+        return self.ports
+
+    async def _reload_loop(self) -> None:
+        """Follow router.json: the operator rewrites it when groups are added or removed."""
+        assert self.config.config_path is not None and self.router is not None
+        path, last = self.config.config_path, self.config.groups
+        while True:
+            await asyncio.sleep(self.config.reload_interval_s)
+            try:
+                groups = config_mod.parse_groups(config_mod.read_file(path).get("groups") or [])
+            except config_mod.ConfigError as exc:
+                log.warning("keeping the current groups: %s", exc)
+                continue
+            if groups != last:
+                log.info("router.json changed: %d groups", len(groups))
+                await self.router.pool.configure(groups)
+            last = groups
+
+    async def stop(self, drain_timeout_s: float | None = None) -> None:
+        """Drain (bounded), then stop every server; safe to call twice."""
+        timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        if self.router is not None:
+            left = await self.router.drain(timeout)
+            if left:
+                log.warning("stopping with %d requests still in flight", left)
+        if self._reload_task is not None:
+            self._reload_task.cancel()
+        if self._http is not None and self._http_task is not None:
+            self._http.should_exit = True
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(self._http_task, 10)
+        for server in self._grpc:
+            await server.stop(grace=1)
+        self._grpc.clear()
+        if self.router is not None:
+            await self.router.pool.close()

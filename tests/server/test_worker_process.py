@@ -1,0 +1,85 @@
+"""`gearshift worker --config engine.json` as the operator runs it: health, revision, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gearshift.operator.reconcile import render_config, spec
+from gearshift.v1 import worker_pb2, worker_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _engine_json(tmp: Path) -> Path:
+    body = yaml.safe_load((REPO / "docs/examples/shift.yaml").read_text())
+    body["metadata"] = {"name": "demo", "namespace": "ml"}
+    body["spec"]["group"] = {"nodes": 1, "gpusPerNode": 1}
+    body["spec"]["policy"] = {"shift": {"sp": 1, "tp": 1, "threshold": 100}}
+    body["spec"]["model"] = {"source": "/models/x", "name": "demo-model", "maxModelLen": 512}
+    cfg = render_config.engine_config(spec.parse(body))
+    cfg["model"]["path"] = "smollm2"  # the embedded model stands in for the pod's volume
+    path = tmp / "engine.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def test_worker_serves_health_stats_with_revision_and_stops_on_sigterm(tmp_path: Path) -> None:
+    ready = tmp_path / "ready.json"
+    env = {**os.environ, "GEARSHIFT_REVISION": "9219d0c3ca3e", "GEARSHIFT_GROUP_NAME": "demo-g0"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "gearshift.operator.cli",
+        "worker",
+        "--config",
+        str(_engine_json(tmp_path)),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--ready-file",
+        str(ready),
+        "--kv-cache-bytes",
+        str(16 << 20),
+        "--max-num-seqs",
+        "2",
+        "--dtype",
+        "bfloat16",
+    ]
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.is_file():
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            assert time.monotonic() < deadline, "worker not ready in time"
+            time.sleep(0.1)
+        port = json.loads(ready.read_text())["port"]
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="gearshift.v1.Worker"), timeout=5
+            )
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            stats = worker_pb2_grpc.WorkerStub(channel).GetStats(
+                worker_pb2.GetStatsRequest(), timeout=5
+            )
+        assert stats.revision == "9219d0c3ca3e"
+        assert stats.model == "demo-model" and stats.max_model_len == 512 and stats.ranks == 1
+        assert stats.policy.shift.threshold == 100 and stats.policy.shift.sp == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        if proc.stderr:
+            proc.stderr.close()

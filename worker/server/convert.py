@@ -1,0 +1,198 @@
+"""Proto ↔ engine: sampling parameters, outputs, stats and the active policy."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from google.protobuf.descriptor import FieldDescriptor
+
+from gearshift.v1 import common_pb2, policy_fields, policy_pb2, worker_pb2
+from gearshift.worker.engine.llm_engine import EngineStats
+from gearshift.worker.engine.outputs import RequestMetrics, RequestOutput
+from gearshift.worker.engine.sequence import FinishReason
+from gearshift.worker.errors import InvalidRequestError
+from gearshift.worker.policies.base import GearPolicy, LiveValue
+from gearshift.worker.sampling.logprobs import TokenLogprobs
+from gearshift.worker.sampling.params import SamplingParams
+
+FINISH_REASONS = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
+}
+
+
+def sampling_params(p: common_pb2.SamplingParams) -> SamplingParams:
+    """Engine parameters from the proto (raises InvalidSamplingParams naming the field).
+
+    Stop strings are the router's job (it detokenises); the worker checks stop token ids only.
+    """
+    return SamplingParams(
+        max_tokens=p.max_tokens if p.HasField("max_tokens") else None,
+        min_tokens=p.min_tokens,
+        temperature=p.temperature if p.HasField("temperature") else 1.0,
+        top_p=p.top_p if p.HasField("top_p") else 1.0,
+        top_k=p.top_k if p.top_k > 0 else -1,
+        min_p=p.min_p,
+        seed=p.seed if p.HasField("seed") else None,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+        skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
+    )
+
+
+@dataclass(frozen=True)
+class Clock:
+    """Maps the engine's monotonic timestamps to Unix time (RequestTiming is in Unix seconds)."""
+
+    offset: float
+
+    @staticmethod
+    def now() -> Clock:
+        return Clock(time.time() - time.monotonic())
+
+    def unix(self, monotonic: float | None) -> float:
+        return 0.0 if monotonic is None else monotonic + self.offset
+
+
+def timing(metrics: RequestMetrics, clock: Clock) -> worker_pb2.RequestTiming:
+    return worker_pb2.RequestTiming(
+        queued_time=clock.unix(metrics.arrival_time),
+        scheduled_time=clock.unix(metrics.first_scheduled_time),
+        first_token_time=clock.unix(metrics.first_token_time),
+        finished_time=clock.unix(metrics.finished_time),
+    )
+
+
+def token_logprob(lp: TokenLogprobs) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+    )
+
+
+def merge_outputs(
+    outputs: list[RequestOutput], clock: Clock, first: bool
+) -> worker_pb2.WorkerGenerateResponse:
+    """One response from the outputs queued since the last one (usually exactly one)."""
+    last = outputs[-1]
+    response = worker_pb2.WorkerGenerateResponse(
+        request_id=last.request_id,
+        usage=common_pb2.Usage(
+            prompt_tokens=last.num_prompt_tokens,
+            completion_tokens=last.num_output_tokens,
+            cached_prompt_tokens=last.num_cached_tokens,
+        ),
+    )
+    for out in outputs:
+        response.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs:
+            response.logprobs.extend(token_logprob(lp) for lp in out.new_logprobs)
+    if last.finished and last.finish_reason is not None:
+        response.finish_reason = FINISH_REASONS[last.finish_reason]
+    if first or last.finished:
+        response.timing.CopyFrom(timing(last.metrics, clock))
+    return response
+
+
+# ---- policy --------------------------------------------------------------------------------
+
+
+def policy_proto(policy: GearPolicy, ranks: int) -> policy_pb2.Policy:
+    """The active policy as the proto, live parameters included, defaults filled in."""
+    out = policy_pb2.Policy()
+    msg = getattr(out, policy.kind)
+    msg.SetInParent()
+    values: dict[str, LiveValue] = {**policy.layout(), **policy.live_parameters()}
+    for name, value in values.items():
+        field = msg.DESCRIPTOR.fields_by_name.get(name)
+        if field is None:
+            continue
+        if field.type == FieldDescriptor.TYPE_ENUM and isinstance(value, str):
+            value = field.enum_type.values_by_name[value].number
+        setattr(msg, name, value)
+    return policy_fields.with_defaults(out, ranks)
+
+
+def live_update(active: policy_pb2.Policy, requested: policy_pb2.Policy) -> dict[str, LiveValue]:
+    """The `update_live` payload of an ApplyPolicy request (ApplyPolicyRequest semantics).
+
+    Raises InvalidRequestError naming the field when the request changes the kind or a
+    non-live field, or sets a value outside the field's bounds. Live parameter names are the
+    proto field names below the kind ("threshold" for shift.threshold).
+    """
+    kind = policy_fields.kind_of(requested)
+    active_kind = policy_fields.kind_of(active)
+    if kind != active_kind:
+        raise InvalidRequestError(
+            "policy", f"policy kind {kind or '(none)'!r} differs from the active {active_kind!r}"
+        )
+    merged = policy_pb2.Policy()
+    merged.CopyFrom(active)
+    getattr(merged, kind).MergeFrom(getattr(requested, kind))
+    not_live = policy_fields.non_live_changes(active, merged)
+    if not_live:
+        names = ", ".join(not_live)
+        raise InvalidRequestError(
+            not_live[0], f"{names} cannot change while the group runs (not live; roll the group)"
+        )
+    values: dict[str, LiveValue] = {}
+    for path in policy_fields.changed_fields(active, merged):
+        _, name = path.split(".", 1)
+        field = _field(kind, name)
+        value = getattr(getattr(merged, kind), name) if "." not in name else None
+        if value is None or field.is_repeated or field.type == FieldDescriptor.TYPE_MESSAGE:
+            raise InvalidRequestError(path, f"{path} cannot be changed by this worker")
+        lo, hi = policy_fields.bounds(field)
+        if isinstance(value, (int, float)) and (
+            (lo is not None and value < lo) or (hi is not None and value > hi)
+        ):
+            raise InvalidRequestError(path, f"{path} must be in [{lo}, {hi}], got {value}")
+        if field.type == FieldDescriptor.TYPE_ENUM:
+            value = field.enum_type.values_by_number[int(value)].name
+        values[name] = value
+    return values
+
+
+def _field(kind: str, name: str) -> FieldDescriptor:
+    desc = policy_pb2.Policy.DESCRIPTOR.fields_by_name[kind].message_type
+    for part in name.split(".")[:-1]:
+        desc = desc.fields_by_name[part].message_type
+    return desc.fields_by_name[name.split(".")[-1]]
+
+
+def worker_stats(
+    stats: EngineStats,
+    *,
+    model: str,
+    max_model_len: int,
+    policy: policy_pb2.Policy,
+    ranks: int,
+    revision: str,
+) -> worker_pb2.WorkerStats:
+    out = worker_pb2.WorkerStats(
+        model=model,
+        max_model_len=max_model_len,
+        running=stats.num_running,
+        waiting=stats.num_waiting,
+        kv_blocks_total=stats.kv_blocks_total,
+        kv_blocks_used=stats.kv_blocks_used,
+        kv_usage=stats.kv_usage,
+        outstanding_tokens=stats.outstanding_tokens,
+        gear=stats.gear,
+        policy=policy,
+        gear_switches=stats.gear_switches,
+        preemptions=stats.num_preemptions,
+        ranks=ranks,
+        revision=revision,
+    )
+    for name, steps in stats.gear_steps.items():
+        out.gears.add(name=name, steps=steps, tokens=stats.gear_tokens.get(name, 0))
+    return out

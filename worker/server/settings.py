@@ -1,0 +1,155 @@
+"""What `gearshift worker` runs: engine.json (the operator's contract), env, then flags.
+
+engine.json is documented in docs/operator.md ("The contract with the worker and the router");
+the GEARSHIFT_* variables come from the worker pod's env. Flags override both, which is how
+`gearshift serve` starts local groups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import json_format
+
+from gearshift.v1 import policy_fields, policy_pb2
+from gearshift.worker.errors import InvalidRequestError
+from gearshift.worker.model.registry import default_served_name
+
+DEFAULT_WORKER_PORT = 50051
+
+
+@dataclass(frozen=True)
+class EngineKnobs:
+    """Engine options that engine.json does not carry; vLLM's names."""
+
+    dtype: str = "auto"
+    device: str = "cpu"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """Everything one worker process needs to start."""
+
+    model: str
+    served_model_name: str
+    policy: policy_pb2.Policy  # defaults filled in for `ranks`
+    engine: EngineKnobs
+    ranks: int = 1
+    node_rank: int = 0
+    group_name: str = ""
+    revision: str = ""
+    host: str = "0.0.0.0"
+    port: int = DEFAULT_WORKER_PORT
+    # Requests admitted beyond max_num_seqs before Generate answers RESOURCE_EXHAUSTED.
+    max_waiting: int = 256
+    ready_file: Path | None = None
+    exit_with_parent: bool = False
+
+    @property
+    def is_leader(self) -> bool:
+        return self.node_rank == 0
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    """Flags of `gearshift worker`; each overrides engine.json and the environment."""
+    p.add_argument("--config", default=None, help="engine.json (default: $GEARSHIFT_CONFIG)")
+    p.add_argument("--model", default=None, help="model folder, .gguf file, or 'smollm2'")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-bytes", type=int, default=None)
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--max-waiting", type=int, default=None, help="default: max-num-seqs")
+    p.add_argument("--policy-json", default=None, help="gearshift.v1.Policy as JSON")
+    p.add_argument("--group-name", default=None)
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=None, help="0 lets the OS pick")
+    p.add_argument("--ready-file", type=Path, default=None, help="write {port, pid} when ready")
+    p.add_argument("--exit-with-parent", action="store_true", help="stop when the parent dies")
+
+
+def _read_config(path: str | None) -> dict[str, Any]:
+    if not path:
+        return {}
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise InvalidRequestError("config", f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise InvalidRequestError("config", f"{path}: expected a JSON object")
+    return data
+
+
+def _policy(raw: Any, ranks: int) -> policy_pb2.Policy:
+    policy = policy_pb2.Policy()
+    if raw is None:
+        policy.static.SetInParent()
+    else:
+        try:
+            json_format.ParseDict(json.loads(raw) if isinstance(raw, str) else raw, policy)
+        except (json_format.ParseError, ValueError) as exc:
+            raise InvalidRequestError("policy", f"invalid policy: {exc}") from exc
+    errors = policy_fields.layout_errors(policy, ranks)
+    if errors:
+        raise InvalidRequestError("policy", "; ".join(errors))
+    return policy_fields.with_defaults(policy, ranks)
+
+
+def load_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> WorkerSettings:
+    """Settings from flags over env over engine.json; raises InvalidRequestError naming a field."""
+    env = os.environ if env is None else env
+    cfg = _read_config(args.config or env.get("GEARSHIFT_CONFIG"))
+    model_cfg = cfg.get("model") or {}
+    group_cfg = cfg.get("group") or {}
+    model = args.model or model_cfg.get("path") or "smollm2"
+    ranks = int(env.get("GEARSHIFT_GROUP_SIZE") or group_cfg.get("ranks") or 1)
+    port = args.port
+    if port is None:
+        port = int(env.get("GEARSHIFT_WORKER_PORT") or (cfg.get("ports") or {}).get("worker") or 0)
+        port = port or DEFAULT_WORKER_PORT
+    engine = EngineKnobs(
+        dtype=args.dtype or model_cfg.get("dtype") or "auto",
+        device=args.device,
+        max_model_len=args.max_model_len or model_cfg.get("maxModelLen") or None,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_bytes,
+        enable_prefix_caching=args.enable_prefix_caching,
+        num_threads=args.num_threads,
+    )
+    return WorkerSettings(
+        model=model,
+        served_model_name=args.served_model_name
+        or model_cfg.get("name")
+        or default_served_name(model),
+        policy=_policy(args.policy_json or cfg.get("policy"), ranks),
+        engine=engine,
+        ranks=ranks,
+        node_rank=int(env.get("GEARSHIFT_NODE_RANK") or 0),
+        group_name=args.group_name or env.get("GEARSHIFT_GROUP_NAME") or "",
+        revision=env.get("GEARSHIFT_REVISION", ""),
+        host=args.host,
+        port=port,
+        max_waiting=args.max_waiting if args.max_waiting is not None else args.max_num_seqs,
+        ready_file=args.ready_file,
+        exit_with_parent=args.exit_with_parent,
+    )
