@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from gearshift.worker.errors import InvalidRequestError
 
 _DTYPES = {
@@ -19,6 +20,7 @@ _DTYPES = {
 }
 
 DEFAULT_CPU_KV_BYTES = 4 << 30
+ATTENTION_BACKENDS = ("auto", "torch", "cpu")
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,9 @@ class EngineConfig:
     detokenize: bool = True
     skip_tokenizer_init: bool = False  # token ids in and out only (models without a tokenizer)
     num_threads: int | None = None
+    # auto: the C++ CPU kernels on CPU when they build, else torch; torch: the reference (any
+    # device); cpu: the kernels. RMSNorm/RoPE/SiLU kernels follow GEARSHIFT_CPU_KERNELS instead.
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -57,6 +62,12 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise InvalidRequestError(
                 "gpu_memory_utilization", "gpu_memory_utilization must be in (0, 1]"
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise InvalidRequestError(
+                "attention_backend",
+                f"attention_backend {self.attention_backend!r} is not one of "
+                f"{', '.join(ATTENTION_BACKENDS)}",
             )
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise InvalidRequestError(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from gearshift.worker.attention.metadata import AttentionMetadata
 from gearshift.worker.kv.cache import LayerKV
 
@@ -57,6 +58,20 @@ class TorchAttention:
         nd = meta.num_decodes
         if nd:
             out[:nd] = self._decode(q[:nd], kv, meta)
+        self.prefill(q, k, v, kv, meta, out)
+        return out
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        """Every prefill chunk's attention into its rows of ``out``; its KV is already cached."""
+        nd = meta.num_decodes
         for i in range(meta.num_prefills):
             start, qlen = meta.prefill_starts[i], meta.prefill_query_lens[i]
             seq_len = meta.prefill_seq_lens[i]
@@ -71,7 +86,6 @@ class TorchAttention:
                 pos = torch.arange(seq_len - qlen, seq_len, device=q.device)
                 mask = torch.arange(seq_len, device=q.device)[None, :] <= pos[:, None]
                 out[sl] = self._sdpa(q[sl], keys, values, mask, heads_first=True)
-        return out
 
     def _sdpa(
         self,

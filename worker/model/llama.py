@@ -10,10 +10,12 @@ from __future__ import annotations
 from typing import ClassVar, Protocol
 
 import torch
-import torch.nn.functional as F
+from torch import nn
+
 from gearshift.worker.attention.metadata import AttentionMetadata
 from gearshift.worker.kv.cache import LayerKV
 from gearshift.worker.model.config import ModelConfig
+from gearshift.worker.model.layers.activation import silu_and_mul
 from gearshift.worker.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from gearshift.worker.model.layers.linear import (
     MergedColumnParallelLinear,
@@ -23,7 +25,6 @@ from gearshift.worker.model.layers.linear import (
 from gearshift.worker.model.layers.norm import RMSNorm
 from gearshift.worker.model.layers.rotary import RotaryEmbedding, rotate
 from gearshift.worker.parallel.comm import CommGroup
-from torch import nn
 
 
 class AttentionCore(Protocol):
@@ -109,8 +110,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, tp, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -131,8 +131,10 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         core: AttentionCore,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv, meta, core)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attn = self.self_attn(rope, self.input_layernorm(hidden), kv, meta, core)
+        # Residual add fused into the norm (one pass on CPU); attn's storage takes the sum.
+        normed, hidden = self.post_attention_layernorm.add_forward(attn, hidden)
+        return hidden + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):

@@ -9,6 +9,7 @@ from itertools import chain
 import torch
 from torch import Tensor
 
+from gearshift.worker import kernels
 from gearshift.worker.sampling.logprobs import TokenLogprobs, compute_logprobs
 from gearshift.worker.sampling.masks import apply_min_p, apply_top_k_top_p
 from gearshift.worker.sampling.params import SamplingParams
@@ -56,8 +57,10 @@ class Sampler:
         banned = _min_tokens_bans(states, logits.shape[1])
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
         if all(p.greedy for p in params) and not penalised and not banned[0]:
-            # Fast path: no copy, no softmax; argmax is exact in any float dtype.
-            token_ids = logits.argmax(dim=-1)
+            # Fast path: no copy, no softmax; argmax is exact in any float dtype. torch's CPU
+            # argmax is scalar (~2 ms for 32 rows of 49K): the CPU kernel is ~10x faster.
+            usable = kernels.usable(logits)
+            token_ids = kernels.argmax(logits) if usable else logits.argmax(dim=-1)
         else:
             work = logits.to(torch.float32, copy=True)
             if banned[0]:

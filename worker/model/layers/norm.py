@@ -1,10 +1,16 @@
-"""RMSNorm, computed the way Hugging Face does (fp32 statistics, cast back before the weight)."""
+"""RMSNorm, computed the way Hugging Face does (fp32 statistics, cast back before the weight).
+
+On CPU the C++ kernels (gearshift.worker.kernels) do it in one pass with the same rounding; the
+torch code is the reference everywhere else.
+"""
 
 from __future__ import annotations
 
 import torch
-from gearshift.worker.model.weights import LazyWeight
 from torch import nn
+
+from gearshift.worker import kernels
+from gearshift.worker.model.weights import LazyWeight
 
 
 class RMSNorm(nn.Module):
@@ -19,6 +25,28 @@ class RMSNorm(nn.Module):
         self.weight.data.copy_(w.load())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == x.dtype and kernels.usable(x):
+            return kernels.rms_norm(x, self.weight, self.eps)
+        return self.reference(x)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), the sum rounded to the dtype like a torch add.
+
+        ``x`` is consumed: its storage may hold the sum afterwards. ``residual`` is not modified.
+        """
+        if (
+            self.weight.dtype == x.dtype == residual.dtype
+            and x.shape == residual.shape
+            and kernels.usable(x)
+        ):
+            return kernels.add_rms_norm(x, residual, self.weight, self.eps), x
+        total = x + residual
+        return self.reference(total), total
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch computation (Hugging Face's LlamaRMSNorm)."""
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 
 import torch
-from gearshift.worker.model.config import RopeConfig
 from torch import nn
+
+from gearshift.worker import kernels
+from gearshift.worker.model.config import RopeConfig
 
 
 def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -57,7 +59,20 @@ class RotaryEmbedding(nn.Module):
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate heads ``x`` [T, H, D]; q and k heads may be rotated together in one call."""
+    """Rotate heads ``x`` [T, H, D] into a new tensor; q and k heads may go together in one call."""
+    if (
+        x.dim() == 3
+        and cos.dtype == x.dtype
+        and cos.shape[0] == x.shape[0]
+        and cos.numel() == x.shape[0] * (x.shape[2] // 2)
+        and kernels.usable(x)
+    ):
+        return kernels.rotary_embedding(x, cos, sin)
+    return rotate_reference(x, cos, sin)
+
+
+def rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's rotate-half in torch: each product rounded to the dtype, then the sum."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
