@@ -30,7 +30,9 @@ class EngineConfig:
     model: str
     dtype: str = "auto"
     device: str = "cpu"
-    block_size: int = 16
+    # Tokens per KV block. Default: 64 on CPU, where attention streams each (block, head) run
+    # and longer runs read faster (vLLM's CPU backend uses 128); 16 on GPU. 0: that default.
+    block_size: int = 0
     # CPU: bytes for KV blocks (default 4 GiB, capped at what max_num_seqs full-length sequences
     # can use). GPU: fraction of free device memory after the weights.
     kv_cache_bytes: int | None = None
@@ -48,6 +50,8 @@ class EngineConfig:
     attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.block_size == 0:
+            object.__setattr__(self, "block_size", 64 if self.device == "cpu" else 16)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise InvalidRequestError(

@@ -56,7 +56,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
-        """fp32 logits [S, vocab] for ``plan.logits_indices`` on the group's first rank."""
+        """Logits [S, vocab] (model dtype) for ``plan.logits_indices`` on the group's first rank."""
         gear = self.gears[plan.gear]
         plan = plan.to(self.device)
         meta = plan.attention_metadata()
@@ -74,8 +74,8 @@ class ModelRunner:
             if gathered is None:
                 return None
             hidden = gathered
-        logits = gear.model.compute_logits(hidden[plan.logits_indices])
-        return None if logits is None else logits.float()
+        # No fp32 copy here: the sampler upcasts only the rows and steps that need it.
+        return gear.model.compute_logits(hidden[plan.logits_indices])
 
     def keepalive(self) -> None:
         """Nothing to keep alive in one process."""

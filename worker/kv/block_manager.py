@@ -165,7 +165,10 @@ class BlockManager:
         return [b for b, n in enumerate(self.ref_counts) if n]
 
     def reset_prefix_cache(self) -> None:
+        """Forget every cached block nobody holds; they become plain free blocks."""
         for h, b in list(self.cached.items()):
             if self.ref_counts[b] == 0:
                 del self.cached[h]
                 self.block_hash[b] = None
+                # Like any uncached free block: handed out first (its pages are already warm).
+                self.free.move_to_end(b, last=False)

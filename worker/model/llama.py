@@ -127,14 +127,22 @@ class LlamaDecoderLayer(nn.Module):
         self,
         rope: Rope,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         kv: LayerKV,
         meta: AttentionMetadata,
         core: AttentionCore,
-    ) -> torch.Tensor:
-        attn = self.self_attn(rope, self.input_layernorm(hidden), kv, meta, core)
-        # Residual add fused into the norm (one pass on CPU); attn's storage takes the sum.
-        normed, hidden = self.post_attention_layernorm.add_forward(attn, hidden)
-        return hidden + self.mlp(normed)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream): the caller adds them in the next norm (vLLM-style),
+        so every residual add is fused into an RMSNorm pass. Same rounding as Hugging Face's
+        ``hidden = residual + out`` followed by a norm."""
+        if residual is None:
+            residual = hidden
+            normed = self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm.add_forward(hidden, residual)
+        attn = self.self_attn(rope, normed, kv, meta, core)
+        normed, residual = self.post_attention_layernorm.add_forward(attn, residual)
+        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):
@@ -203,9 +211,12 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] after the final norm."""
         hidden = self.model.embed_tokens(input_ids)
         rope = self.model.rotary.table(positions)
+        residual: torch.Tensor | None = None
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(rope, hidden, kv, meta, core)
-        return self.model.norm(hidden)
+            hidden, residual = layer(rope, hidden, residual, kv, meta, core)
+        if residual is None:  # a model without layers
+            return self.model.norm(hidden)
+        return self.model.norm.add_forward(hidden, residual)[0]
 
     def pack_weights(self) -> None:
         """Pre-pack every matmul weight for CPU inference where oneDNN supports the dtype."""

@@ -44,7 +44,7 @@ def engine_config(settings: WorkerSettings) -> EngineConfig:
         model=settings.model,
         dtype=k.dtype,
         device=k.device,
-        block_size=k.block_size,
+        block_size=k.block_size or 0,
         kv_cache_bytes=k.kv_cache_bytes,
         max_num_seqs=k.max_num_seqs,
         max_num_batched_tokens=k.max_num_batched_tokens,

@@ -33,7 +33,7 @@ class EngineKnobs:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    block_size: int = 16
+    block_size: int | None = None  # device default (EngineConfig)
     kv_cache_bytes: int | None = None
     enable_prefix_caching: bool = True
     num_threads: int | None = None
@@ -73,7 +73,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per KV block (default: 64 on CPU, where longer runs stream faster; 16 on GPU)",
+    )
     p.add_argument("--kv-cache-bytes", type=int, default=None)
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)

@@ -81,3 +81,19 @@ def test_prefix_caching_off_never_hits():
     bm.cache_full_blocks(a, list(range(8)), 8)
     assert bm.match_prefix(list(range(8)), 8).block_ids == ()
     bm.free_table(a)
+
+
+def test_reset_prefix_cache_hands_the_uncached_blocks_out_before_untouched_ones():
+    bm = _bm(8)
+    tokens = list(range(8))
+    a = BlockTable()
+    bm.allocate(a, 8)
+    used = list(a.block_ids)
+    bm.cache_full_blocks(a, tokens, 8)
+    bm.free_table(a)
+    bm.reset_prefix_cache()
+    assert bm.match_prefix(tokens, 8).block_ids == ()
+    b = BlockTable()
+    bm.allocate(b, 8)
+    assert sorted(b.block_ids) == sorted(used)  # warm blocks first, not blocks 2..7
+    bm.free_table(b)

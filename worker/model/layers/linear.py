@@ -47,6 +47,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.dim() == 2:  # the model's packed token batch: no reshape ops on the hot path
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     out = torch.ops.mkldnn._linear_pointwise(
         x.reshape(-1, x.shape[-1]), packed, bias, "none", [], ""
     )
