@@ -128,3 +128,19 @@ def run_recording(
             rows.setdefault(out.request_id, []).append((list(seen[out.request_id]), logits[i]))
             seen[out.request_id].extend(out.new_token_ids)
     return rows
+
+
+def scattered_block_tables(
+    lens: list[int], block_size: int, num_blocks: int, width: int, generator: torch.Generator
+) -> torch.Tensor:
+    """[sequences, width] block tables whose blocks are a random permutation of the pool, so a
+    kernel that assumed contiguous or ordered blocks would read the wrong KV."""
+    widths = [-(-n // block_size) for n in lens]
+    assert sum(widths) <= num_blocks and max(widths) <= width
+    order = torch.randperm(num_blocks, generator=generator)
+    tables = torch.zeros(len(lens), width, dtype=torch.int64)
+    used = 0
+    for b, w in enumerate(widths):
+        tables[b, :w] = order[used : used + w]
+        used += w
+    return tables

@@ -2,9 +2,70 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
+
+# Prefill chunks without history run as one padded attention call while the padded work (chunks x
+# longest^2 query-key pairs) stays within both bounds: at most MAX_PADDING_WORK times the real work
+# (sum of length^2), and at most the real work plus CALL_WORK per call saved. The second bound
+# keeps long chunks apart (their padding costs far more than a call); CALL_WORK is one SDPA call's
+# fixed cost on CPU, measured as about the work of attending a 32-token chunk.
+MAX_PADDING_WORK = 2.0
+CALL_WORK = 32 * 32
+
+
+@dataclass(frozen=True)
+class PaddedPrefill:
+    """Prefill chunks without cached history, attended as one right-padded batch.
+
+    Rows of the packed token batch are gathered into [chunks, max_len] (padding rows repeat the
+    chunk's last token: finite values that a causal mask keeps away from every real query), and
+    the real rows are gathered back out of the padded output.
+    """
+
+    chunks: tuple[int, ...]  # indices into the step's prefill chunks, longest first
+    max_len: int
+    gather: torch.Tensor  # [chunks * max_len] int64: token row of each padded position
+    scatter: torch.Tensor  # [tokens of the group] int64: padded position of each token row
+    rows: torch.Tensor  # [tokens of the group] int64: the token rows, ascending
+    row_range: tuple[int, int] | None  # (start, end) when ``rows`` is one contiguous run
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunks)
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """How a step's prefill chunks are attended: padded batches, and chunks run one by one."""
+
+    batches: tuple[PaddedPrefill, ...]
+    singles: tuple[int, ...]  # indices into the prefill chunks
+
+
+def group_prefills(
+    lengths: dict[int, int], max_padding_work: float, call_work: int = CALL_WORK
+) -> list[list[int]]:
+    """Chunks (index → length) grouped longest first; a chunk joins the current group while the
+    group's padded work stays within ``max_padding_work`` x its real work and within its real
+    work plus ``call_work`` per call saved (module comment above)."""
+    groups: list[list[int]] = []
+    work = 0
+    for i in sorted(lengths, key=lambda c: -lengths[c]):
+        n = lengths[i]
+        if groups:
+            group = groups[-1]
+            padded = (len(group) + 1) * lengths[group[0]] ** 2
+            real = work + n * n
+            if padded <= min(max_padding_work * real, real + len(group) * call_work):
+                group.append(i)
+                work = real
+                continue
+        groups.append([i])
+        work = n * n
+    return groups
 
 
 @dataclass(frozen=True)
@@ -37,3 +98,50 @@ class AttentionMetadata:
     @property
     def num_actual_tokens(self) -> int:
         return self.num_decodes + sum(self.prefill_query_lens)
+
+    @functools.cached_property
+    def prefill_plan(self) -> PrefillPlan:
+        """Which prefill chunks run as padded batches; built on first use, then shared by every
+        layer of the step (cached on this frozen object)."""
+        fresh = {
+            i: n
+            for i, (n, total) in enumerate(
+                zip(self.prefill_query_lens, self.prefill_seq_lens, strict=True)
+            )
+            if n == total
+        }
+        batches: list[PaddedPrefill] = []
+        singles = [i for i in range(self.num_prefills) if i not in fresh]
+        for group in group_prefills(fresh, MAX_PADDING_WORK):
+            if len(group) == 1:
+                singles.append(group[0])
+            else:
+                batches.append(self._padded(group))
+        return PrefillPlan(tuple(batches), tuple(sorted(singles)))
+
+    def _padded(self, group: list[int]) -> PaddedPrefill:
+        lens = [self.prefill_query_lens[i] for i in group]
+        longest = max(lens)
+        gather: list[int] = []
+        pairs: list[tuple[int, int]] = []  # (token row, padded position)
+        for slot, (i, n) in enumerate(zip(group, lens, strict=True)):
+            start = self.prefill_starts[i]
+            gather.extend(range(start, start + n))
+            gather.extend([start + n - 1] * (longest - n))
+            pairs.extend((start + t, slot * longest + t) for t in range(n))
+        pairs.sort()
+        rows = [r for r, _ in pairs]
+        device = self.slot_mapping.device
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        contiguous = rows[-1] - rows[0] + 1 == len(rows)
+        return PaddedPrefill(
+            chunks=tuple(group),
+            max_len=longest,
+            gather=tensor(gather),
+            scatter=tensor([p for _, p in pairs]),
+            rows=tensor(rows),
+            row_range=(rows[0], rows[-1] + 1) if contiguous else None,
+        )

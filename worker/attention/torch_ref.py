@@ -1,7 +1,9 @@
 """Reference attention over the paged KV cache, in plain torch; runs on every device.
 
-Decodes are batched (one grouped matmul over each sequence's gathered context); prefill chunks run
-one by one through SDPA, with a causal mask offset by the chunk's cached history.
+Decodes are batched (one grouped matmul over each sequence's gathered context). Prefill chunks
+without cached history run together as one right-padded causal SDPA call when their lengths are
+close enough (``AttentionMetadata.prefill_plan``); the others run one by one through SDPA, with a
+causal mask offset by the chunk's cached history.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gearshift.worker.attention.metadata import AttentionMetadata
+from gearshift.worker.attention.metadata import AttentionMetadata, PaddedPrefill
 from gearshift.worker.kv.cache import LayerKV
 
 
@@ -70,9 +72,16 @@ class TorchAttention:
         meta: AttentionMetadata,
         out: torch.Tensor,
     ) -> None:
-        """Every prefill chunk's attention into its rows of ``out``; its KV is already cached."""
+        """Every prefill chunk's attention into its rows of ``out``; its KV is already cached.
+
+        Chunks without cached history and of similar lengths run as one padded SDPA call
+        (``meta.prefill_plan``); the others one by one.
+        """
         nd = meta.num_decodes
-        for i in range(meta.num_prefills):
+        plan = meta.prefill_plan
+        for batch in plan.batches:
+            self._padded_prefill(q, k, v, batch, out)
+        for i in plan.singles:
             start, qlen = meta.prefill_starts[i], meta.prefill_query_lens[i]
             seq_len = meta.prefill_seq_lens[i]
             sl = slice(start, start + qlen)
@@ -86,6 +95,33 @@ class TorchAttention:
                 pos = torch.arange(seq_len - qlen, seq_len, device=q.device)
                 mask = torch.arange(seq_len, device=q.device)[None, :] <= pos[:, None]
                 out[sl] = self._sdpa(q[sl], keys, values, mask, heads_first=True)
+
+    def _padded_prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: PaddedPrefill,
+        out: torch.Tensor,
+    ) -> None:
+        n, length = batch.num_chunks, batch.max_len
+        tokens, hq, dim = q.shape
+
+        def padded(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] → [n, H, length, D]
+            # Row gathers of 2-D views copy whole rows (several times faster than 3-D ones).
+            rows = x.flatten(1).index_select(0, batch.gather)
+            return rows.view(n, length, x.shape[1], dim).transpose(1, 2)
+
+        # Right padding needs no key mask: a causal query never sees a later (padding) key.
+        o = F.scaled_dot_product_attention(
+            padded(q), padded(k), padded(v), is_causal=True, scale=self.scale, enable_gqa=True
+        )
+        flat = o.transpose(1, 2).reshape(n * length, hq * dim)
+        if batch.row_range is not None and out.is_contiguous():
+            start, end = batch.row_range
+            torch.index_select(flat, 0, batch.scatter, out=out.view(tokens, hq * dim)[start:end])
+        else:
+            out[batch.rows] = flat.index_select(0, batch.scatter).view(-1, hq, dim)
 
     def _sdpa(
         self,

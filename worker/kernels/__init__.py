@@ -1,5 +1,5 @@
 """C++ CPU kernels (JIT-built torch extension): paged decode attention, RMSNorm, RoPE, SiLU-and-mul,
-argmax.
+argmax, and a whole decoder layer for pure-decode steps.
 
 ``available()`` says whether they are loaded; every caller keeps a torch reference path for when
 they are not (no compiler, ``GEARSHIFT_CPU_KERNELS=0``, non-CPU tensors).
@@ -11,6 +11,7 @@ from gearshift.worker.kernels.ops import (
     add_rms_norm,
     argmax,
     available,
+    decode_layer,
     fused_add_rms_norm,
     paged_decode_attention,
     rms_norm,
@@ -25,6 +26,7 @@ __all__ = [
     "add_rms_norm",
     "argmax",
     "available",
+    "decode_layer",
     "fused_add_rms_norm",
     "paged_decode_attention",
     "rms_norm",

@@ -27,7 +27,14 @@ import torch
 log = logging.getLogger(__name__)
 
 LIBRARY = "gearshift_cpu_kernels"
-SOURCES = ("norm.cpp", "elementwise.cpp", "attention.cpp", "argmax.cpp", "registration.cpp")
+SOURCES = (
+    "norm.cpp",
+    "elementwise.cpp",
+    "attention.cpp",
+    "argmax.cpp",
+    "decode_layer.cpp",
+    "registration.cpp",
+)
 HEADERS = ("common.h", "kernels.h", "simd.h")
 # -ffp-contract=off: the elementwise kernels must round like torch's separate multiply and add;
 # reductions that want FMA spell it (std::fma). On x86, GCC auto-vectorises with 256-bit vectors

@@ -1,7 +1,11 @@
 // Gearshift CPU kernels: the C++ entry points behind the gearshift_cpu:: ops (registration.cpp).
 #pragma once
 
+#include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
 
 namespace gearshift {
 
@@ -26,5 +30,13 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
                             const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                             const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, double scale);
+
+// A whole decoder layer of a pure-decode step (decode_layer.cpp): (mlp_out, residual stream).
+// ``hidden`` is consumed like RMSNorm.add_forward's input when ``residual`` is given.
+std::tuple<at::Tensor, at::Tensor> decode_layer(
+    at::Tensor& hidden, const std::optional<at::Tensor>& residual,
+    const c10::List<std::optional<at::Tensor>>& weights, at::Tensor& k_cache, at::Tensor& v_cache,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+    const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, double eps, double scale);
 
 }  // namespace gearshift

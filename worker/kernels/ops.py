@@ -117,3 +117,41 @@ def paged_decode_attention(
     torch.ops.gearshift_cpu.paged_decode_attention.default(
         out, q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale
     )
+
+
+def decode_layer(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    weights: list[torch.Tensor | None],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    eps: float,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole Llama decoder layer for one new token per sequence: (MLP output, residual stream).
+
+    ``weights`` is the layer's slot list (``LlamaDecoderLayer.fused_decode_weights``). ``hidden``
+    is consumed when ``residual`` is given (it then holds their sum, like ``add_rms_norm``).
+    """
+    out: tuple[torch.Tensor, torch.Tensor] = torch.ops.gearshift_cpu.decode_layer.default(
+        hidden,
+        residual,
+        weights,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        cos,
+        sin,
+        num_heads,
+        eps,
+        scale,
+    )
+    return out

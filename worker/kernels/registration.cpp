@@ -19,6 +19,10 @@ TORCH_LIBRARY(gearshift_cpu, m) {
       "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, Tensor(b!) k_cache,"
       " Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens,"
       " float scale) -> ()");
+  m.def(
+      "decode_layer(Tensor(a!) hidden, Tensor? residual, Tensor?[] weights, Tensor(b!) k_cache,"
+      " Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor cos,"
+      " Tensor sin, int num_heads, float eps, float scale) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(gearshift_cpu, CPU, m) {
@@ -31,4 +35,11 @@ TORCH_LIBRARY_IMPL(gearshift_cpu, CPU, m) {
   m.impl("argmax", &gearshift::argmax_last);
   m.impl("write_kv", &gearshift::write_kv);
   m.impl("paged_decode_attention", &gearshift::paged_decode_attention);
+  m.impl("decode_layer", &gearshift::decode_layer);
+}
+
+// decode_layer's weight list may hold oneDNN-packed tensors, whose MkldnnCPU dispatch key outranks
+// CPU when the dispatcher picks a kernel from all the arguments: the same kernel serves both.
+TORCH_LIBRARY_IMPL(gearshift_cpu, MkldnnCPU, m) {
+  m.impl("decode_layer", &gearshift::decode_layer);
 }

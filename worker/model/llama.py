@@ -7,11 +7,14 @@ injected (``AttentionCore``) so parallel layouts can wrap it without forking the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 import torch
 from torch import nn
 
+from gearshift.worker import kernels
+from gearshift.worker.attention.cpu_backend import CpuAttention
 from gearshift.worker.attention.metadata import AttentionMetadata
 from gearshift.worker.kv.cache import LayerKV
 from gearshift.worker.model.config import ModelConfig
@@ -20,6 +23,7 @@ from gearshift.worker.model.layers.embedding import ParallelLMHead, VocabParalle
 from gearshift.worker.model.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
 )
 from gearshift.worker.model.layers.norm import RMSNorm
@@ -113,6 +117,15 @@ class LlamaMLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
+@dataclass(frozen=True)
+class FusedDecodeArgs:
+    """What ``kernels.decode_layer`` needs of one layer besides the step's tensors, built once."""
+
+    weights: list[torch.Tensor | None]  # the op's weight slots (packed oneDNN or plain weights)
+    num_heads: int
+    eps: float
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self, cfg: ModelConfig, tp: CommGroup, dtype: torch.dtype, device: torch.device
@@ -122,6 +135,45 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, tp, dtype, device)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.fused: FusedDecodeArgs | None = None  # set by prepare_fused_decode()
+
+    def prepare_fused_decode(self, tp: CommGroup) -> None:
+        """Cache this layer's arguments of ``kernels.decode_layer`` (after packing) if the op can
+        run it: one rank (no collective inside the layer), no q/k norm, CPU weights of one dtype.
+        """
+        attn, mlp = self.self_attn, self.mlp
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        dtype = norms[0].weight.dtype
+        tensors = [n.weight for n in norms] + [lin.weight for lin in linears]
+        tensors += [lin.bias for lin in linears if lin.bias is not None]
+        self.fused = None
+        if (
+            tp.size > 1
+            or attn.q_norm is not None
+            or norms[0].eps != norms[1].eps
+            or dtype not in (torch.float32, torch.bfloat16, torch.float16)
+            or any(t.dtype != dtype or t.device.type != "cpu" for t in tensors)
+        ):
+            return
+
+        def weight(lin: ReplicatedLinear) -> torch.Tensor:
+            return lin.packed if lin.packed is not None else lin.weight
+
+        # Slot order of decode_layer.cpp's ``Slot`` enum.
+        weights: list[torch.Tensor | None] = [
+            norms[0].weight,
+            weight(attn.qkv_proj),
+            attn.qkv_proj.bias,
+            weight(attn.o_proj),
+            attn.o_proj.bias,
+            norms[1].weight,
+            weight(mlp.gate_up_proj),
+            mlp.gate_up_proj.bias,
+            weight(mlp.down_proj),
+            mlp.down_proj.bias,
+        ]
+        self.fused = FusedDecodeArgs(weights, attn.num_heads, norms[0].eps)
 
     def forward(
         self,
@@ -143,6 +195,35 @@ class LlamaDecoderLayer(nn.Module):
         attn = self.self_attn(rope, normed, kv, meta, core)
         normed, residual = self.post_attention_layernorm.add_forward(attn, residual)
         return self.mlp(normed), residual
+
+    def fused_decode(
+        self,
+        rope: Rope,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` of a pure-decode step through the CPU attention kernel, as one C++ op: the
+        same kernels in the same order (bit-identical results), without ~17 eager dispatches."""
+        fused = self.fused
+        assert fused is not None
+        return kernels.decode_layer(
+            hidden,
+            residual,
+            fused.weights,
+            kv[0],
+            kv[1],
+            meta.slot_mapping,
+            meta.block_tables,
+            meta.seq_lens,
+            rope[0],
+            rope[1],
+            fused.num_heads,
+            fused.eps,
+            scale,
+        )
 
 
 class LlamaModel(nn.Module):
@@ -188,6 +269,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp
+        # Every layer when all of them can run as the fused decode op (pack_weights decides).
+        self.fused_layers: list[LlamaDecoderLayer] = []
         self.model = LlamaModel(cfg, max_positions, tp, dtype, device)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
         if cfg.tie_word_embeddings:
@@ -212,18 +295,45 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model.embed_tokens(input_ids)
         rope = self.model.rotary.table(positions)
         residual: torch.Tensor | None = None
-        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            hidden, residual = layer(rope, hidden, residual, kv, meta, core)
+        scale = self._fused_decode_scale(hidden, meta, core)
+        if scale is not None:
+            for fused, kv in zip(self.fused_layers, kv_caches, strict=True):
+                hidden, residual = fused.fused_decode(rope, hidden, residual, kv, meta, scale)
+        else:
+            for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+                hidden, residual = layer(rope, hidden, residual, kv, meta, core)
         if residual is None:  # a model without layers
             return self.model.norm(hidden)
         return self.model.norm.add_forward(hidden, residual)[0]
 
+    def _fused_decode_scale(
+        self, hidden: torch.Tensor, meta: AttentionMetadata, core: AttentionCore
+    ) -> float | None:
+        """The attention scale when every layer of this step can run as ``kernels.decode_layer``:
+        all tokens are decodes (no prefill chunk, no padding), attention is the CPU backend's
+        kernel (not wrapped, e.g. by Ulysses), and every layer was prepared for it. Else None."""
+        if (
+            meta.num_decodes != hidden.shape[0]
+            or meta.num_padding
+            or not self.fused_layers
+            or not isinstance(core, CpuAttention)
+            or not kernels.usable(hidden)
+        ):
+            return None
+        return core.scale
+
     def pack_weights(self) -> None:
-        """Pre-pack every matmul weight for CPU inference where oneDNN supports the dtype."""
+        """Pre-pack every matmul weight for CPU inference where oneDNN supports the dtype, then
+        cache each layer's arguments of the fused decode op (they point at the packed weights)."""
         for module in self.modules():
             pack = getattr(module, "pack_weights", None)
             if module is not self and callable(pack):
                 pack()
+        layers = [layer for layer in self.model.layers if isinstance(layer, LlamaDecoderLayer)]
+        for layer in layers:
+            layer.prepare_fused_decode(self.tp)
+        ready = all(layer.fused is not None for layer in layers)
+        self.fused_layers = layers if ready else []
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocab logits on the TP group's first rank; None elsewhere."""

@@ -11,6 +11,7 @@ from gearshift.worker import kernels
 from gearshift.worker.attention.cpu_backend import CpuAttention
 from gearshift.worker.attention.metadata import AttentionMetadata
 from gearshift.worker.attention.torch_ref import TorchAttention, write_kv
+from tests.worker.helpers import scattered_block_tables
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
@@ -62,12 +63,8 @@ def make_batch(
     g = torch.Generator().manual_seed(seed)
     widths = [-(-n // block_size) for n in lens]
     num_blocks = sum(widths) + 3
-    order = torch.randperm(num_blocks, generator=g)
-    tables = torch.zeros(len(lens), max(widths) + 1, dtype=torch.int64)  # a spare column
-    used = 0
-    for b, w in enumerate(widths):
-        tables[b, :w] = order[used : used + w]
-        used += w
+    # A spare column.
+    tables = scattered_block_tables(lens, block_size, num_blocks, max(widths) + 1, g)
     shape = (num_blocks, kv_heads, block_size, dim)
     k_cache = torch.randn(shape, generator=g).to(dtype)
     v_cache = torch.randn(shape, generator=g).to(dtype)
@@ -185,13 +182,7 @@ def _mixed_step(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     bs, hkv, hq, blocks = 4, 2, 6, 64
     decode_lens, chunk_hist, chunk_len, fresh_len, padding = [7, 30, 1], 9, 6, 5, 2
     lens = [*decode_lens, chunk_hist + chunk_len, fresh_len]
-    order = torch.randperm(blocks, generator=g)
-    tables = torch.zeros(len(lens), 8, dtype=torch.int64)
-    used = 0
-    for b, n in enumerate(lens):
-        w = -(-n // bs)
-        tables[b, :w] = order[used : used + w]
-        used += w
+    tables = scattered_block_tables(lens, bs, blocks, 8, g)
 
     def slot(b: int, pos: int) -> int:
         return int(tables[b, pos // bs]) * bs + pos % bs
