@@ -205,8 +205,33 @@ def _join_group(
 def _set_threads(config: EngineConfig, parallel: ParallelConfig) -> None:
     if config.device != "cpu":
         return
+    tune_host_allocator()
     threads = parallel.threads_per_rank or max(1, (os.cpu_count() or 1) // parallel.local_ranks)
     torch.set_num_threads(config.num_threads or threads)
+
+
+# glibc's allocator returns freed blocks over its (dynamic) mmap threshold to the kernel, and the
+# next step maps them again: a prefill step's activations (megabytes each) then page-fault and get
+# zeroed on every use (x + y on two 12 MB bf16 tensors: 5 ms instead of 1.8 ms). Keeping blocks up
+# to 32 MiB (glibc's maximum) on the heap, and 1 GiB of free heap before trimming, makes steady
+# steps reuse warm memory, as the caching allocators of GPU backends do.
+_MMAP_THRESHOLD = 32 << 20
+_TRIM_THRESHOLD = 1 << 30
+
+
+def tune_host_allocator() -> bool:
+    """Keep large freed blocks in this process's heap (glibc only); True if it took effect."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+        return bool(
+            libc.mallopt(m_mmap_threshold, _MMAP_THRESHOLD)
+            and libc.mallopt(m_trim_threshold, _TRIM_THRESHOLD)
+        )
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
 
 
 def _die_with_parent() -> None:
@@ -309,6 +334,8 @@ def start_engine(config: EngineConfig, parallel: ParallelConfig | None = None) -
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     if parallel.world_size == 1:
+        if config.device == "cpu":
+            tune_host_allocator()
         started = time.monotonic()
         device = _device(config, 0)
         state = _setup_rank(config, parallel, GroupSet.single(), device)

@@ -31,6 +31,9 @@ class PaddedPrefill:
     scatter: torch.Tensor  # [tokens of the group] int64: padded position of each token row
     rows: torch.Tensor  # [tokens of the group] int64: the token rows, ascending
     row_range: tuple[int, int] | None  # (start, end) when ``rows`` is one contiguous run
+    # True when the chunks are equally long and lie back to back in order: the padded batch is
+    # then a view of rows row_range (no gather, no scatter).
+    dense: bool = False
 
     @property
     def num_chunks(self) -> int:
@@ -137,6 +140,11 @@ class AttentionMetadata:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
         contiguous = rows[-1] - rows[0] + 1 == len(rows)
+        first = self.prefill_starts[group[0]]
+        dense = all(
+            n == longest and self.prefill_starts[i] == first + slot * longest
+            for slot, (i, n) in enumerate(zip(group, lens, strict=True))
+        )
         return PaddedPrefill(
             chunks=tuple(group),
             max_len=longest,
@@ -144,4 +152,5 @@ class AttentionMetadata:
             scatter=tensor([p for _, p in pairs]),
             rows=tensor(rows),
             row_range=(rows[0], rows[-1] + 1) if contiguous else None,
+            dense=dense,
         )

@@ -93,12 +93,14 @@ CASES = {
     "around-history": ([(0, 20), (11, 6), (0, 17), (0, 19)], [9], 3),
     "two-groups": ([(0, 64), (0, 9), (0, 60), (0, 7), (0, 8)], [], 2),
     "single": ([(0, 12), (20, 4)], [3], 0),
+    "dense": ([(0, 16), (0, 16), (0, 16)], [4, 9], 1),
 }
 BATCHES = {
     "contiguous": [(1, 3, 0, 2)],
     "around-history": [(0, 3, 2)],
     "two-groups": [(0, 2), (1, 4, 3)],
     "single": [],
+    "dense": [(0, 1, 2)],
 }
 
 
@@ -113,8 +115,11 @@ def test_padded_prefill_equals_one_by_one_in_fp32(case, backend, monkeypatch):
     assert set(plan.singles) == set(range(len(chunks))) - batched
     # One run of rows (an out= gather), or rows that other chunks interleave (an index_put).
     contiguous = (len(decodes), len(decodes) + sum(n for _, n in chunks))
-    want_ranges = [contiguous] if case == "contiguous" else [None] * len(BATCHES[case])
+    one_run = case in ("contiguous", "dense")
+    want_ranges = [contiguous] if one_run else [None] * len(BATCHES[case])
     assert [b.row_range for b in plan.batches] == want_ranges
+    # Equal chunks back to back: the padded batch is a view of the rows (no gather).
+    assert [b.dense for b in plan.batches] == [case == "dense"] * len(BATCHES[case])
     core = backend(DIM**-0.5)
     kv_batched = (kv[0].clone(), kv[1].clone())
     got = core.forward(q, k, v, kv_batched, meta)
