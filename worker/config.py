@@ -45,6 +45,9 @@ class EngineConfig:
     detokenize: bool = True
     skip_tokenizer_init: bool = False  # token ids in and out only (models without a tokenizer)
     num_threads: int | None = None
+    # CPU: torch threads for steps of at least PREFILL_THREADS_MIN_TOKENS tokens (prefill-heavy,
+    # compute-bound steps while the serving processes beside the engine wait). None: num_threads.
+    prefill_threads: int | None = None
     # auto: the C++ CPU kernels on CPU when they build, else torch; torch: the reference (any
     # device); cpu: the kernels. RMSNorm/RoPE/SiLU kernels follow GEARSHIFT_CPU_KERNELS instead.
     attention_backend: str = "auto"
@@ -52,6 +55,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size == 0:
             object.__setattr__(self, "block_size", 64 if self.device == "cpu" else 16)
+        for name in ("num_threads", "prefill_threads"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise InvalidRequestError(name, f"{name} must be positive, got {value}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise InvalidRequestError(

@@ -27,7 +27,7 @@ from gearshift.worker.attention.select import make_attention
 from gearshift.worker.config import EngineConfig
 from gearshift.worker.engine.llm_engine import LLMEngine
 from gearshift.worker.engine.loading import ModelSpec, inspect_model, kv_cache_blocks
-from gearshift.worker.engine.model_runner import ModelRunner
+from gearshift.worker.engine.model_runner import ModelRunner, StepThreads
 from gearshift.worker.errors import GroupFailure, InvalidRequestError
 from gearshift.worker.kv.block_manager import BlockManager
 from gearshift.worker.kv.cache import KVCacheSpec, allocate_kv_cache
@@ -166,7 +166,10 @@ def _setup_rank(
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         blocks = int(agreed.item())
     kv = allocate_kv_cache(kv_spec, blocks, device)
-    return RankState(spec, ModelRunner(gears, kv, device), groups, blocks)
+    threads = None
+    if device.type == "cpu" and config.prefill_threads is not None:
+        threads = StepThreads(config.prefill_threads)
+    return RankState(spec, ModelRunner(gears, kv, device, threads), groups, blocks)
 
 
 def _join_group(

@@ -40,6 +40,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--kv-cache-bytes", type=int, default=None)
     p.add_argument("--num-threads", type=int, default=None, help="per group; default: shared")
+    p.add_argument(
+        "--prefill-threads",
+        type=int,
+        default=None,
+        help="per rank, for steps of 256+ tokens; default: the cores shared, the router's too",
+    )
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--policy", choices=("static", "shift"), default="static")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel (shift: of the base gear)")
@@ -80,8 +86,17 @@ def default_threads(groups: int, ranks: int) -> int:
     return max(1, (cores - 1 if cores > 1 else 1) // (groups * ranks))
 
 
+def default_prefill_threads(groups: int, ranks: int) -> int:
+    """Torch threads per rank for long (prefill) steps: every core shared, the router's too,
+    since it has nothing to stream while such a step runs (ModelRunner's StepThreads)."""
+    return max(1, (os.cpu_count() or 1) // (groups * ranks))
+
+
 def _worker_args(args: argparse.Namespace, engine_json: Path, ranks: int) -> list[str]:
     threads = args.num_threads or default_threads(args.groups, ranks)
+    prefill_threads = args.prefill_threads or max(
+        threads, default_prefill_threads(args.groups, ranks)
+    )
     out = [
         "--config",
         str(engine_json),
@@ -96,6 +111,8 @@ def _worker_args(args: argparse.Namespace, engine_json: Path, ranks: int) -> lis
         str(args.max_num_batched_tokens),
         "--num-threads",
         str(threads),
+        "--prefill-threads",
+        str(prefill_threads),
     ]
     if args.block_size:
         out += ["--block-size", str(args.block_size)]

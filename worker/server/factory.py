@@ -53,6 +53,7 @@ def engine_config(settings: WorkerSettings) -> EngineConfig:
         # The router detokenises; the worker keeps the tokenizer for its EOS ids.
         detokenize=False,
         num_threads=k.num_threads,
+        prefill_threads=k.prefill_threads,
     )
 
 

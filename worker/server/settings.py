@@ -37,6 +37,7 @@ class EngineKnobs:
     kv_cache_bytes: int | None = None
     enable_prefix_caching: bool = True
     num_threads: int | None = None
+    prefill_threads: int | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--kv-cache-bytes", type=int, default=None)
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument(
+        "--prefill-threads",
+        type=int,
+        default=None,
+        help="torch CPU threads for steps of 256+ tokens (default: --num-threads)",
+    )
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--max-waiting", type=int, default=None, help="default: max-num-seqs")
     p.add_argument("--policy-json", default=None, help="gearshift.v1.Policy as JSON")
@@ -140,6 +147,7 @@ def load_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None
         kv_cache_bytes=args.kv_cache_bytes,
         enable_prefix_caching=args.enable_prefix_caching,
         num_threads=args.num_threads,
+        prefill_threads=args.prefill_threads,
     )
     return WorkerSettings(
         model=model,
