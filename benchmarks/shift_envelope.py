@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
+import random
 import statistics
 import tempfile
 import time
@@ -26,6 +28,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+MAX_REPEATS = 80
 
 
 def make_model(folder: Path, layers: int) -> None:
@@ -74,7 +77,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--layers", type=int, default=30)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=5, help="at least this many per column")
+    ap.add_argument(
+        "--seconds", type=float, default=5.0, help="and at least this long per column and size"
+    )
     ap.add_argument("--history", type=int, default=64, help="cached tokens per sequence")
     ap.add_argument("--out", type=Path, default=HERE / "shift_envelope")
     args = ap.parse_args()
@@ -96,6 +102,7 @@ def main() -> None:
         )
     base, shift = 0, 1  # gear indices: base = SP 2, shift = TP 2
     counter = iter(range(10**9))
+    shuffle = random.Random(0)
 
     def timed(n: int, gear: int) -> float:
         plan, seqs = plan_for(engine, n, args.history, next(counter), gear)
@@ -109,10 +116,22 @@ def main() -> None:
     def measure(n: int, gears: dict[str, int], repeats: int) -> dict[str, float]:
         for gear in set(gears.values()):
             timed(n, gear)  # oneDNN builds its kernels for a new shape on first use
+        # Cheap steps get more repeats (each column at least --seconds of samples): on a shared
+        # 2-core VM a gloo collective costs ~0.6 ms with a wide spread, and a 1-token step is
+        # ~60 of them, so a few samples cannot tell two equal gears apart.
+        rounds = repeats
         samples: dict[str, list[float]] = {name: [] for name in gears}
-        for _ in range(repeats):  # interleaved, so drift and noise hit every column alike
-            for name, gear in gears.items():
-                samples[name].append(timed(n, gear))
+        order = list(gears)
+        while len(samples[order[0]]) < rounds:
+            # Interleaved, so drift and noise hit every column, in a fresh random order each
+            # round: a step right after one of the same gear finds that gear's weights warm in
+            # cache (~5-10% faster here), and the shift column always equals one of the other
+            # two; a fixed order would hand that edge to whichever column followed its twin.
+            shuffle.shuffle(order)
+            for name in order:
+                samples[name].append(timed(n, gears[name]))
+            slowest = max(statistics.median(v) for v in samples.values())
+            rounds = min(MAX_REPEATS, max(repeats, math.ceil(args.seconds / slowest)))
         return {name: 1e3 * statistics.median(v) for name, v in samples.items()}
 
     results = []
@@ -152,7 +171,7 @@ def main() -> None:
 
     out = {
         "command": "python benchmarks/shift_envelope.py",
-        "device": f"CPU ({platform.machine()}), 2 ranks over gloo, 1 thread each",
+        "device": f"CPU ({platform.machine()}), 2 ranks over gloo, 1 thread each, each rank pinned to its own core",
         "model": f"random Llama, SmolLM2-135M shape, 12/4 heads, {args.layers} layers, bf16",
         "history_tokens": args.history,
         "threshold": threshold,

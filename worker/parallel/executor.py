@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ class GroupExecutor:
         watchdog: Watchdog,
         children: Sequence[Any] = (),
         store: Any = None,
+        on_shutdown: Callable[[], None] | None = None,
     ) -> None:
         self.runner = runner
         self.channel = channel
@@ -50,6 +51,7 @@ class GroupExecutor:
         self.store = store  # the rendezvous store this leader hosts: it lives as long as the group
         self.failure: str | None = None
         self._closed = False
+        self._on_shutdown = on_shutdown  # undoes what the leader changed in its own process
 
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         if self.failure is not None:
@@ -85,6 +87,8 @@ class GroupExecutor:
         finally:
             stop_processes(self.children)
             self.store = None
+            if self._on_shutdown is not None:
+                self._on_shutdown()
 
 
 def follow(runner: ModelRunner, channel: ControlChannel, watchdog: Watchdog) -> None:
