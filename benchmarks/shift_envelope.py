@@ -171,7 +171,8 @@ def main() -> None:
 
     out = {
         "command": "python benchmarks/shift_envelope.py",
-        "device": f"CPU ({platform.machine()}), 2 ranks over gloo, 1 thread each, each rank pinned to its own core",
+        "device": f"CPU ({platform.machine()}), 2 ranks over gloo, 1 thread each, "
+        "each rank pinned to its own core",
         "model": f"random Llama, SmolLM2-135M shape, 12/4 heads, {args.layers} layers, bf16",
         "history_tokens": args.history,
         "threshold": threshold,
