@@ -33,10 +33,10 @@ serve: install
 	$(BIN)/gearshift serve --model smollm2 $(SERVE_ARGS) --port 8000
 
 test: install
-	$(PYTEST) -m "not gpu" tests
+	$(PYTEST) tests
 
 test-fast: install
-	$(PYTEST) -m "not gpu and not slow" -x -q tests
+	$(PYTEST) -m "not slow" -x -q tests
 
 lint: install
 	mkdir -p .mypy_tree/gearshift
