@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -58,6 +59,9 @@ class StepThreads:
 
     def __init__(self, prefill: int, min_tokens: int = PREFILL_THREADS_MIN_TOKENS) -> None:
         self.base = torch.get_num_threads()
+        if hasattr(os, "sched_getaffinity"):
+            # A rank pinned to its cores (launch.bind_rank_cores) must not oversubscribe them.
+            prefill = min(prefill, max(self.base, len(os.sched_getaffinity(0))))
         self.prefill = prefill
         self.min_tokens = min_tokens
         self.current = self.base

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from gearshift.worker.config import EngineConfig
 from gearshift.worker.engine.model_runner import PREFILL_THREADS_MIN_TOKENS, StepThreads
 from gearshift.worker.errors import InvalidRequestError
+
+
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+two_cores = pytest.mark.skipif(CORES < 2, reason="needs two usable cores")
 
 
 @pytest.fixture
@@ -18,6 +24,7 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@two_cores
 def test_long_steps_get_the_prefill_threads_and_short_ones_go_back(one_thread):
     threads = StepThreads(prefill=2)
     assert threads.for_step(PREFILL_THREADS_MIN_TOKENS) == 2
@@ -27,12 +34,23 @@ def test_long_steps_get_the_prefill_threads_and_short_ones_go_back(one_thread):
     assert threads.for_step(32) == 1
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux affinity")
+def test_prefill_threads_never_exceed_the_cores_a_pinned_rank_owns(one_thread):
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})
+    try:
+        assert StepThreads(prefill=8).prefill == 1
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 @pytest.mark.parametrize("field", ["num_threads", "prefill_threads"])
 def test_thread_counts_must_be_positive(field):
     with pytest.raises(InvalidRequestError, match=field):
         EngineConfig(model="x", **{field: 0})
 
 
+@two_cores
 def test_an_engine_switches_threads_by_step_size(one_thread, tiny_checkpoint, engine_factory):
     from gearshift.worker.sampling.params import SamplingParams
 
