@@ -11,7 +11,6 @@ from gearshift.worker.config import EngineConfig
 from gearshift.worker.engine.model_runner import PREFILL_THREADS_MIN_TOKENS, StepThreads
 from gearshift.worker.errors import InvalidRequestError
 
-
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 two_cores = pytest.mark.skipif(CORES < 2, reason="needs two usable cores")
 
