@@ -2,9 +2,11 @@
 
 One worker group (2 ranks on this CPU, gloo) holds both gears of the shift policy (Shift §3.3):
 the base gear (Ulysses SP=2) and the shift gear (TP=2), sharing one KV cache. For each batch
-size the same step plan runs through each gear, interleaved repeat by repeat so drift hits all
-three alike. A first pass finds the crossover and sets the shift policy's threshold there (what
-a deployment tunes); a second pass measures SP, TP and the shift policy's pick side by side.
+size the same step plan runs through each gear, interleaved repeat by repeat in a shuffled order
+so drift and cache warmth hit all three alike, until each column has --repeats samples and
+--seconds of them (cheap steps get many: their gloo collectives are noisy). A first pass finds
+the crossover and sets the shift policy's threshold there (what a deployment tunes); a second
+pass measures SP, TP and the shift policy's pick side by side. About 15 minutes.
 
 Model: a random Llama of SmolLM2-135M's shape but 12 heads / 4 KV heads (SmolLM2's 9 heads do
 not split over 2 ranks), bf16, weights saved as safetensors and loaded shard by shard.
@@ -28,7 +30,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
-MAX_REPEATS = 80
+MAX_REPEATS = 400
 
 
 def make_model(folder: Path, layers: int) -> None:
@@ -79,7 +81,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=5, help="at least this many per column")
     ap.add_argument(
-        "--seconds", type=float, default=5.0, help="and at least this long per column and size"
+        "--seconds", type=float, default=15.0, help="and at least this long per column and size"
     )
     ap.add_argument("--history", type=int, default=64, help="cached tokens per sequence")
     ap.add_argument("--out", type=Path, default=HERE / "shift_envelope")
@@ -175,6 +177,7 @@ def main() -> None:
         "each rank pinned to its own core",
         "model": f"random Llama, SmolLM2-135M shape, 12/4 heads, {args.layers} layers, bf16",
         "history_tokens": args.history,
+        "min_seconds_per_column": args.seconds,
         "threshold": threshold,
         "worst_ratio": worst,
         "sizes": results,
