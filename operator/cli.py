@@ -14,19 +14,10 @@ if TYPE_CHECKING:
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    from gearshift.worker.server.settings import add_engine_args
+
     p.add_argument("--model", default="smollm2", help="model folder, .gguf file, or 'smollm2'")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument(
-        "--block-size",
-        type=int,
-        default=None,
-        help="tokens per KV block (default: 64 on CPU, where longer runs stream faster; 16 on GPU)",
-    )
-    p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache size on CPU")
-    p.add_argument("--device", default="cpu")
+    add_engine_args(p)
 
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -82,8 +73,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
-            block_size=args.block_size or 0,
+            block_size=args.block_size,
             kv_cache_bytes=args.kv_cache_bytes,
+            enable_prefix_caching=args.enable_prefix_caching,
+            num_threads=args.num_threads,
+            prefill_threads=args.prefill_threads,
             show_progress=True,
         )
         engine = start_engine(config, parallel_from_args(args))

@@ -17,6 +17,7 @@ from typing import Any
 
 from gearshift.operator.commands import children as kids
 from gearshift.operator.commands.router import add_router_args, port_flag, serve_until_signal
+from gearshift.worker.server.settings import add_engine_args
 
 log = logging.getLogger(__name__)
 
@@ -27,26 +28,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--model", default=None, help="model folder, .gguf file, or 'smollm2'")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--name", default="gearshift", help="deployment name; groups are NAME-gI")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument(
-        "--block-size",
-        type=int,
-        default=None,
-        help="tokens per KV block (default: 64 on CPU, where longer runs stream faster; 16 on GPU)",
+    add_engine_args(
+        p,
+        threads_help="torch threads per rank; default: the cores less the router's, shared",
+        prefill_threads_help="per rank, for steps of 256+ tokens; default: every core, shared",
     )
-    p.add_argument("--kv-cache-bytes", type=int, default=None)
-    p.add_argument("--num-threads", type=int, default=None, help="per group; default: shared")
-    p.add_argument(
-        "--prefill-threads",
-        type=int,
-        default=None,
-        help="per rank, for steps of 256+ tokens; default: the cores shared, the router's too",
-    )
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--policy", choices=("static", "shift"), default="static")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel (shift: of the base gear)")
     p.add_argument("--sp", type=int, default=1, help="Ulysses sequence parallel")
@@ -137,8 +123,14 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
     policy = json_format.ParseDict(raw_policy, policy_pb2.Policy())
     ranks = args.tp * args.sp
     problems = policy_fields.layout_errors(policy, ranks)
-    if problems or args.groups < 1:
-        print(f"error: {'; '.join(problems) or '--groups must be >= 1'}", file=sys.stderr)
+    if args.groups < 1:
+        problems.append("--groups must be >= 1")
+    for flag in ("num_threads", "prefill_threads"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            problems.append(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if problems:
+        print(f"error: {'; '.join(problems)}", file=sys.stderr)
         return 2
     engine_json = workdir / "engine.json"
     engine_json.write_text(

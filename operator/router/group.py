@@ -16,7 +16,8 @@ from gearshift.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-HEALTH_SERVICE = "gearshift.v1.Worker"
+# The worker's health status is reported under its gRPC service's full name.
+HEALTH_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 # Keepalive pings notice a worker that died without closing its connections (a lost node),
 # so no stream waits forever on it.
 CHANNEL_OPTIONS = [

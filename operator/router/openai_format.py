@@ -48,25 +48,29 @@ class CompletionLogprobs:
         }
 
 
+def _response(
+    rid: str, obj: str, created: int, model: str, choice: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The envelope every completion response and chunk shares; ``choice`` is the only one."""
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [] if choice is None else [{"index": 0, **choice}],
+    }
+
+
 def completion(
     rid: str, created: int, model: str, text: str, logprobs: dict[str, Any] | None, r: RunResult
 ) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "text": text,
-                "logprobs": logprobs,
-                "finish_reason": r.finish_reason,
-                "stop_reason": r.stop_reason,
-            }
-        ],
-        "usage": usage(r),
+    choice = {
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": r.finish_reason,
+        "stop_reason": r.stop_reason,
     }
+    return {**_response(rid, "text_completion", created, model, choice), "usage": usage(r)}
 
 
 def completion_chunk(
@@ -79,21 +83,13 @@ def completion_chunk(
     stop_reason: str | int | None = None,
     include_usage: bool = False,
 ) -> dict[str, Any]:
-    chunk: dict[str, Any] = {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "text": text,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-                "stop_reason": stop_reason,
-            }
-        ],
+    choice = {
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
     }
+    chunk = _response(rid, "text_completion", created, model, choice)
     if include_usage:
         chunk["usage"] = None
     return chunk
@@ -101,14 +97,7 @@ def completion_chunk(
 
 def usage_chunk(rid: str, created: int, model: str, obj: str, r: RunResult) -> dict[str, Any]:
     """The last chunk with `stream_options.include_usage`: no choices, the usage."""
-    return {
-        "id": rid,
-        "object": obj,
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": usage(r),
-    }
+    return {**_response(rid, obj, created, model, None), "usage": usage(r)}
 
 
 # ---- /v1/chat/completions ----------------------------------------------------------------
@@ -134,22 +123,13 @@ def chat_completion(
     logprobs: list[dict[str, Any]] | None,
     r: RunResult,
 ) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "tool_calls": []},
-                "logprobs": {"content": logprobs} if logprobs is not None else None,
-                "finish_reason": r.finish_reason,
-                "stop_reason": r.stop_reason,
-            }
-        ],
-        "usage": usage(r),
+    choice = {
+        "message": {"role": "assistant", "content": text, "tool_calls": []},
+        "logprobs": {"content": logprobs} if logprobs is not None else None,
+        "finish_reason": r.finish_reason,
+        "stop_reason": r.stop_reason,
     }
+    return {**_response(rid, "chat.completion", created, model, choice), "usage": usage(r)}
 
 
 def chat_chunk(
@@ -162,21 +142,13 @@ def chat_chunk(
     stop_reason: str | int | None = None,
     include_usage: bool = False,
 ) -> dict[str, Any]:
-    chunk: dict[str, Any] = {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "delta": delta,
-                "logprobs": {"content": logprobs} if logprobs is not None else None,
-                "finish_reason": finish_reason,
-                "stop_reason": stop_reason,
-            }
-        ],
+    choice = {
+        "delta": delta,
+        "logprobs": {"content": logprobs} if logprobs is not None else None,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
     }
+    chunk = _response(rid, "chat.completion.chunk", created, model, choice)
     if include_usage:
         chunk["usage"] = None
     return chunk

@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gearshift.v1 import worker_pb2_grpc
+from gearshift.v1 import worker_pb2, worker_pb2_grpc
 from gearshift.worker.server.engine_process import EngineStartError, ProcessEngine
 from gearshift.worker.server.handle import EngineHandle
 from gearshift.worker.server.service import WorkerInfo, WorkerService
@@ -27,7 +27,8 @@ from gearshift.worker.server.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
-HEALTH_SERVICE = "gearshift.v1.Worker"
+# The worker's health status is reported under its gRPC service's full name.
+HEALTH_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 # Keepalive pings let the router notice a dead or unreachable worker during a long stream.
 GRPC_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),

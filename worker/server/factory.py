@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import asdict
 
 from gearshift.v1 import policy_fields, policy_pb2
 from gearshift.worker.config import EngineConfig
@@ -39,22 +40,8 @@ def parallel_config(
 
 
 def engine_config(settings: WorkerSettings) -> EngineConfig:
-    k = settings.engine
-    return EngineConfig(
-        model=settings.model,
-        dtype=k.dtype,
-        device=k.device,
-        block_size=k.block_size or 0,
-        kv_cache_bytes=k.kv_cache_bytes,
-        max_num_seqs=k.max_num_seqs,
-        max_num_batched_tokens=k.max_num_batched_tokens,
-        max_model_len=k.max_model_len,
-        enable_prefix_caching=k.enable_prefix_caching,
-        # The router detokenises; the worker keeps the tokenizer for its EOS ids.
-        detokenize=False,
-        num_threads=k.num_threads,
-        prefill_threads=k.prefill_threads,
-    )
+    # The router detokenises; the worker keeps the tokenizer for its EOS ids.
+    return EngineConfig(model=settings.model, detokenize=False, **asdict(settings.engine))
 
 
 def build_engine(settings: WorkerSettings) -> LLMEngine:

@@ -33,7 +33,7 @@ class EngineKnobs:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    block_size: int | None = None  # device default (EngineConfig)
+    block_size: int = 0  # 0: the device's default (EngineConfig)
     kv_cache_bytes: int | None = None
     enable_prefix_caching: bool = True
     num_threads: int | None = None
@@ -64,12 +64,16 @@ class WorkerSettings:
         return self.node_rank == 0
 
 
-def add_worker_args(p: argparse.ArgumentParser) -> None:
-    """Flags of `gearshift worker`; each overrides engine.json and the environment."""
-    p.add_argument("--config", default=None, help="engine.json (default: $GEARSHIFT_CONFIG)")
-    p.add_argument("--model", default=None, help="model folder, .gguf file, or 'smollm2'")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--dtype", default=None)
+def add_engine_args(
+    p: argparse.ArgumentParser,
+    *,
+    dtype_default: str | None = "auto",
+    threads_help: str = "torch CPU threads per rank",
+    prefill_threads_help: str = "torch CPU threads for 256+ token steps (default: --num-threads)",
+) -> None:
+    """The engine flags `generate`, `serve` and `worker` share (EngineConfig's knobs, vLLM's
+    names where vLLM has one)."""
+    p.add_argument("--dtype", default=dtype_default, help="auto, float32, bfloat16 or float16")
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -77,18 +81,21 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--block-size",
         type=int,
-        default=None,
+        default=0,
         help="tokens per KV block (default: 64 on CPU, where longer runs stream faster; 16 on GPU)",
     )
-    p.add_argument("--kv-cache-bytes", type=int, default=None)
-    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument(
-        "--prefill-threads",
-        type=int,
-        default=None,
-        help="torch CPU threads for steps of 256+ tokens (default: --num-threads)",
-    )
+    p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache size on CPU")
+    p.add_argument("--num-threads", type=int, default=None, help=threads_help)
+    p.add_argument("--prefill-threads", type=int, default=None, help=prefill_threads_help)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    """Flags of `gearshift worker`; each overrides engine.json and the environment."""
+    p.add_argument("--config", default=None, help="engine.json (default: $GEARSHIFT_CONFIG)")
+    p.add_argument("--model", default=None, help="model folder, .gguf file, or 'smollm2'")
+    p.add_argument("--served-model-name", default=None)
+    add_engine_args(p, dtype_default=None)
     p.add_argument("--max-waiting", type=int, default=None, help="default: max-num-seqs")
     p.add_argument("--policy-json", default=None, help="gearshift.v1.Policy as JSON")
     p.add_argument("--group-name", default=None)

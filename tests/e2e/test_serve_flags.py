@@ -1,0 +1,27 @@
+"""`gearshift serve` refuses bad flags before starting anything, naming each one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--groups", "0"], "--groups must be >= 1"),
+        (["--num-threads", "0"], "--num-threads must be >= 1, got 0"),
+        (["--prefill-threads", "-2"], "--prefill-threads must be >= 1, got -2"),
+    ],
+)
+def test_bad_flags_exit_2_with_the_flag_named(flags, message):
+    done = subprocess.run(
+        [sys.executable, "-m", "gearshift.operator.cli", "serve", "--port", "0", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr
