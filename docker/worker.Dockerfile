@@ -6,7 +6,8 @@
 #
 # The CUDA runtime, cuBLAS and NCCL come inside the torch wheels (the cu128 index); the node's
 # NVIDIA driver is mounted by the NVIDIA container toolkit. Triton compiles its launcher stubs
-# with the system C compiler at run time, hence gcc in the final image.
+# with the system C compiler at run time, and the CPU kernels (gearshift.worker.kernels) are
+# built on first use by `c++` through torch's cpp_extension, hence gcc and g++ in the final image.
 
 ARG PYTHON_VERSION=3.11
 ARG TORCH_VERSION=2.13.0
@@ -29,7 +30,7 @@ RUN pip install . && pip check
 
 FROM python:${PYTHON_VERSION}-slim-bookworm
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && apt-get install -y --no-install-recommends gcc g++ libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=build /opt/gearshift /opt/gearshift
 ENV PATH=/opt/gearshift/bin:$PATH \

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from gearshift.worker.errors import InvalidRequestError
+from gearshift.worker.kernels.cpu_features import PACKINGS
 
 _DTYPES = {
     "float32": torch.float32,
@@ -51,6 +52,9 @@ class EngineConfig:
     # auto: the C++ CPU kernels on CPU when they build, else torch; torch: the reference (any
     # device); cpu: the kernels. RMSNorm/RoPE/SiLU kernels follow GEARSHIFT_CPU_KERNELS instead.
     attention_backend: str = "auto"
+    # CPU matmul weights: auto picks oneDNN-packed bf16/fp16 where this CPU runs them natively
+    # (kernels/cpu_features.py), plain F.linear otherwise; plain forces F.linear; onednn insists.
+    weight_packing: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size == 0:
@@ -79,6 +83,11 @@ class EngineConfig:
                 "attention_backend",
                 f"attention_backend {self.attention_backend!r} is not one of "
                 f"{', '.join(ATTENTION_BACKENDS)}",
+            )
+        if self.weight_packing not in PACKINGS:
+            raise InvalidRequestError(
+                "weight_packing",
+                f"weight_packing {self.weight_packing!r} is not one of {', '.join(PACKINGS)}",
             )
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise InvalidRequestError(

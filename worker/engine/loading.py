@@ -11,6 +11,7 @@ import torch
 
 from gearshift.worker.config import DEFAULT_CPU_KV_BYTES, EngineConfig, resolve_dtype
 from gearshift.worker.errors import InvalidRequestError
+from gearshift.worker.kernels.cpu_features import choose_packing
 from gearshift.worker.kv.cache import KVCacheSpec
 from gearshift.worker.model.config import ModelConfig
 from gearshift.worker.model.llama import LlamaForCausalLM
@@ -30,6 +31,7 @@ class ModelSpec:
     config: ModelConfig
     dtype: torch.dtype
     max_model_len: int
+    packing: str = "plain"  # CPU matmul weights: "onednn" (pre-packed) or "plain"
 
 
 def inspect_model(config: EngineConfig, device: torch.device) -> tuple[ModelSpec, WeightSource]:
@@ -60,7 +62,12 @@ def inspect_model(config: EngineConfig, device: torch.device) -> tuple[ModelSpec
             "max_model_len", f"max_model_len {max_len} exceeds the model's context length {limit}"
         )
     dtype = resolve_dtype(config.dtype, checkpoint_dtype, device)
-    return ModelSpec(path, model_config, dtype, max_len), source
+    try:
+        packing = choose_packing(dtype, device, config.weight_packing)
+    except ValueError as e:
+        source.close()
+        raise InvalidRequestError("weight_packing", str(e)) from e
+    return ModelSpec(path, model_config, dtype, max_len, packing), source
 
 
 def load_model(
@@ -72,7 +79,14 @@ def load_model(
 ) -> LlamaForCausalLM:
     try:
         return build_model(
-            spec.config, source, spec.max_model_len, spec.dtype, device, tp, show_progress
+            spec.config,
+            source,
+            spec.max_model_len,
+            spec.dtype,
+            device,
+            tp,
+            show_progress,
+            packing=spec.packing,
         )
     finally:
         source.close()

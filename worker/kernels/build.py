@@ -24,6 +24,14 @@ from pathlib import Path
 
 import torch
 
+from gearshift.worker.kernels.cpu_features import (
+    ISA_ENV,
+    ISA_MARCH,
+    cpuinfo_flags_line,
+    host_features,
+    kernel_isa,
+)
+
 log = logging.getLogger(__name__)
 
 LIBRARY = "gearshift_cpu_kernels"
@@ -37,16 +45,9 @@ SOURCES = (
 )
 HEADERS = ("common.h", "kernels.h", "simd.h")
 # -ffp-contract=off: the elementwise kernels must round like torch's separate multiply and add;
-# reductions that want FMA spell it (std::fma). On x86, GCC auto-vectorises with 256-bit vectors
-# unless told otherwise: 512-bit ones make the row kernels ~1.3x faster on AVX-512 machines.
+# reductions that want FMA spell it (std::fma).
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
-CFLAGS = (
-    "-O3",
-    "-march=native",
-    *(("-mprefer-vector-width=512",) if _X86 else ()),
-    "-fopenmp",
-    "-ffp-contract=off",
-)
+BASE_CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 LDFLAGS = ("-fopenmp",)
 LOCK_TIMEOUT_S = 600.0
 HERE = Path(__file__).resolve().parent
@@ -62,17 +63,29 @@ def cache_root() -> Path:
     return Path(override) if override else Path.home() / ".cache" / "gearshift" / "kernels"
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+def cflags(isa: str) -> tuple[str, ...]:
+    """Compiler flags for kernels targeting ``isa`` (cpu_features.ISA_MARCH).
+
+    The hand-written AVX-512 paths compile only where the target has AVX-512 (``#if
+    __AVX512F__``); on AVX2 or older targets every kernel runs its portable loop, which the
+    compiler vectorises for the target. On x86, GCC uses 256-bit vectors unless told otherwise:
+    512-bit ones make the row kernels ~1.3x faster on AVX-512 machines.
+    """
+    march = ISA_MARCH[isa]
+    wide = _X86 and (isa == "avx512" or (isa == "native" and host_features().avx512))
+    return ("-march=" + march, *(("-mprefer-vector-width=512",) if wide else ()), *BASE_CFLAGS)
 
 
-def build_key() -> str:
+def describe(isa: str) -> str:
+    """Which code paths a build for ``isa`` runs, for the log."""
+    features = host_features()
+    avx512 = isa == "avx512" or (isa == "native" and features.avx512)
+    if avx512:
+        return f"{isa}: hand-written AVX-512 paths"
+    return f"{isa}: no AVX-512 on the target, every kernel runs its portable (auto-vectorised) loop"
+
+
+def build_key(isa: str = "native") -> str:
     """Hash of everything that makes a different binary."""
     h = hashlib.sha256()
     for name in SOURCES + HEADERS:
@@ -81,9 +94,9 @@ def build_key() -> str:
     for part in (
         torch.__version__,
         os.environ.get("CXX", "c++"),
-        " ".join(CFLAGS + LDFLAGS),
+        " ".join(cflags(isa) + LDFLAGS),
         platform.machine(),
-        _cpu_flags(),
+        cpuinfo_flags_line(),
         sys.version,
     ):
         h.update(part.encode())
@@ -129,14 +142,14 @@ def _ninja_on_path() -> Iterator[None]:
         os.environ["PATH"] = old
 
 
-def _compile(build_dir: Path) -> Path:
+def _compile(build_dir: Path, isa: str) -> Path:
     from torch.utils import cpp_extension
 
     with _ninja_on_path():
         cpp_extension.load(
             LIBRARY,
             [str(HERE / s) for s in SOURCES],
-            extra_cflags=list(CFLAGS),
+            extra_cflags=list(cflags(isa)),
             extra_ldflags=list(LDFLAGS),
             build_directory=str(build_dir),
             is_python_module=False,
@@ -148,10 +161,17 @@ def _compile(build_dir: Path) -> Path:
 def load_library() -> Path:
     """Load the kernels into this process (building them first if needed); returns the .so path.
 
-    Raises ``KernelBuildError`` when the compiler, ninja, the build or the loader fails.
+    Raises ``KernelBuildError`` when the ISA cannot run here, or the compiler, ninja, the build or
+    the loader fails.
     """
+    try:
+        isa = kernel_isa()
+    except ValueError as e:
+        raise KernelBuildError(str(e)) from e
+    if not host_features().can_run_isa(isa):
+        raise KernelBuildError(f"{ISA_ENV}={isa} needs CPU flags this host lacks")
     root = cache_root()
-    key = build_key()
+    key = build_key(isa)
     final = root / key
     library = final / f"{LIBRARY}.so"
     try:
@@ -161,20 +181,22 @@ def load_library() -> Path:
                 if not locked:
                     log.warning("kernel build lock in %s busy for %.0fs", root, LOCK_TIMEOUT_S)
                 if not library.exists():
-                    _build_and_load(root, final)
+                    _build_and_load(root, final, isa)
+                    log.info("CPU kernels built for %s", describe(isa))
                     return library
         torch.ops.load_library(str(library))
+        log.info("CPU kernels for %s", describe(isa))
     except Exception as e:  # any failure (compiler, linker, loader) means: use torch instead
         raise KernelBuildError(f"{type(e).__name__}: {e}") from e
     return library
 
 
-def _build_and_load(root: Path, final: Path) -> None:
+def _build_and_load(root: Path, final: Path, isa: str) -> None:
     """Compile into a private folder (cpp_extension also loads it), then rename it into place."""
     started = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}.build-", dir=root))
     try:
-        _compile(tmp)
+        _compile(tmp, isa)
         try:
             tmp.rename(final)
         except OSError:

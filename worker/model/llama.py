@@ -16,6 +16,7 @@ from torch import nn
 from gearshift.worker import kernels
 from gearshift.worker.attention.cpu_backend import CpuAttention
 from gearshift.worker.attention.metadata import AttentionMetadata
+from gearshift.worker.kernels.cpu_features import choose_packing
 from gearshift.worker.kv.cache import LayerKV
 from gearshift.worker.model.config import ModelConfig
 from gearshift.worker.model.layers.activation import silu_and_mul
@@ -322,13 +323,16 @@ class LlamaForCausalLM(nn.Module):
             return None
         return core.scale
 
-    def pack_weights(self) -> None:
-        """Pre-pack every matmul weight for CPU inference where oneDNN supports the dtype, then
-        cache each layer's arguments of the fused decode op (they point at the packed weights)."""
+    def pack_weights(self, packing: str = "auto") -> None:
+        """Pre-pack every matmul weight for CPU inference when ``packing`` (or, for ``auto``,
+        cpu_features.choose_packing) says oneDNN, then cache each layer's arguments of the fused
+        decode op (they point at the packed weights, or the plain ones)."""
+        if packing == "auto":
+            packing = choose_packing(self.lm_head.weight.dtype, self.lm_head.weight.device)
         for module in self.modules():
             pack = getattr(module, "pack_weights", None)
             if module is not self and callable(pack):
-                pack()
+                pack(packing)
         layers = [layer for layer in self.model.layers if isinstance(layer, LlamaDecoderLayer)]
         for layer in layers:
             layer.prepare_fused_decode(self.tp)

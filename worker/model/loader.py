@@ -81,8 +81,10 @@ def build_model(
     device: torch.device,
     tp: CommGroup | None = None,
     show_progress: bool = False,
+    packing: str = "auto",
 ) -> LlamaForCausalLM:
-    """Allocate the model (uninitialised) and load its shard of the weights."""
+    """Allocate the model (uninitialised) and load its shard of the weights; ``packing`` is
+    cpu_features.choose_packing's choice (``auto``: make it here)."""
     with torch.device(device):
         model = LlamaForCausalLM(cfg, max_positions, tp or CommGroup.single(), dtype, device)
     progress = None
@@ -92,6 +94,6 @@ def build_model(
         progress = tqdm(source.names(), desc="Loading weights", unit="tensor", leave=False)
     with torch.no_grad():
         load_weights(model, source, progress)
-        model.pack_weights()
+        model.pack_weights(packing)
     model.eval()
     return model

@@ -1,10 +1,12 @@
-"""bf16 and fp16 engines (bf16 through oneDNN-packed weights on CPU) agree with fp32."""
+"""bf16 and fp16 engines agree with fp32, with the weight packing this CPU picks and with the
+plain F.linear fallback forced (what CPUs without native bf16/fp16 run)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from gearshift.worker.kernels.cpu_features import host_features
 from gearshift.worker.sampling.params import SamplingParams
 from tests.worker.helpers import run_recording
 
@@ -12,12 +14,13 @@ CHATS = ["What is the capital of France?", "Write one word that rhymes with cat.
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("packing", ["auto", "plain"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_logits_track_fp32(dtype, smollm2_path, engine_factory):
+def test_half_precision_logits_track_fp32(dtype, packing, smollm2_path, engine_factory):
     params = SamplingParams(temperature=0.0, max_tokens=1)
     rows = {}
     for name in ("float32", dtype):
-        engine = engine_factory(smollm2_path, dtype=name, max_model_len=256)
+        engine = engine_factory(smollm2_path, dtype=name, max_model_len=256, weight_packing=packing)
         prompts = {
             f"c{i}": engine.tokenizer.apply_chat_template([{"role": "user", "content": c}])
             for i, c in enumerate(CHATS)
@@ -28,7 +31,8 @@ def test_half_precision_logits_track_fp32(dtype, smollm2_path, engine_factory):
         if name != "float32":
             linear = engine.executor.inner.model.model.layers[0].mlp.gate_up_proj
             assert linear.weight.dtype == getattr(torch, dtype)
-            assert (linear.packed is not None) == torch.backends.mkldnn.is_available()
+            native, _ = host_features().onednn_packing(linear.weight.dtype)
+            assert (linear.packed is not None) == (packing == "auto" and native)
     for rid in rows["float32"]:
         ref, got = rows["float32"][rid][0][1], rows[dtype][rid][0][1].float()
         # fp32's choice is bf16's too, up to rounding: bf16 spacing at |logit| ~ 30 is 0.125, and

@@ -17,6 +17,7 @@ from gearshift.worker import kernels
 from gearshift.worker.attention.cpu_backend import CpuAttention
 from gearshift.worker.attention.metadata import AttentionMetadata
 from gearshift.worker.attention.torch_ref import TorchAttention
+from gearshift.worker.kernels.cpu_features import host_features
 from gearshift.worker.kv.cache import LayerKV
 from gearshift.worker.model.config import ModelConfig
 from gearshift.worker.model.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -39,8 +40,10 @@ def make_model(
     tp: CommGroup | None = None,
     qk_norm: bool = False,
     layers: int = 2,
+    packing: str = "auto",
 ) -> LlamaForCausalLM:
-    """A small random decoder, packed (oneDNN for bf16/fp16) the way the loader leaves it."""
+    """A small random decoder, packed the way the loader leaves it (``auto``: oneDNN for
+    bf16/fp16 where this CPU runs it natively; ``plain``: the fallback every CPU runs)."""
     hidden = heads * HEAD_DIM
     cfg = ModelConfig(
         model_type="qwen3" if qk_norm else "llama",
@@ -64,7 +67,7 @@ def make_model(
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
             p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.08 * noise)
-        model.pack_weights()
+        model.pack_weights(packing)
     return model.eval()
 
 
@@ -128,15 +131,25 @@ GQA = [(6, 2), (8, 2)]  # 3:1 and 4:1
 CONTEXTS = {4: [1, 3, 9, 40, 17], 16: [2, 16, 17, 100, 64, 5], 64: [1, 64, 65, 200, 130]}
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+# Half dtypes run twice: the packing this CPU picks, and the plain path forced (the fallback of
+# CPUs without native bf16/fp16 dot products), so every machine covers both paths it can run.
+PACKED_DTYPES = [(torch.float32, "auto")] + [
+    (dt, packing) for dt in DTYPES[1:] for packing in ("auto", "plain")
+]
+
+
+@pytest.mark.parametrize(("dtype", "packing"), PACKED_DTYPES, ids=str)
 @pytest.mark.parametrize(("heads", "kv_heads"), GQA, ids=["gqa3", "gqa4"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("block_size", sorted(CONTEXTS))
-def test_fused_layer_is_bit_identical_to_the_python_layer(dtype, heads, kv_heads, bias, block_size):
-    model = make_model(heads, kv_heads, bias, dtype)
+def test_fused_layer_is_bit_identical_to_the_python_layer(
+    dtype, packing, heads, kv_heads, bias, block_size
+):
+    model = make_model(heads, kv_heads, bias, dtype, packing=packing)
     assert model.fused_layers, "every layer should have been prepared for the fused op"
     packed = model.model.layers[0].self_attn.qkv_proj.packed
-    assert (packed is not None) == (dtype != torch.float32 and torch.backends.mkldnn.is_available())
+    native, _ = host_features().onednn_packing(dtype)
+    assert (packed is not None) == (packing == "auto" and native)
     step = decode_step(CONTEXTS[block_size], block_size, kv_heads, 1, dtype)
     layer = model.model.layers[0]
     assert isinstance(layer, LlamaDecoderLayer)

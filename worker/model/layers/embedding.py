@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gearshift.worker.errors import ModelLoadError
-from gearshift.worker.model.layers.linear import cpu_packing_supported, pack_weight, packed_linear
+from gearshift.worker.model.layers.linear import pack_weight, packed_linear
 from gearshift.worker.model.weights import LazyWeight
 from gearshift.worker.parallel.comm import CommGroup
 
@@ -52,8 +52,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     packed: torch.Tensor | None = None
 
-    def pack_weights(self) -> None:
-        if cpu_packing_supported(self.weight):
+    def pack_weights(self, packing: str) -> None:
+        if packing == "onednn":
             self.packed = pack_weight(self.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

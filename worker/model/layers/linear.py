@@ -30,16 +30,6 @@ def _copy(dst: torch.Tensor, src: LazyWeight) -> None:
     dst.copy_(src.load())
 
 
-def cpu_packing_supported(weight: torch.Tensor) -> bool:
-    """Whether oneDNN can run this weight from a pre-packed layout (CPU, bf16/fp16)."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype in (torch.bfloat16, torch.float16)
-        and torch.backends.mkldnn.is_available()
-        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    )
-
-
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     # oneDNN otherwise re-lays-out the weight on every call, which dominates small-batch (decode)
     # matmuls on CPU: ~1.7x at 32 rows for SmolLM2's MLP (benchmarks/offline_throughput.py).
@@ -84,9 +74,10 @@ class ReplicatedLinear(nn.Module):
         assert self.bias is not None
         return self.bias
 
-    def pack_weights(self) -> None:
-        """Keep a oneDNN-packed copy of the weight for CPU inference (bf16/fp16 only)."""
-        if cpu_packing_supported(self.weight):
+    def pack_weights(self, packing: str) -> None:
+        """Keep a oneDNN-packed copy of the weight when the model's packing is ``onednn``
+        (cpu_features.choose_packing decided it for this CPU and dtype)."""
+        if packing == "onednn":
             self.packed = pack_weight(self.weight)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
