@@ -46,7 +46,7 @@ class GearshiftRun:
 
     def __init__(self, n: int, out_len: int, dtype: str) -> None:
         from gearshift.worker.config import EngineConfig
-        from gearshift.worker.engine.local import build_local_engine
+        from gearshift.worker.launch import build_local_engine
         from gearshift.worker.sampling.params import SamplingParams
 
         self.engine = build_local_engine(

@@ -88,7 +88,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from gearshift.worker.config import EngineConfig
-    from gearshift.worker.launch import ParallelConfig, start_engine
+    from gearshift.worker.engine.model_runner import execute
+    from gearshift.worker.launch import start_engine
 
     with tempfile.TemporaryDirectory() as tmp:
         make_model(Path(tmp), args.layers)
@@ -100,7 +101,7 @@ def main() -> None:
                 kv_cache_bytes=2 << 30,
                 max_model_len=8192,
             ),
-            ParallelConfig(policy="shift", sp=2, tp=1),
+            {"shift": {"sp": 2, "tp": 1}},
         )
     base, shift = 0, 1  # gear indices: base = SP 2, shift = TP 2
     counter = iter(range(10**9))
@@ -109,7 +110,7 @@ def main() -> None:
     def timed(n: int, gear: int) -> float:
         plan, seqs = plan_for(engine, n, args.history, next(counter), gear)
         t0 = time.perf_counter()
-        engine.executor.execute(plan)
+        execute(engine.executor, plan)
         elapsed = time.perf_counter() - t0
         for s in seqs:
             engine.blocks.free_table(s.blocks)

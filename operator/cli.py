@@ -7,10 +7,6 @@ import logging
 import sys
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from gearshift.worker.launch import ParallelConfig
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -20,40 +16,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
 
 
-def _add_parallel_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policy", default="static", choices=("static", "shift"))
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (shift: base gear)")
-    p.add_argument("--sp", type=int, default=None, help="Ulysses sequence-parallel size")
-    p.add_argument("--world-size", type=int, default=None, help="ranks in the group (sp x tp)")
-    p.add_argument(
-        "--shift-threshold", type=int, default=256, help="tokens per step above which shift runs SP"
-    )
-
-
-def parallel_from_args(args: argparse.Namespace) -> ParallelConfig:
-    """Fill whichever of tp, sp, world size is missing; refuse sizes that do not multiply."""
-    from gearshift.worker.errors import InvalidRequestError
-    from gearshift.worker.launch import ParallelConfig
-
-    tp, sp, world = args.tp, args.sp, args.world_size
-    if world is not None and world < 1:
-        raise InvalidRequestError("world_size", f"--world-size must be >= 1, got {world}")
-    if tp is None and sp is None:
-        # A bare --world-size means all of it: TP for static, SP for shift (the paper's base gear).
-        tp, sp = (1, world or 1) if args.policy == "shift" else (world or 1, 1)
-    elif tp is None:
-        tp = (world // sp) if world and sp and world % sp == 0 else 1
-    elif sp is None:
-        sp = (world // tp) if world and tp and world % tp == 0 else 1
-    if world is not None and tp * sp != world:
-        raise InvalidRequestError("world_size", f"--world-size {world} != sp x tp = {sp} x {tp}")
-    return ParallelConfig(policy=args.policy, tp=tp, sp=sp, shift_threshold=args.shift_threshold)
-
-
 def _cmd_generate(args: argparse.Namespace) -> int:
     from gearshift.worker.config import EngineConfig
     from gearshift.worker.errors import GearshiftError
     from gearshift.worker.launch import start_engine
+    from gearshift.worker.policies.flags import policy_from_args
     from gearshift.worker.sampling.params import InvalidSamplingParams, SamplingParams
     from gearshift.worker.tokenizer.errors import TokenizerError
 
@@ -80,7 +47,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             prefill_threads=args.prefill_threads,
             show_progress=True,
         )
-        engine = start_engine(config, parallel_from_args(args))
+        engine = start_engine(config, policy_from_args(args))
         assert engine.tokenizer is not None
         if args.chat:
             messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -125,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
-    _add_parallel_args(gen)
+    from gearshift.worker.policies.flags import add_policy_args
+
+    add_policy_args(gen, world_size=True)
     gen.set_defaults(func=_cmd_generate)
     # The serving commands live in their own modules (gearshift.operator.commands).
     from gearshift.operator.commands import router, serve, worker

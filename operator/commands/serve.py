@@ -13,10 +13,10 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from gearshift.operator.commands import children as kids
 from gearshift.operator.commands.router import add_router_args, port_flag, serve_until_signal
+from gearshift.worker.policies.flags import add_policy_args
 from gearshift.worker.server.settings import add_engine_args
 
 log = logging.getLogger(__name__)
@@ -33,30 +33,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         threads_help="torch threads per rank; default: the cores less the router's, shared",
         prefill_threads_help="per rank, for steps of 256+ tokens; default: every core, shared",
     )
-    p.add_argument("--policy", choices=("static", "shift"), default="static")
-    p.add_argument("--tp", type=int, default=1, help="tensor parallel (shift: of the base gear)")
-    p.add_argument("--sp", type=int, default=1, help="Ulysses sequence parallel")
-    p.add_argument(
-        "--shift-threshold",
-        "--threshold",
-        type=int,
-        default=None,
-        dest="threshold",
-        help="shift: scheduled tokens above which the base gear runs (live)",
-    )
+    add_policy_args(p)
     p.add_argument("--groups", type=int, default=1, help="worker groups (replicas)")
     p.add_argument("--worker-start-timeout", type=float, default=600.0)
     add_router_args(p)
     p.set_defaults(func=run)
-
-
-def policy_json(args: argparse.Namespace) -> dict[str, Any]:
-    if args.policy == "shift":
-        shift: dict[str, Any] = {"sp": args.sp, "tp": args.tp}
-        if args.threshold is not None:
-            shift["threshold"] = args.threshold
-        return {"shift": shift}
-    return {"static": {"tp": args.tp, "sp": args.sp}}
 
 
 def max_requests_per_group(args: argparse.Namespace) -> int:
@@ -114,15 +95,21 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
 
     from gearshift.operator.router import config as config_mod
     from gearshift.operator.router.server import RouterServer
-    from gearshift.v1 import policy_fields, policy_pb2
+    from gearshift.worker.errors import InvalidRequestError
     from gearshift.worker.model.registry import default_served_name
+    from gearshift.worker.policies.flags import policy_from_args
+    from gearshift.worker.policies.registry import make_policy
 
     model = args.model or args.model_pos or "smollm2"
     served = args.served_model_name or default_served_name(model)
-    raw_policy = policy_json(args)
-    policy = json_format.ParseDict(raw_policy, policy_pb2.Policy())
-    ranks = args.tp * args.sp
-    problems = policy_fields.layout_errors(policy, ranks)
+    problems: list[str] = []
+    try:
+        # The registry refuses what this engine cannot run (kind, layout), naming the field.
+        running = make_policy(policy_from_args(args))
+        policy, ranks = running.to_proto(), running.world_size
+    except InvalidRequestError as exc:
+        print(f"error: {exc.field}: {exc.message}", file=sys.stderr)
+        return 2
     if args.groups < 1:
         problems.append("--groups must be >= 1")
     for flag in ("num_threads", "prefill_threads"):
@@ -145,7 +132,7 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
                     "maxModelLen": args.max_model_len,
                 },
                 "group": {"nodes": 1, "gpusPerNode": ranks, "ranks": ranks},
-                "policy": json_format.MessageToDict(policy_fields.with_defaults(policy, ranks)),
+                "policy": json_format.MessageToDict(policy),
             }
         )
     )

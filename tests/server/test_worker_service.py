@@ -13,7 +13,7 @@ import pytest
 
 from gearshift.v1 import common_pb2, policy_pb2, worker_pb2, worker_pb2_grpc
 from gearshift.worker.config import EngineConfig
-from gearshift.worker.launch import ParallelConfig, start_engine
+from gearshift.worker.launch import start_engine
 from gearshift.worker.server.handle import ThreadEngine
 from gearshift.worker.server.service import PARAM_METADATA_KEY, WorkerInfo, WorkerService
 from tests.worker.helpers import make_hf_checkpoint
@@ -43,7 +43,7 @@ async def serving(model: Path, max_requests: int = 16) -> AsyncIterator[Worker]:
         kv_cache_bytes=4 << 20,
         max_num_seqs=4,
     )
-    engine = start_engine(config, ParallelConfig(policy="shift", sp=1, tp=1))
+    engine = start_engine(config, {"shift": {"sp": 1, "tp": 1}})
     handle = ThreadEngine(engine, idle_wait=0.05)
     service = WorkerService()
     service.attach(handle, WorkerInfo("tiny", engine.max_model_len, 1, "rev-1", max_requests))

@@ -10,7 +10,7 @@ import pytest
 
 from gearshift.worker.config import EngineConfig
 from gearshift.worker.engine.llm_engine import LLMEngine
-from gearshift.worker.engine.local import build_local_engine
+from gearshift.worker.launch import build_local_engine
 from tests.worker.helpers import RecordingExecutor, make_hf_checkpoint
 
 

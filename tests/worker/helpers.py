@@ -84,19 +84,36 @@ def hf_logits(folder: Path, token_ids: list[int]) -> torch.Tensor:
 
 @dataclass
 class RecordingExecutor:
-    """Wraps an executor and keeps each step's plan and logits."""
+    """Wraps an executor and keeps each step's plan and logits, in the order steps finish."""
 
     inner: Any
     records: list[tuple[StepPlan, torch.Tensor]] = field(default_factory=list)
+    submitted: list[StepPlan] = field(default_factory=list)
 
-    def execute(self, plan: StepPlan) -> torch.Tensor | None:
-        logits = self.inner.execute(plan)
-        if logits is not None:
-            self.records.append((plan, logits.clone()))
-        return logits
+    def submit(self, plan: StepPlan) -> _Recorded:
+        self.submitted.append(plan)
+        return _Recorded(self, plan, self.inner.submit(plan))
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        return self.submit(plan).result()
+
+    def keepalive(self) -> None:
+        self.inner.keepalive()
 
     def shutdown(self) -> None:
         self.inner.shutdown()
+
+
+@dataclass
+class _Recorded:
+    recorder: RecordingExecutor
+    plan: StepPlan
+    handle: Any
+
+    def result(self) -> torch.Tensor:
+        logits = self.handle.result()
+        self.recorder.records.append((self.plan, logits.clone()))
+        return logits
 
 
 def run_recording(

@@ -23,6 +23,17 @@ class CpuAttention:
         self.scale = scale
         self.reference = TorchAttention(scale)
 
+    def forward_lse(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference's explicit-softmax attention with log-sum-exp (no kernel has it yet)."""
+        return self.reference.forward_lse(q, k, v, kv, meta)
+
     def forward(
         self,
         q: torch.Tensor,

@@ -7,11 +7,11 @@ import logging
 import torch
 
 from gearshift.worker import kernels
+from gearshift.worker.attention.core import AttentionCore
 from gearshift.worker.attention.cpu_backend import CpuAttention
 from gearshift.worker.attention.torch_ref import TorchAttention
 from gearshift.worker.config import EngineConfig
 from gearshift.worker.errors import InvalidRequestError
-from gearshift.worker.model.llama import AttentionCore
 
 log = logging.getLogger(__name__)
 

@@ -63,6 +63,57 @@ class TorchAttention:
         self.prefill(q, k, v, kv, meta, out)
         return out
 
+    def forward_lse(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` plus each row's log-sum-exp [T, Hq] (fp32), one sequence at a time.
+
+        Plain softmax over explicit scores: the exact reference ring attention merges against.
+        """
+        write_kv(kv, k, v, meta.slot_mapping)
+        tokens, hq, _ = q.shape
+        out = q.new_zeros(q.shape)
+        lse = torch.full((tokens, hq), float("-inf"), dtype=torch.float32, device=q.device)
+        nd = meta.num_decodes
+        decode_lens = meta.seq_lens[:nd].tolist()
+        pieces = [(i, 1, n, meta.block_tables[i]) for i, n in enumerate(decode_lens)]
+        pieces += [
+            (start, qlen, seq_len, meta.block_tables[nd + i])
+            for i, (start, qlen, seq_len) in enumerate(
+                zip(
+                    meta.prefill_starts, meta.prefill_query_lens, meta.prefill_seq_lens, strict=True
+                )
+            )
+        ]
+        for start, qlen, seq_len, table in pieces:
+            keys = gather_context(kv[0], table, seq_len)  # [Hkv, L, D]
+            values = gather_context(kv[1], table, seq_len)
+            rows = slice(start, start + qlen)
+            out[rows], lse[rows] = self._explicit(q[rows], keys, values, seq_len)
+        return out, lse
+
+    def _explicit(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [n, Hq, D] at the last n positions of a context of ``seq_len`` cached keys."""
+        n, hq, _ = q.shape
+        group = hq // keys.shape[0]
+        keys = keys.repeat_interleave(group, dim=0).float()  # [Hq, L, D]
+        values = values.repeat_interleave(group, dim=0).float()
+        scores = torch.matmul(q.transpose(0, 1).float(), keys.transpose(1, 2)) * self.scale
+        pos = torch.arange(seq_len - n, seq_len, device=q.device)
+        hidden = torch.arange(seq_len, device=q.device)[None, :] > pos[:, None]  # [n, L]
+        scores.masked_fill_(hidden, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # [Hq, n]
+        probs = torch.exp(scores - lse.unsqueeze(-1))
+        out = torch.matmul(probs, values)  # [Hq, n, D]
+        return out.transpose(0, 1).to(q.dtype), lse.transpose(0, 1)
+
     def prefill(
         self,
         q: torch.Tensor,

@@ -1,4 +1,9 @@
-"""The leader's engine: admit requests, run one scheduled step at a time, stream outputs.
+"""The leader's engine: admit requests, run scheduled steps, stream outputs.
+
+Each ``step`` keeps up to ``policy.micro_batches()`` steps in flight (pipeline micro-batches over
+disjoint sets of sequences) and finishes the oldest: samples from its logits and reports every
+request that progressed. With one micro-batch (no pipeline) a step is scheduled, run and sampled
+within one call, as before.
 
 Not thread-safe: one thread drives ``add_request``/``abort_request``/``step`` (the worker server
 funnels its RPCs into that thread).
@@ -9,20 +14,21 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
 
 from gearshift.worker.config import EngineConfig
-from gearshift.worker.engine.model_runner import Executor
+from gearshift.worker.engine.contract import LeaderPolicy, QueueView
+from gearshift.worker.engine.model_runner import Executor, StepHandle
 from gearshift.worker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from gearshift.worker.engine.plan import build_plan
-from gearshift.worker.engine.scheduler import Scheduler, SchedulerConfig
+from gearshift.worker.engine.plan import StepPlan, build_plan
+from gearshift.worker.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from gearshift.worker.engine.sequence import FinishReason, Sequence
 from gearshift.worker.errors import GroupFailure, InvalidRequestError
 from gearshift.worker.kv.block_manager import BlockManager
-from gearshift.worker.policies.base import GearPolicy, StaticPolicy
 from gearshift.worker.sampling.logprobs import TokenLogprobs
 from gearshift.worker.sampling.params import SamplingParams
 from gearshift.worker.sampling.sampler import Sampler, SamplingState
@@ -60,6 +66,19 @@ class _TextState:
     stop: StopChecker | None
 
 
+@dataclass
+class _InFlight:
+    """A submitted step and the batch it runs."""
+
+    batch: ScheduledBatch
+    plan: StepPlan
+    handle: StepHandle
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return self.batch.decodes + [s for s, _ in self.batch.prefills]
+
+
 class LLMEngine:
     """Leader-side engine over an executor (one process, or a multi-rank group's leader)."""
 
@@ -71,8 +90,8 @@ class LLMEngine:
         max_model_len: int,
         vocab_size: int,
         eos_token_ids: frozenset[int],
-        tokenizer: Tokenizer | None = None,
-        policy: GearPolicy | None = None,
+        tokenizer: Tokenizer | None,
+        policy: LeaderPolicy,
     ) -> None:
         self.config = config
         self.executor = executor
@@ -86,7 +105,10 @@ class LLMEngine:
             blocks,
         )
         self.sampler = Sampler()
-        self.policy = policy or StaticPolicy()
+        self.policy = policy
+        self.in_flight: deque[_InFlight] = deque()
+        self._aborted: set[str] = set()  # aborts of in-flight requests, done when their step ends
+        self._failed: list[RequestOutput] = []  # outputs of a failure, reported by the next step
         self.requests: dict[str, Sequence] = {}
         self._text: dict[str, _TextState] = {}
         self._ids = itertools.count()
@@ -168,17 +190,28 @@ class LLMEngine:
             )
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request and free its blocks; False if it is unknown or already finished."""
+        """Stop a request and free its blocks; False if it is unknown or already finished.
+
+        A request whose step is in flight stops now for the caller (no more outputs); its blocks
+        are freed when that step ends, so no stage writes into blocks someone else holds.
+        """
+        if request_id in self._busy():
+            self._aborted.add(request_id)
+            self._forget(request_id)
+            return True
         seq = self.scheduler.abort(request_id)
         self._forget(request_id)
         return seq is not None
+
+    def _busy(self) -> frozenset[str]:
+        return frozenset(s.request_id for f in self.in_flight for s in f.seqs)
 
     def _forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
         self._text.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self.in_flight) or bool(self._failed)
 
     def keepalive(self) -> None:
         """Call every few seconds while idle: keeps a multi-rank group's followers alive."""
@@ -188,36 +221,86 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass, sample, and report every request that progressed."""
-        batch = self.scheduler.schedule()
-        if batch.is_empty:
+        """Submit steps until the policy's micro-batches are in flight, then finish the oldest:
+        sample from its logits and report every request that progressed."""
+        if self._failed:
+            failed, self._failed = self._failed, []
+            return failed
+        depth = max(1, self.policy.micro_batches())
+        while len(self.in_flight) < depth and self.dead is None:
+            if not self._launch():
+                break
+        if self._failed:
+            failed, self._failed = self._failed, []
+            return failed
+        if not self.in_flight:
             return []
-        gear = self.policy.choose_gear(batch.num_tokens)
+        return self._finish(self.in_flight.popleft())
+
+    def _launch(self) -> bool:
+        """Schedule and submit one step; False when there is nothing to run."""
+        queues = QueueView(
+            len(self.scheduler.running), len(self.scheduler.waiting), len(self.in_flight)
+        )
+        batch = self.scheduler.schedule(self.policy.step_request(queues), self._busy())
+        if batch.is_empty:
+            return False
+        gear = self.policy.choose_gear(batch)
         if gear != self.current_gear:
             # The first step picks a gear; only later changes are switches.
             self.gear_switches += self._step > 0
             self.current_gear = gear
+        depth = max(1, self.policy.micro_batches())
         plan = build_plan(
-            batch, self.blocks, self._step, gear, pad_to=self.policy.pad_multiple(gear)
+            batch,
+            self.blocks,
+            self._step,
+            gear,
+            pad_to=self.policy.pad_multiple(gear),
+            micro_batch=self._step % depth,
         )
         self._step += 1
         name = self.policy.gear_names[gear]
         self.gear_steps[name] += 1
         self.gear_tokens[name] += batch.num_tokens
         try:
-            logits = self.executor.execute(plan)
+            handle = self.executor.submit(plan)
         except GroupFailure as exc:
-            # The group is gone: every request ends now with the reason, none hangs.
-            log.error("%s", exc)
-            self.dead = str(exc)
-            everyone = list(self.scheduler.running) + list(self.scheduler.waiting)
-            self.scheduler.waiting.clear()
-            return [self._fail(seq, str(exc)) for seq in everyone]
+            self._die(exc)
+            return False
         except Exception as exc:  # a failed forward ends its requests, not the engine
             log.exception("forward pass failed at step %d", plan.step)
             scheduled = batch.decodes + [s for s, _ in batch.prefills]
-            return [self._fail(seq, f"forward pass failed: {exc}") for seq in scheduled]
-        assert logits is not None, "the leader's executor must return logits"
+            self._failed += [self._fail(seq, f"forward pass failed: {exc}") for seq in scheduled]
+            return False
+        self.in_flight.append(_InFlight(batch, plan, handle))
+        return True
+
+    def _die(self, exc: GroupFailure) -> None:
+        """The group is gone: every request ends now with the reason, none hangs."""
+        log.error("%s", exc)
+        self.dead = str(exc)
+        everyone = list(self.scheduler.running) + list(self.scheduler.waiting)
+        self.scheduler.waiting.clear()
+        self.in_flight.clear()
+        self._failed += [
+            self._fail(seq, str(exc)) for seq in everyone if seq.request_id not in self._aborted
+        ]
+        for rid in list(self._aborted):
+            self.scheduler.abort(rid)
+        self._aborted.clear()
+
+    def _finish(self, flight: _InFlight) -> list[RequestOutput]:
+        batch = flight.batch
+        try:
+            logits = flight.handle.result()
+        except GroupFailure as exc:
+            self._die(exc)
+            failed, self._failed = self._failed, []
+            return failed
+        except Exception as exc:
+            log.exception("forward pass failed at step %d", flight.plan.step)
+            return [self._fail(seq, f"forward pass failed: {exc}") for seq in flight.seqs]
         sampling: list[Sequence] = []
         for seq in batch.decodes:
             seq.num_computed_tokens += 1
@@ -232,6 +315,12 @@ class LLMEngine:
         for seq, _ in batch.prefills:
             self.blocks.cache_full_blocks(seq.blocks, seq.token_ids, seq.num_computed_tokens)
         outputs = self._sample_and_process(sampling, logits)
+        if self._aborted:
+            aborted = {s.request_id for s in flight.seqs} & self._aborted
+            for rid in aborted:
+                self.scheduler.abort(rid)
+            self._aborted -= aborted
+            outputs = [o for o in outputs if o.request_id not in aborted]
         self.scheduler.remove_finished()
         return outputs
 
@@ -391,6 +480,9 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
+        # Steps in flight finish first: no stage may still be sending when the group closes.
+        while self.in_flight and self.dead is None:
+            self._finish(self.in_flight.popleft())
         for rid in list(self.requests):
             self.abort_request(rid)
         self.executor.shutdown()

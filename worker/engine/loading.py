@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from gearshift.worker.comm import CommGroup
 from gearshift.worker.config import DEFAULT_CPU_KV_BYTES, EngineConfig, resolve_dtype
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.kernels.cpu_features import choose_packing
@@ -18,7 +19,6 @@ from gearshift.worker.model.llama import LlamaForCausalLM
 from gearshift.worker.model.loader import build_model
 from gearshift.worker.model.registry import resolve_model_path
 from gearshift.worker.model.weights import GGUFSource, WeightSource, open_weight_source
-from gearshift.worker.parallel.comm import CommGroup
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,9 @@ def load_model(
     device: torch.device,
     tp: CommGroup | None = None,
     show_progress: bool = False,
+    layers: range | None = None,
 ) -> LlamaForCausalLM:
+    """This rank's shard of the model: ``tp``'s slice of ``layers`` (a pipeline stage)."""
     try:
         return build_model(
             spec.config,
@@ -87,6 +89,7 @@ def load_model(
             tp,
             show_progress,
             packing=spec.packing,
+            layers=layers,
         )
     finally:
         source.close()

@@ -1,4 +1,11 @@
-"""Runs a StepPlan through one of this rank's gears; the leader gets the logits to sample from."""
+"""Runs a StepPlan through one of this rank's gears; the leader gets the logits to sample from.
+
+The engine drives an ``Executor``: ``submit`` starts a step and returns a handle whose
+``result`` is the step's logits on the leader. In one process (and in a group without pipeline
+stages) the step is done when ``submit`` returns; a pipeline's leader returns as soon as its own
+stage has run, so the engine can start the next micro-batch while later stages work, and
+``result`` receives the logits from the last stage (DESIGN.md: step contract).
+"""
 
 from __future__ import annotations
 
@@ -8,20 +15,43 @@ from typing import Protocol
 
 import torch
 
+from gearshift.worker.attention.core import AttentionCore
+from gearshift.worker.comm import CommGroup
 from gearshift.worker.engine.plan import StepPlan
 from gearshift.worker.kv.cache import LayerKV
-from gearshift.worker.model.llama import AttentionCore, LlamaForCausalLM
-from gearshift.worker.parallel.comm import CommGroup
+from gearshift.worker.model.llama import LlamaForCausalLM
+from gearshift.worker.parallel.pipeline import PipelineStage
+
+
+class StepHandle(Protocol):
+    """A submitted step: ``result`` is its logits [S, vocab] on the leader."""
+
+    def result(self) -> torch.Tensor: ...
+
+
+@dataclass
+class Done:
+    """A step that finished inside ``submit``."""
+
+    logits: torch.Tensor
+
+    def result(self) -> torch.Tensor:
+        return self.logits
 
 
 class Executor(Protocol):
-    """What the engine drives: one forward pass per plan, logits back on the leader."""
+    """What the engine drives: steps submitted in order, their logits back on the leader."""
 
-    def execute(self, plan: StepPlan) -> torch.Tensor | None: ...
+    def submit(self, plan: StepPlan) -> StepHandle: ...
 
     def keepalive(self) -> None: ...
 
     def shutdown(self) -> None: ...
+
+
+def execute(executor: Executor, plan: StepPlan) -> torch.Tensor:
+    """Run one step to completion (tools and tests that do not pipeline)."""
+    return executor.submit(plan).result()
 
 
 @dataclass
@@ -32,6 +62,7 @@ class Gear:
     model: LlamaForCausalLM
     core: AttentionCore
     sp: CommGroup  # tokens of a step are split over this group (Ulysses); size 1: not split
+    stage: PipelineStage | None = None  # this rank's pipeline stage; None: the whole model
 
     def weight_bytes(self) -> int:
         seen: set[int] = set()
@@ -93,22 +124,43 @@ class ModelRunner:
     def model(self) -> LlamaForCausalLM:
         return self.gears[0].model
 
+    def submit(self, plan: StepPlan) -> StepHandle:
+        """One process: the step is done when this returns."""
+        logits = self.execute(plan)
+        assert logits is not None, "a one-process runner always holds the logits"
+        return Done(logits)
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
-        """Logits [S, vocab] (model dtype) for ``plan.logits_indices`` on the group's first rank."""
+        """Logits [S, vocab] (model dtype) for ``plan.logits_indices`` on the rank that makes
+        them (the first rank of the last pipeline stage); None on every other rank. A
+        pipeline's last stage sends them on to the leader when the leader is elsewhere."""
         gear = self.gears[plan.gear]
         if self.threads is not None:
             self.threads.for_step(plan.num_tokens)
         plan = plan.to(self.device)
         meta = plan.attention_metadata()
         ids, positions = plan.input_ids, plan.positions
-        sp = gear.sp
+        sp, stage, model = gear.sp, gear.stage, gear.model
         if sp.size > 1:
             # Alg. 2 line 1: each SP rank runs the dense layers on its slice of the tokens.
             chunk = ids.shape[0] // sp.size
             ids = ids[sp.rank * chunk : (sp.rank + 1) * chunk]
             positions = positions[sp.rank * chunk : (sp.rank + 1) * chunk]
-        hidden = gear.model(ids, positions, self.kv_caches, meta, gear.core)
+        carry = None
+        if stage is not None and not stage.is_first:
+            dtype = next(model.parameters()).dtype
+            carry = stage.recv_activations(
+                ids.shape[0], model.config.hidden_size, dtype, self.device
+            )
+        hidden, residual = model.forward_layers(
+            ids, positions, self.kv_caches, meta, gear.core, carry
+        )
+        if stage is not None and not stage.is_last:
+            assert residual is not None
+            stage.send_activations(hidden, residual)
+            return None
+        hidden = model.final_norm(hidden, residual)
         if sp.size > 1:
             # Line 13: the hidden states come together where the logits are made.
             gathered = sp.gather_to_first(hidden)
@@ -116,7 +168,18 @@ class ModelRunner:
                 return None
             hidden = gathered
         # No fp32 copy here: the sampler upcasts only the rows and steps that need it.
-        return gear.model.compute_logits(hidden[plan.logits_indices])
+        logits = model.compute_logits(hidden[plan.logits_indices])
+        if logits is not None and stage is not None and stage.logits_to is not None:
+            if logits.shape[0]:  # the leader receives nothing for a step without logits rows
+                stage.send_logits(logits)
+            return None
+        return logits
+
+    def flush(self) -> None:
+        """Wait for this rank's outstanding pipeline sends."""
+        for gear in self.gears:
+            if gear.stage is not None:
+                gear.stage.flush()
 
     def keepalive(self) -> None:
         """Nothing to keep alive in one process."""

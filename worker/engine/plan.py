@@ -1,14 +1,19 @@
 """The leader's per-step plan (DESIGN.md: leader loop) and how it is built and shipped.
 
 A ``StepPlan`` holds everything a rank needs to run one forward pass: token ids, positions, KV slot
-mapping, block tables, sequence lengths, which rows produce logits, and which gear runs. It packs
-into a single int64 tensor so a multi-rank group ships it with two small broadcasts (header, body)
-instead of pickling objects every step.
+mapping, block tables, sequence lengths, which rows produce logits, which gear runs and which
+micro-batch (pipeline slot) it is. Policies add optional *sections*: named int64 vectors such as
+KV moves between tiers or ranks, or per-rank token maps (a zig-zag split); a section's wire id is
+a hash of its name, so no table outside the policy lists it. The plan packs into a fixed-size
+header and one int64 body, so a multi-rank group ships it with two small broadcasts instead of
+pickling objects every step, and nothing in it grows with the model.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -17,7 +22,14 @@ from gearshift.worker.attention.metadata import AttentionMetadata
 from gearshift.worker.engine.scheduler import ScheduledBatch
 from gearshift.worker.kv.block_manager import BlockManager
 
-HEADER_SIZE = 8
+CORE_SIZE = 9
+MAX_SECTIONS = 6
+HEADER_SIZE = CORE_SIZE + 1 + 2 * MAX_SECTIONS
+
+
+def section_id(name: str) -> int:
+    """The wire id of a plan section: the same in every process, with no shared table."""
+    return zlib.crc32(name.encode()) & 0x7FFFFFFF
 
 
 @dataclass(frozen=True)
@@ -34,6 +46,19 @@ class StepPlan:
     logits_indices: torch.Tensor  # [S] int64: token rows whose logits the leader samples from
     num_decodes: int
     prefill_query_lens: tuple[int, ...]
+    micro_batch: int = 0  # which of the policy's in-flight slots (pipeline micro-batch) runs it
+    sections: Mapping[int, torch.Tensor] = field(default_factory=dict)  # section_id → int64 [n]
+
+    def section(self, name: str) -> torch.Tensor | None:
+        """An optional section a policy added (``with_section``), or None."""
+        return self.sections.get(section_id(name))
+
+    def with_section(self, name: str, values: torch.Tensor) -> StepPlan:
+        if len(self.sections) >= MAX_SECTIONS and section_id(name) not in self.sections:
+            raise ValueError(f"a plan holds at most {MAX_SECTIONS} sections")
+        sections = dict(self.sections)
+        sections[section_id(name)] = values.to(torch.int64).reshape(-1)
+        return replace(self, sections=sections)
 
     @property
     def num_tokens(self) -> int:
@@ -68,9 +93,22 @@ class StepPlan:
         t, b = self.num_tokens, self.num_seqs
         w = int(self.block_tables.shape[1]) if b else 0
         s = int(self.logits_indices.shape[0])
-        header = torch.tensor(
-            [self.step, self.gear, t, b, w, s, self.num_decodes, len(self.prefill_query_lens)]
-        )
+        core = [
+            self.step,
+            self.gear,
+            t,
+            b,
+            w,
+            s,
+            self.num_decodes,
+            len(self.prefill_query_lens),
+            self.micro_batch,
+        ]
+        ids = sorted(self.sections)
+        lens = [int(self.sections[i].numel()) for i in ids]
+        pairs = [v for i, n in zip(ids, lens, strict=True) for v in (i, n)]
+        pad = [0] * (2 * (MAX_SECTIONS - len(ids)))
+        header = torch.tensor([*core, len(ids), *pairs, *pad], dtype=torch.int64)
         body = torch.cat(
             [
                 self.input_ids,
@@ -80,19 +118,29 @@ class StepPlan:
                 self.seq_lens,
                 self.logits_indices,
                 torch.tensor(self.prefill_query_lens, dtype=torch.int64),
+                *(self.sections[i] for i in ids),
             ]
         )
         return header, body
 
     @staticmethod
+    def _layout(header: torch.Tensor) -> tuple[list[int], list[tuple[int, int]]]:
+        values = header.tolist()
+        core, count = values[:CORE_SIZE], values[CORE_SIZE]
+        rest = values[CORE_SIZE + 1 :]
+        return core, [(rest[2 * k], rest[2 * k + 1]) for k in range(count)]
+
+    @staticmethod
     def body_size(header: torch.Tensor) -> int:
-        _, _, t, b, w, s, _, np_ = header.tolist()
-        return 3 * t + b * w + b + s + np_
+        core, sections = StepPlan._layout(header)
+        _, _, t, b, w, s, _, np_, _ = core
+        return 3 * t + b * w + b + s + np_ + sum(n for _, n in sections)
 
     @classmethod
     def unpack(cls, header: torch.Tensor, body: torch.Tensor) -> StepPlan:
-        step, gear, t, b, w, s, nd, np_ = header.tolist()
-        parts = torch.split(body, [t, t, t, b * w, b, s, np_])
+        core, sections = cls._layout(header)
+        step, gear, t, b, w, s, nd, np_, mb = core
+        parts = torch.split(body, [t, t, t, b * w, b, s, np_, *(n for _, n in sections)])
         return cls(
             step=step,
             gear=gear,
@@ -104,6 +152,8 @@ class StepPlan:
             logits_indices=parts[5],
             num_decodes=nd,
             prefill_query_lens=tuple(parts[6].tolist()),
+            micro_batch=mb,
+            sections={sid: parts[7 + k] for k, (sid, _) in enumerate(sections)},
         )
 
     def to(self, device: torch.device) -> StepPlan:
@@ -120,17 +170,16 @@ class StepPlan:
                 "logits_indices",
             )
         }
-        return StepPlan(
-            step=self.step,
-            gear=self.gear,
-            num_decodes=self.num_decodes,
-            prefill_query_lens=self.prefill_query_lens,
-            **move,
-        )
+        return replace(self, **move)
 
 
 def build_plan(
-    batch: ScheduledBatch, blocks: BlockManager, step: int, gear: int = 0, pad_to: int = 1
+    batch: ScheduledBatch,
+    blocks: BlockManager,
+    step: int,
+    gear: int = 0,
+    pad_to: int = 1,
+    micro_batch: int = 0,
 ) -> StepPlan:
     """Turn the scheduler's batch into a plan; ``pad_to`` pads the token count (Ulysses SP)."""
     bs = blocks.block_size
@@ -176,4 +225,5 @@ def build_plan(
         logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
         num_decodes=nd,
         prefill_query_lens=tuple(query_lens),
+        micro_batch=micro_batch,
     )

@@ -4,6 +4,10 @@ Each step the scheduler spends ``max_num_batched_tokens``: first one token for e
 decode, then the rest of any running partial prefill, then new requests in arrival order (each may
 get a partial chunk). When the KV cache runs out, the most recently admitted running request is
 preempted: its blocks are freed and it goes back to the front of the queue to be recomputed.
+
+The policy has a say before each step (``StepRequest``): decode-only or prefill-only steps, and a
+cap on the sequences a step takes. Sequences of steps still in flight (pipeline micro-batches)
+are ``busy``: they are neither scheduled nor preempted until their step has finished.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from gearshift.worker.engine.contract import StepKind, StepRequest
 from gearshift.worker.engine.sequence import FinishReason, Sequence, SequenceStatus
 from gearshift.worker.kv.block_manager import BlockManager
 
@@ -79,35 +84,49 @@ class Scheduler:
     def remove_finished(self) -> None:
         self.running = [s for s in self.running if not s.is_finished]
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(
+        self, request: StepRequest | None = None, busy: frozenset[str] = frozenset()
+    ) -> ScheduledBatch:
+        """This step's batch under ``request``; sequences whose ids are in ``busy`` wait."""
+        request = request or StepRequest()
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        seats = request.max_seqs or self.config.max_num_seqs
         now = time.monotonic()
+        free = [s for s in self.running if s.request_id not in busy]
         # Decodes first so a long prefill never starves running generations, then partial
         # prefills in admission order.
-        order = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        order += [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        order = []
+        if request.kind is not StepKind.PREFILL:
+            order += [s for s in free if s.num_tokens - s.num_computed_tokens == 1]
+        if request.kind is not StepKind.DECODE:
+            order += [s for s in free if s.num_tokens - s.num_computed_tokens > 1]
         for seq in order:
-            if budget == 0:
+            if budget == 0 or len(batch.decodes) + len(batch.prefills) >= seats:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._reserve(seq, n, batch):
+            if not self._reserve(seq, n, batch, busy):
                 continue
             budget -= n
             if n == 1 and seq.num_computed_tokens == seq.num_tokens - 1:
                 batch.decodes.append(seq)
             else:
                 batch.prefills.append((seq, n))
-        if not batch.preempted:
-            budget = self._admit(batch, budget, now)
+        if not batch.preempted and request.kind is not StepKind.DECODE:
+            seats -= len(batch.decodes) + len(batch.prefills)
+            budget = self._admit(batch, budget, now, seats)
         return batch
 
-    def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
-        """Blocks for ``n`` more tokens of a running sequence, preempting the youngest if needed."""
+    def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch, busy: frozenset[str]) -> bool:
+        """Blocks for ``n`` more tokens of a running sequence, preempting the youngest sequence
+        that is not in flight if needed."""
         while not self.blocks.allocate(seq.blocks, seq.num_computed_tokens + n):
-            victim = self.running[-1]
+            victims = [s for s in self.running if s.request_id not in busy]
+            if not victims:
+                return False
+            victim = victims[-1]
             self._preempt(victim, batch)
             if victim is seq:
                 return False
@@ -127,8 +146,13 @@ class Scheduler:
             batch.decodes.remove(seq)
         batch.prefills = [(s, n) for s, n in batch.prefills if s is not seq]
 
-    def _admit(self, batch: ScheduledBatch, budget: int, now: float) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _admit(self, batch: ScheduledBatch, budget: int, now: float, seats: int) -> int:
+        while (
+            self.waiting
+            and budget > 0
+            and seats > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
             seq = self.waiting[0]
             # At least one token must run to produce logits, so the last prompt token never hits.
             hit = self.blocks.match_prefix(seq.token_ids, seq.num_tokens - 1)
@@ -145,4 +169,5 @@ class Scheduler:
             self.running.append(seq)
             batch.prefills.append((seq, n))
             budget -= n
+            seats -= 1
         return budget

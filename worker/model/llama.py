@@ -8,14 +8,16 @@ injected (``AttentionCore``) so parallel layouts can wrap it without forking the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from gearshift.worker import kernels
+from gearshift.worker.attention.core import AttentionCore
 from gearshift.worker.attention.cpu_backend import CpuAttention
 from gearshift.worker.attention.metadata import AttentionMetadata
+from gearshift.worker.comm import CommGroup
 from gearshift.worker.kernels.cpu_features import choose_packing
 from gearshift.worker.kv.cache import LayerKV
 from gearshift.worker.model.config import ModelConfig
@@ -29,21 +31,6 @@ from gearshift.worker.model.layers.linear import (
 )
 from gearshift.worker.model.layers.norm import RMSNorm
 from gearshift.worker.model.layers.rotary import RotaryEmbedding, rotate
-from gearshift.worker.parallel.comm import CommGroup
-
-
-class AttentionCore(Protocol):
-    """Attention after the QKV projection: q [T, Hq, D], k/v [T, Hkv, D] → [T, Hq, D]."""
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv: LayerKV,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor: ...
-
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin for this step's positions
 
@@ -228,6 +215,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """Embedding, decoder layers ``layers`` (global indices) and final norm; a pipeline stage
+    holds the embedding only if it is the first and the norm only if it is the last."""
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -235,16 +225,22 @@ class LlamaModel(nn.Module):
         tp: CommGroup,
         dtype: torch.dtype,
         device: torch.device,
+        layers: range,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(
-            cfg.vocab_size, cfg.hidden_size, tp, dtype, device
+        self.layer_range = layers
+        self.embed_tokens = (
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
+            if layers.start == 0
+            else None
         )
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, dtype, device)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, tp, dtype, device) for _ in range(cfg.num_layers)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, dtype, device) for _ in layers)
+        self.norm = (
+            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+            if layers.stop == cfg.num_layers
+            else None
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -266,16 +262,26 @@ class LlamaForCausalLM(nn.Module):
         tp: CommGroup,
         dtype: torch.dtype,
         device: torch.device,
+        layers: range | None = None,
     ) -> None:
+        """``layers``: the global decoder layers this rank holds (a pipeline stage; default all)."""
         super().__init__()
         self.config = cfg
         self.tp = tp
+        layers = range(cfg.num_layers) if layers is None else layers
+        self.is_first_stage = layers.start == 0
+        self.is_last_stage = layers.stop == cfg.num_layers
         # Every layer when all of them can run as the fused decode op (pack_weights decides).
         self.fused_layers: list[LlamaDecoderLayer] = []
-        self.model = LlamaModel(cfg, max_positions, tp, dtype, device)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.model = LlamaModel(cfg, max_positions, tp, dtype, device, layers)
+        self.lm_head = (
+            ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
+            if self.is_last_stage
+            else None
+        )
+        embed = self.model.embed_tokens
+        if cfg.tie_word_embeddings and self.lm_head is not None and embed is not None:
+            self.lm_head.weight = embed.weight
 
     @property
     def num_kv_heads(self) -> int:
@@ -292,10 +298,28 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         core: AttentionCore,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm."""
-        hidden = self.model.embed_tokens(input_ids)
+        """Hidden states [T, hidden] after the final norm (the whole model on this rank)."""
+        hidden, residual = self.forward_layers(input_ids, positions, kv_caches, meta, core)
+        return self.final_norm(hidden, residual)
+
+    def forward_layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[LayerKV],
+        meta: AttentionMetadata,
+        core: AttentionCore,
+        carry: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden, residual stream) after this rank's layers; ``carry`` is what the previous
+        pipeline stage sent (the first stage embeds ``input_ids`` instead)."""
         rope = self.model.rotary.table(positions)
-        residual: torch.Tensor | None = None
+        residual: torch.Tensor | None
+        if carry is None:
+            assert self.model.embed_tokens is not None, "only the first stage embeds tokens"
+            hidden, residual = self.model.embed_tokens(input_ids), None
+        else:
+            hidden, residual = carry
         scale = self._fused_decode_scale(hidden, meta, core)
         if scale is not None:
             for fused, kv in zip(self.fused_layers, kv_caches, strict=True):
@@ -303,6 +327,11 @@ class LlamaForCausalLM(nn.Module):
         else:
             for layer, kv in zip(self.model.layers, kv_caches, strict=True):
                 hidden, residual = layer(rope, hidden, residual, kv, meta, core)
+        return hidden, residual
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The last stage's final RMSNorm (adding the residual stream)."""
+        assert self.model.norm is not None, "only the last stage has the final norm"
         if residual is None:  # a model without layers
             return self.model.norm(hidden)
         return self.model.norm.add_forward(hidden, residual)[0]
@@ -328,7 +357,8 @@ class LlamaForCausalLM(nn.Module):
         cpu_features.choose_packing) says oneDNN, then cache each layer's arguments of the fused
         decode op (they point at the packed weights, or the plain ones)."""
         if packing == "auto":
-            packing = choose_packing(self.lm_head.weight.dtype, self.lm_head.weight.device)
+            param = next(self.parameters())
+            packing = choose_packing(param.dtype, param.device)
         for module in self.modules():
             pack = getattr(module, "pack_weights", None)
             if module is not self and callable(pack):
@@ -341,4 +371,5 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocab logits on the TP group's first rank; None elsewhere."""
+        assert self.lm_head is not None, "only the last stage has the LM head"
         return self.lm_head.logits(hidden)

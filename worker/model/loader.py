@@ -2,17 +2,43 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
+from gearshift.worker.comm import CommGroup
 from gearshift.worker.errors import ModelLoadError
 from gearshift.worker.model.config import ModelConfig
 from gearshift.worker.model.llama import LlamaForCausalLM
 from gearshift.worker.model.weights import WeightSource
-from gearshift.worker.parallel.comm import CommGroup
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _local_name(model: LlamaForCausalLM, name: str) -> str | None:
+    """The module path of checkpoint tensor ``name`` on this rank, or None when it belongs to
+    another pipeline stage (layers elsewhere, the embedding, final norm or LM head)."""
+    held = model.model.layer_range
+    m = _LAYER.match(name)
+    if m:
+        index = int(m.group(1))
+        if index not in held:
+            return None
+        return f"model.layers.{index - held.start}.{name[m.end() :]}"
+    tied = model.config.tie_word_embeddings
+    if name == "model.embed_tokens.weight":
+        if model.model.embed_tokens is not None:
+            return name
+        # A last stage without the embedding loads its tied LM head from the embedding matrix.
+        return "lm_head.weight" if tied and model.lm_head is not None else None
+    if name == "lm_head.weight":
+        return None if tied or model.lm_head is None else name
+    if name.startswith("model.norm.") and model.model.norm is None:
+        return None
+    return name
 
 
 def _route(model: LlamaForCausalLM, name: str) -> tuple[nn.Module, str, str | int | None]:
@@ -35,10 +61,11 @@ def load_weights(
     names = source.names()
     iterator: Iterable[str] = progress if progress is not None else names
     for name in iterator:
-        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+        local = _local_name(model, name)
+        if local is None:
             continue
         try:
-            module, param, shard = _route(model, name)
+            module, param, shard = _route(model, local)
         except AttributeError as exc:
             raise ModelLoadError(f"checkpoint tensor {name!r} has no place in the model") from exc
         w = source.get(name)
@@ -62,7 +89,11 @@ def _expected_keys(model: LlamaForCausalLM) -> set[tuple[str, str, str | int | N
         del leaf
         fused_shards.setdefault(fused, []).append(shard)
     for mod_name, module in model.named_modules():
-        if mod_name == "lm_head" and model.config.tie_word_embeddings:
+        if (
+            mod_name == "lm_head"
+            and model.config.tie_word_embeddings
+            and model.model.embed_tokens is not None
+        ):
             continue
         for pname, _ in module.named_parameters(recurse=False):
             leaf = mod_name.rpartition(".")[2]
@@ -82,11 +113,14 @@ def build_model(
     tp: CommGroup | None = None,
     show_progress: bool = False,
     packing: str = "auto",
+    layers: range | None = None,
 ) -> LlamaForCausalLM:
     """Allocate the model (uninitialised) and load its shard of the weights; ``packing`` is
     cpu_features.choose_packing's choice (``auto``: make it here)."""
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, max_positions, tp or CommGroup.single(), dtype, device)
+        model = LlamaForCausalLM(
+            cfg, max_positions, tp or CommGroup.single(), dtype, device, layers
+        )
     progress = None
     if show_progress:
         from tqdm import tqdm

@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from gearshift.worker.parallel.comm import CommGroup
+from gearshift.worker.comm import CommGroup
 from gearshift.worker.parallel.layout import Layout
 
 
@@ -21,7 +21,7 @@ class GroupSet:
     sp_tp: CommGroup  # the shift gear's TP: every rank, SP_TP order (§3.3.2)
     kv_aa: CommGroup  # Alg. 1: ranks holding different KV heads of one TP shard
     kv_ag: CommGroup  # Alg. 1: ranks replicating the same KV head
-    control: CommGroup  # gloo on every platform: StepPlans and heartbeats
+    pp: CommGroup  # point-to-point between pipeline stages (group rank = stage)
 
     @staticmethod
     def single() -> GroupSet:
@@ -62,17 +62,33 @@ def kv_replication_groups(
 
 
 def create_groups(layout: Layout, rank: int, num_kv_heads: int, timeout: timedelta) -> GroupSet:
-    """Every group of ``layout``; call after ``init_process_group`` on all ranks."""
+    """Every group of ``layout``; call after ``init_process_group`` on all ranks, in the same
+    order on every rank (``new_group`` is collective over the world)."""
     everyone = tuple(range(layout.world_size))
     world = CommGroup(layout.world_size, rank, everyone, dist.group.WORLD)
     tp = _mine(layout.tp_groups(), rank, timeout)
     sp = _mine(layout.sp_groups(), rank, timeout)
-    # Same members as the world, in SP_TP order; CommGroup restores that order in gathers.
-    order = tuple(layout.sp_tp_order())
-    sp_tp = CommGroup(layout.world_size, order.index(rank), order, dist.group.WORLD)
+    if layout.pp == 1:
+        # Same members as the world, in SP_TP order; CommGroup restores that order in gathers.
+        order = tuple(layout.sp_tp_order())
+        sp_tp = CommGroup(layout.world_size, order.index(rank), order, dist.group.WORLD)
+    else:
+        sp_tp = _mine([layout.sp_tp_order(st) for st in range(layout.pp)], rank, timeout)
     aa_groups, ag_groups = kv_replication_groups(layout, num_kv_heads)
     kv_aa = _mine(aa_groups, rank, timeout)
     kv_ag = _mine(ag_groups, rank, timeout)
-    control_pg = dist.new_group(list(everyone), backend="gloo", timeout=timeout)
-    control = CommGroup(layout.world_size, rank, everyone, control_pg)
-    return GroupSet(world, tp, sp, sp_tp, kv_aa, kv_ag, control)
+    pp = CommGroup.single()
+    if layout.pp > 1:
+        # One group for every stage-to-stage send: point-to-point needs no per-pair group.
+        pg = dist.new_group(list(everyone), timeout=timeout)
+        pp = CommGroup(layout.pp, layout.stage(rank), everyone, pg)
+    return GroupSet(world, tp, sp, sp_tp, kv_aa, kv_ag, pp)
+
+
+def create_control_group(world_size: int, rank: int, timeout: timedelta) -> CommGroup:
+    """The leader's channel to every rank: gloo on every platform (StepPlans, keep-alives)."""
+    everyone = tuple(range(world_size))
+    if world_size == 1:
+        return CommGroup.single()
+    pg = dist.new_group(list(everyone), backend="gloo", timeout=timeout)
+    return CommGroup(world_size, rank, everyone, pg)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from gearshift.worker.attention.core import AttentionCore
 from gearshift.worker.attention.metadata import AttentionMetadata
+from gearshift.worker.comm import CommGroup
 from gearshift.worker.kv.cache import LayerKV
-from gearshift.worker.model.llama import AttentionCore
-from gearshift.worker.parallel.comm import CommGroup
 
 
 class UlyssesAttention:
@@ -37,6 +37,28 @@ class UlyssesAttention:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """q [n/SP, Hq_tp, D], k/v [n/SP, Hkv_tp, D] → [n/SP, Hq_tp, D]."""
+        q_all, k_all, v_all = self._to_heads(q, k, v)
+        out = self.inner.forward(q_all, k_all, v_all, kv, meta)
+        return self._to_tokens(out, q.shape[0])
+
+    def forward_lse(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` plus the log-sum-exp rows [n/SP, Hq_tp], moved back like the output."""
+        m = q.shape[0]
+        q_all, k_all, v_all = self._to_heads(q, k, v)
+        out, lse = self.inner.forward_lse(q_all, k_all, v_all, kv, meta)
+        return self._to_tokens(out, m), self._to_tokens(lse.unsqueeze(-1), m).squeeze(-1)
+
+    def _to_heads(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Alg. 2 line 4: token slices of all heads → all tokens of 1/SP of the heads."""
         sp = self.sp.size
         m, hq_tp, dim = q.shape
         hkv_tp = k.shape[1]
@@ -54,9 +76,14 @@ class UlyssesAttention:
                 sp * m, hq, dim
             )
             k_all, v_all = self._replicate_kv(k, v)
-        out = self.inner.forward(q_all, k_all.contiguous(), v_all.contiguous(), kv, meta)
+        return q_all, k_all.contiguous(), v_all.contiguous()
+
+    def _to_tokens(self, out: torch.Tensor, m: int) -> torch.Tensor:
+        """Line 6: [n, Hq_tp/SP, D] → this rank's token slice of all its TP heads."""
+        sp = self.sp.size
+        hq, dim = out.shape[1], out.shape[2]
         back = self.sp.all_to_all(out.view(sp, m, hq, dim))  # [source head chunk, m, hq, D]
-        return back.transpose(0, 1).reshape(m, hq_tp, dim)
+        return back.transpose(0, 1).reshape(m, sp * hq, dim)
 
     def _replicate_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Alg. 1: every rank ends with all tokens of the one KV head it serves."""

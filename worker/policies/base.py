@@ -1,75 +1,193 @@
-"""A policy decides, per step, which gear runs; the engine asks it and counts what it chose.
+"""The step contract between the engine and a parallelism policy (DESIGN.md: step contract).
 
-The policy's layout parameters (tp, sp, ...) are fixed for the life of a worker group; its live
-parameters (Shift's threshold, ...) change at run time through ``update_live`` (the worker
-server's ApplyPolicy; the proto marks which fields are live).
+A policy is one package under ``worker/policies/`` that owns everything about its technique:
+
+- reading its proto message (``gearshift.v1.Policy``, the one schema) and checking the model;
+- on every rank, the process groups, gears and KV shape it needs (``build_rank``);
+- on the leader, how steps are scheduled (``micro_batches``, ``step_request``: prefill-only or
+  decode-only steps, how many sequences a micro-batch may take) and which gear runs a scheduled
+  batch (``choose_gear``);
+- its live parameters (kept in its proto message, so the active policy *is* the proto) and its
+  stats.
+
+The engine and the launcher call only these methods; nothing else dispatches on the policy kind.
+Policies are registered in ``registry.py``.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
+from gearshift.v1 import policy_fields, policy_pb2
+from gearshift.worker.attention.core import AttentionCore
+from gearshift.worker.engine.contract import LiveValue, QueueView, StepKind, StepRequest
 from gearshift.worker.errors import InvalidRequestError
+from gearshift.worker.model.config import ModelConfig
 
-LiveValue = int | float | str
+if TYPE_CHECKING:
+    from gearshift.worker.engine.loading import ModelSpec
+    from gearshift.worker.engine.model_runner import Gear
+    from gearshift.worker.engine.scheduler import ScheduledBatch
+    from gearshift.worker.model.weights import WeightSource
+
+__all__ = [
+    "LiveValue",
+    "Policy",
+    "QueueView",
+    "RankContext",
+    "RankModel",
+    "StepKind",
+    "StepRequest",
+]
 
 
-class GearPolicy(ABC):
-    """Which gear runs each step, and what a step of that gear needs."""
+@dataclass(frozen=True)
+class RankContext:
+    """What a policy needs to build its part of the group on one rank."""
 
-    kind: ClassVar[str]
+    rank: int
+    world_size: int
+    spec: ModelSpec
+    open_source: Callable[[], WeightSource]
+    make_core: Callable[[], AttentionCore]
+    device: torch.device
+    timeout: timedelta = timedelta(seconds=120)
+    show_progress: bool = False
+
+
+@dataclass
+class RankModel:
+    """One rank's share of a group: its gears and the shape of its KV cache."""
+
+    gears: list[Gear]
+    kv_layers: int  # decoder layers whose KV this rank holds
+    kv_heads: int  # KV heads per layer on this rank
+    logits_rank: int = 0  # global rank where the full logits appear (a pipeline's last stage)
+    p2p_group: Any = None  # the group the leader receives those logits over, if elsewhere
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Policy(ABC):
+    """One parallelism technique (see the module docstring for the contract)."""
+
+    kind: ClassVar[str]  # the field name in gearshift.v1.Policy's oneof
     gear_names: tuple[str, ...]
 
+    def __init__(self, policy: policy_pb2.Policy, world_size: int) -> None:
+        """``policy`` with this kind set; defaults are filled in for ``world_size`` ranks."""
+        errors = policy_fields.layout_errors(policy, world_size)
+        if errors:
+            raise InvalidRequestError(f"policy.{self.kind}", "; ".join(errors))
+        self.world_size = world_size
+        self._proto = policy_fields.with_defaults(policy, world_size)
+
+    @property
+    def message(self) -> Any:
+        """This policy's own proto message (e.g. ``policy_pb2.ShiftPolicy``), defaults filled."""
+        return getattr(self._proto, self.kind)
+
+    def to_proto(self) -> policy_pb2.Policy:
+        """The active policy, live values included (a copy)."""
+        out = policy_pb2.Policy()
+        out.CopyFrom(self._proto)
+        return out
+
+    # ---- every rank ------------------------------------------------------------------------
+
+    def check_model(self, cfg: ModelConfig) -> None:
+        """Refuse a model this layout cannot split, naming the field (before any rank starts)."""
+        del cfg
+
     @abstractmethod
-    def choose_gear(self, num_tokens: int) -> int:
-        """Index into ``gear_names`` for a step of ``num_tokens`` scheduled tokens."""
+    def build_rank(self, ctx: RankContext) -> RankModel:
+        """Create this rank's process groups and gears (collective: every rank calls it)."""
+
+    # ---- the leader ------------------------------------------------------------------------
+
+    def micro_batches(self) -> int:
+        """Steps the engine keeps in flight (pipeline stages); 1 runs one step at a time."""
+        return 1
+
+    def step_request(self, queues: QueueView) -> StepRequest:
+        """The policy's say in the next step, before the scheduler builds it."""
+        del queues
+        return StepRequest()
+
+    def choose_gear(self, batch: ScheduledBatch) -> int:
+        """Index into ``gear_names`` of the gear that runs ``batch``."""
+        del batch
+        return 0
 
     def pad_multiple(self, gear: int) -> int:
         """The token count of a step of ``gear`` is padded to a multiple of this (Ulysses SP)."""
         del gear
         return 1
 
-    @abstractmethod
-    def layout(self) -> dict[str, int]:
-        """The fixed parallel sizes, e.g. {"tp": 1, "sp": 3}."""
+    def stats(self) -> dict[str, float]:
+        """Policy-specific figures for GetStats and metrics (empty by default)."""
+        return {}
+
+    # ---- live parameters -------------------------------------------------------------------
 
     def live_parameters(self) -> dict[str, LiveValue]:
-        """Parameters that may change while the group runs."""
-        return {}
+        """Fields of this policy's message marked ``(live) = true``, with their values."""
+        out: dict[str, LiveValue] = {}
+        msg = self.message
+        for f in msg.DESCRIPTOR.fields:
+            if policy_fields.is_live(f) and f.type != FieldDescriptor.TYPE_MESSAGE:
+                value = getattr(msg, f.name)
+                if f.type == FieldDescriptor.TYPE_ENUM:
+                    value = f.enum_type.values_by_number[int(value)].name
+                out[f.name] = value
+        return out
 
     def update_live(self, values: dict[str, LiveValue]) -> None:
         """Apply live parameters; refuses unknown names or bad values, changing nothing."""
         current = self.live_parameters()
+        candidate = policy_pb2.Policy()
+        candidate.CopyFrom(self._proto)
+        msg = getattr(candidate, self.kind)
         for name, value in values.items():
             if name not in current:
                 raise InvalidRequestError(
                     f"{self.kind}.{name}", f"{self.kind}.{name} cannot be changed while running"
                 )
-            self._check_live(name, value)
-        for name, value in values.items():
-            setattr(self, name, value)
+            self._set(msg, name, value)
+        errors = policy_fields.layout_errors(candidate, self.world_size)
+        if errors:
+            raise InvalidRequestError(f"policy.{self.kind}", "; ".join(errors))
+        self._proto = candidate
 
-    def _check_live(self, name: str, value: LiveValue) -> None:
-        del name, value
-
-
-class StaticPolicy(GearPolicy):
-    """One gear for every step."""
-
-    kind = "static"
-
-    def __init__(self, tp: int = 1, sp: int = 1, pp: int = 1) -> None:
-        self.tp, self.sp, self.pp = tp, sp, pp
-        self.gear_names = ("static",)
-
-    def choose_gear(self, num_tokens: int) -> int:
-        del num_tokens
-        return 0
-
-    def pad_multiple(self, gear: int) -> int:
-        del gear
-        return self.sp
-
-    def layout(self) -> dict[str, int]:
-        return {"tp": self.tp, "sp": self.sp, "pp": self.pp}
+    def _set(self, msg: Message, name: str, value: LiveValue) -> None:
+        path = f"{self.kind}.{name}"
+        f = msg.DESCRIPTOR.fields_by_name[name]
+        if f.type == FieldDescriptor.TYPE_ENUM:
+            number = f.enum_type.values_by_name.get(str(value))
+            if number is None:
+                raise InvalidRequestError(path, f"{path} has no value {value!r}")
+            setattr(msg, name, number.number)
+            return
+        integer = f.cpp_type in (
+            FieldDescriptor.CPPTYPE_INT32,
+            FieldDescriptor.CPPTYPE_INT64,
+            FieldDescriptor.CPPTYPE_UINT32,
+            FieldDescriptor.CPPTYPE_UINT64,
+        )
+        if isinstance(value, bool) or (integer and not isinstance(value, int)):
+            raise InvalidRequestError(path, f"{path} must be an integer, got {value!r}")
+        lo, hi = policy_fields.bounds(f)
+        if not isinstance(value, (int, float)) or (
+            (lo is not None and value < lo) or (hi is not None and value > hi)
+        ):
+            raise InvalidRequestError(
+                path, f"{path} must be a number in [{lo}, {hi}], got {value!r}"
+            )
+        setattr(msg, name, value)

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from google.protobuf.descriptor import FieldDescriptor
 
 from gearshift.v1 import common_pb2, policy_fields, policy_pb2, worker_pb2
+from gearshift.worker.engine.contract import LiveValue
 from gearshift.worker.engine.llm_engine import EngineStats
 from gearshift.worker.engine.outputs import RequestMetrics, RequestOutput
 from gearshift.worker.engine.sequence import FinishReason
 from gearshift.worker.errors import InvalidRequestError
-from gearshift.worker.policies.base import GearPolicy, LiveValue
 from gearshift.worker.sampling.logprobs import TokenLogprobs
 from gearshift.worker.sampling.params import SamplingParams
 
@@ -103,22 +103,6 @@ def merge_outputs(
 
 
 # ---- policy --------------------------------------------------------------------------------
-
-
-def policy_proto(policy: GearPolicy, ranks: int) -> policy_pb2.Policy:
-    """The active policy as the proto, live parameters included, defaults filled in."""
-    out = policy_pb2.Policy()
-    msg = getattr(out, policy.kind)
-    msg.SetInParent()
-    values: dict[str, LiveValue] = {**policy.layout(), **policy.live_parameters()}
-    for name, value in values.items():
-        field = msg.DESCRIPTOR.fields_by_name.get(name)
-        if field is None:
-            continue
-        if field.type == FieldDescriptor.TYPE_ENUM and isinstance(value, str):
-            value = field.enum_type.values_by_name[value].number
-        setattr(msg, name, value)
-    return policy_fields.with_defaults(out, ranks)
 
 
 def live_update(active: policy_pb2.Policy, requested: policy_pb2.Policy) -> dict[str, LiveValue]:

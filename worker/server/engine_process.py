@@ -25,10 +25,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from gearshift.v1 import policy_pb2
+from gearshift.worker.engine.contract import LiveValue
 from gearshift.worker.engine.llm_engine import EngineStats
 from gearshift.worker.engine.outputs import RequestOutput
 from gearshift.worker.errors import GearshiftError, GroupFailure, InvalidRequestError
-from gearshift.worker.policies.base import LiveValue
 from gearshift.worker.sampling.params import InvalidSamplingParams, SamplingParams
 from gearshift.worker.server.engine_loop import EngineFailure, EngineStopped, OutputSink
 from gearshift.worker.server.settings import WorkerSettings
@@ -88,7 +88,6 @@ def _child_main(settings: WorkerSettings, conn: Connection, log_level: int) -> N
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
-    from gearshift.worker.server import convert
     from gearshift.worker.server.engine_loop import Delivery, EngineLoop
     from gearshift.worker.server.factory import build_engine
 
@@ -109,7 +108,7 @@ def _child_main(settings: WorkerSettings, conn: Connection, log_level: int) -> N
 
     loop = EngineLoop(engine, deliver)
     loop.start()
-    send(("ready", engine.max_model_len, convert.policy_proto(engine.policy, settings.ranks)))
+    send(("ready", engine.max_model_len, engine.policy.to_proto()))
     stop = threading.Event()
 
     def report_stats() -> None:
@@ -133,7 +132,7 @@ def _child_main(settings: WorkerSettings, conn: Connection, log_level: int) -> N
     def apply(values: dict[str, LiveValue]) -> Any:
         def run(e: Any) -> policy_pb2.Policy:
             e.policy.update_live(values)
-            return convert.policy_proto(e.policy, settings.ranks)
+            return e.policy.to_proto()
 
         return run
 

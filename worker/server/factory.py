@@ -1,7 +1,8 @@
 """Builds the group leader's engine for a worker process: the one call that starts a group.
 
-The proto policy (engine.json) becomes the launcher's ParallelConfig; `start_engine` returns the
-leader's engine (spawning this host's other ranks), `run_node` runs a non-leader pod's ranks.
+The policy in engine.json (the proto) goes to the registry, which returns the running policy;
+`start_engine` returns the leader's engine (spawning this host's other ranks), `run_node` runs a
+non-leader pod's ranks. The rendezvous comes from the pod's environment.
 """
 
 from __future__ import annotations
@@ -10,33 +11,19 @@ import os
 from collections.abc import Mapping
 from dataclasses import asdict
 
-from gearshift.v1 import policy_fields, policy_pb2
 from gearshift.worker.config import EngineConfig
 from gearshift.worker.engine.llm_engine import LLMEngine
-from gearshift.worker.errors import InvalidRequestError
-from gearshift.worker.launch import ParallelConfig, run_node, start_engine
+from gearshift.worker.launch import GroupConfig, run_node, start_engine
+from gearshift.worker.policies.base import Policy
+from gearshift.worker.policies.registry import make_policy
 from gearshift.worker.server.settings import WorkerSettings
 
 
-def parallel_config(
-    policy: policy_pb2.Policy, env: Mapping[str, str] | None = None
-) -> ParallelConfig:
-    """The launcher's layout for a defaults-filled policy, rendezvous from the pod's env."""
-    kind = policy_fields.kind_of(policy)
-    if kind == "static":
-        s = policy.static
-        for name in ("pp", "dp"):
-            if getattr(s, name) != 1:
-                raise InvalidRequestError(
-                    f"policy.static.{name}", f"policy.static.{name} must be 1 in this engine"
-                )
-        parallel = ParallelConfig(policy="static", tp=s.tp, sp=s.sp)
-    elif kind == "shift":
-        s = policy.shift
-        parallel = ParallelConfig(policy="shift", tp=s.tp, sp=s.sp, shift_threshold=s.threshold)
-    else:
-        raise InvalidRequestError("policy", f"policy {kind!r} is not implemented by this worker")
-    return parallel.with_environment(dict(os.environ if env is None else env))
+def group_config(policy: Policy, env: Mapping[str, str] | None = None) -> GroupConfig:
+    """The rendezvous for ``policy``'s ranks, from the pod's environment."""
+    return GroupConfig().with_environment(
+        policy.world_size, dict(os.environ if env is None else env)
+    )
 
 
 def engine_config(settings: WorkerSettings) -> EngineConfig:
@@ -46,9 +33,11 @@ def engine_config(settings: WorkerSettings) -> EngineConfig:
 
 def build_engine(settings: WorkerSettings) -> LLMEngine:
     """The leader's engine: model, KV cache and policy, every rank of the group joined."""
-    return start_engine(engine_config(settings), parallel_config(settings.policy))
+    policy = make_policy(settings.policy, settings.ranks)
+    return start_engine(engine_config(settings), policy, group_config(policy))
 
 
 def run_follower_node(settings: WorkerSettings) -> int:
     """A non-leader pod: run its ranks until the group ends; returns the exit code."""
-    return run_node(engine_config(settings), parallel_config(settings.policy))
+    policy = make_policy(settings.policy, settings.ranks)
+    return run_node(engine_config(settings), policy, group_config(policy))

@@ -11,10 +11,9 @@ import asyncio
 from typing import Protocol
 
 from gearshift.v1 import policy_pb2
+from gearshift.worker.engine.contract import LiveValue
 from gearshift.worker.engine.llm_engine import EngineStats, LLMEngine
-from gearshift.worker.policies.base import LiveValue
 from gearshift.worker.sampling.params import SamplingParams
-from gearshift.worker.server import convert
 from gearshift.worker.server.engine_loop import Deliver, Delivery, EngineLoop, OutputSink
 
 
@@ -69,7 +68,7 @@ class ThreadEngine:
         self.engine = engine
         self.ranks = ranks
         self.max_model_len = engine.max_model_len
-        self.policy = convert.policy_proto(engine.policy, ranks)
+        self.policy = engine.policy.to_proto()
         self.loop = EngineLoop(engine, deliver_on(asyncio.get_running_loop()), idle_wait)
         self.loop.start()
 
@@ -99,11 +98,9 @@ class ThreadEngine:
         return await asyncio.wrap_future(self.loop.abort(request_id))
 
     async def apply_live(self, values: dict[str, LiveValue]) -> policy_pb2.Policy:
-        ranks = self.ranks
-
         def apply(engine: LLMEngine) -> policy_pb2.Policy:
             engine.policy.update_live(values)  # on the engine thread, between two steps
-            return convert.policy_proto(engine.policy, ranks)
+            return engine.policy.to_proto()
 
         self.policy = await asyncio.wrap_future(self.loop.call(apply))
         return self.policy

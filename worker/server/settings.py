@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from google.protobuf import json_format
-
 from gearshift.v1 import policy_fields, policy_pb2
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.model.registry import default_served_name
@@ -97,7 +95,13 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None)
     add_engine_args(p, dtype_default=None)
     p.add_argument("--max-waiting", type=int, default=None, help="default: max-num-seqs")
-    p.add_argument("--policy-json", default=None, help="gearshift.v1.Policy as JSON")
+    p.add_argument(
+        "--policy-config",
+        "--policy-json",
+        default=None,
+        dest="policy_json",
+        help="the CRD's spec.policy (gearshift.v1.Policy): a JSON/YAML file or inline",
+    )
     p.add_argument("--group-name", default=None)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=None, help="0 lets the OS pick")
@@ -118,14 +122,10 @@ def _read_config(path: str | None) -> dict[str, Any]:
 
 
 def _policy(raw: Any, ranks: int) -> policy_pb2.Policy:
-    policy = policy_pb2.Policy()
-    if raw is None:
-        policy.static.SetInParent()
-    else:
-        try:
-            json_format.ParseDict(json.loads(raw) if isinstance(raw, str) else raw, policy)
-        except (json_format.ParseError, ValueError) as exc:
-            raise InvalidRequestError("policy", f"invalid policy: {exc}") from exc
+    from gearshift.worker.policies.flags import read_policy_text
+    from gearshift.worker.policies.registry import parse_policy
+
+    policy = parse_policy(read_policy_text(raw) if isinstance(raw, str) else raw)
     errors = policy_fields.layout_errors(policy, ranks)
     if errors:
         raise InvalidRequestError("policy", "; ".join(errors))

@@ -159,7 +159,7 @@ def test_a_failed_forward_ends_its_requests_with_an_error_and_frees_them(
     inner = engine.executor.inner
 
     class Broken:
-        def execute(self, plan):
+        def submit(self, plan):
             raise RuntimeError("device fell over")
 
         def shutdown(self):

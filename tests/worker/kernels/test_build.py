@@ -52,7 +52,7 @@ logging.basicConfig(level=logging.WARNING)
 from gearshift.worker import kernels
 from gearshift.worker.attention.select import make_attention
 from gearshift.worker.config import EngineConfig
-from gearshift.worker.engine.local import build_local_engine
+from gearshift.worker.launch import build_local_engine
 from gearshift.worker.sampling.params import SamplingParams
 config = EngineConfig(model={str(folder)!r}, dtype="float32", skip_tokenizer_init=True,
                       kv_cache_bytes=16 << 20)

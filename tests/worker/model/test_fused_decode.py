@@ -17,11 +17,12 @@ from gearshift.worker import kernels
 from gearshift.worker.attention.cpu_backend import CpuAttention
 from gearshift.worker.attention.metadata import AttentionMetadata
 from gearshift.worker.attention.torch_ref import TorchAttention
+from gearshift.worker.comm import CommGroup
+from gearshift.worker.engine.model_runner import Done
 from gearshift.worker.kernels.cpu_features import host_features
 from gearshift.worker.kv.cache import LayerKV
 from gearshift.worker.model.config import ModelConfig
 from gearshift.worker.model.llama import LlamaDecoderLayer, LlamaForCausalLM
-from gearshift.worker.parallel.comm import CommGroup
 from gearshift.worker.parallel.ulysses import UlyssesAttention
 from gearshift.worker.sampling.params import SamplingParams
 from tests.worker.helpers import run_recording, scattered_block_tables
@@ -267,6 +268,9 @@ class StepCounter:
         pure = plan.num_decodes == plan.num_tokens
         self.steps.append((pure, self.calls[0] - before))
         return out
+
+    def submit(self, plan: Any) -> Any:
+        return Done(self.execute(plan))
 
     def shutdown(self) -> None:
         self.inner.shutdown()

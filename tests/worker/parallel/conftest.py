@@ -9,7 +9,7 @@ import pytest
 
 from gearshift.worker.config import EngineConfig
 from gearshift.worker.engine.llm_engine import LLMEngine
-from gearshift.worker.launch import ParallelConfig, start_engine
+from gearshift.worker.launch import GroupConfig, start_engine
 from tests.worker.helpers import RecordingExecutor
 
 
@@ -18,11 +18,17 @@ def group_factory() -> Iterator[Callable[..., LLMEngine]]:
     """Start worker groups; each is shut down (every rank joined) and checked for leaks."""
     engines: list[LLMEngine] = []
 
-    def start(model: Any, parallel: ParallelConfig, record: bool = True, **kw: Any) -> LLMEngine:
+    def start(
+        model: Any,
+        policy: Any,
+        record: bool = True,
+        group: GroupConfig | None = None,
+        **kw: Any,
+    ) -> LLMEngine:
+        """``policy``: the CRD's spec.policy object (e.g. {"static": {"tp": 2}}) or a Policy."""
         kw.setdefault("dtype", "float32")
         kw.setdefault("kv_cache_bytes", 32 << 20)
-        # Short timeouts: a broken test fails in seconds, not minutes.
-        engine = start_engine(EngineConfig(model=str(model), **kw), parallel)
+        engine = start_engine(EngineConfig(model=str(model), **kw), policy, group)
         if record:
             engine.executor = RecordingExecutor(engine.executor)
         engines.append(engine)

@@ -10,20 +10,17 @@ import argparse
 import sys
 
 from gearshift.worker.config import EngineConfig
-from gearshift.worker.launch import ParallelConfig, start_engine
+from gearshift.worker.launch import GroupConfig, start_engine
 from gearshift.worker.sampling.params import SamplingParams
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--sp", type=int, default=1)
+    ap.add_argument("--policy-config", default='{"static": {"tp": 2}}')
     ap.add_argument("--heartbeat-timeout", type=float, default=10.0)
     args = ap.parse_args()
-    parallel = ParallelConfig(
-        tp=args.tp,
-        sp=args.sp,
+    group = GroupConfig(
         timeout_s=30.0,
         heartbeat_interval_s=0.5,
         heartbeat_timeout_s=args.heartbeat_timeout,
@@ -31,7 +28,7 @@ def main() -> int:
     config = EngineConfig(
         model=args.model, dtype="float32", skip_tokenizer_init=True, kv_cache_bytes=16 << 20
     )
-    engine = start_engine(config, parallel)
+    engine = start_engine(config, args.policy_config, group)
     print("ranks", *[p.pid for p in engine.executor.children], flush=True)
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     for i in range(4):

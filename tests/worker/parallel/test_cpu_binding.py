@@ -6,7 +6,9 @@ import os
 
 import pytest
 
-from gearshift.worker.launch import ParallelConfig
+from gearshift.worker.launch import GroupConfig
+
+TP2 = {"static": {"tp": 2}}
 
 CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
@@ -20,7 +22,8 @@ def test_two_ranks_owning_the_host_get_disjoint_cores(tiny_checkpoint, group_fac
     half = len(CORES) // 2
     engine = group_factory(
         tiny_checkpoint("llama3-scaled"),
-        ParallelConfig(tp=2, threads_per_rank=half),
+        TP2,
+        group=GroupConfig(threads_per_rank=half),
         record=False,
         skip_tokenizer_init=True,
     )
@@ -33,18 +36,18 @@ def test_two_ranks_owning_the_host_get_disjoint_cores(tiny_checkpoint, group_fac
 
 @needs_cores
 @pytest.mark.parametrize(
-    "parallel",
+    "group",
     [
-        ParallelConfig(tp=2, threads_per_rank=1, cpu_bind=False),
-        ParallelConfig(tp=2, threads_per_rank=len(CORES)),  # more threads than cores: shared
+        GroupConfig(threads_per_rank=1, cpu_bind=False),
+        GroupConfig(threads_per_rank=len(CORES)),  # more threads than cores: shared
     ],
     ids=["off", "oversubscribed"],
 )
 def test_ranks_stay_unpinned_when_binding_is_off_or_does_not_fit(
-    tiny_checkpoint, group_factory, parallel
+    tiny_checkpoint, group_factory, group
 ):
     engine = group_factory(
-        tiny_checkpoint("llama3-scaled"), parallel, record=False, skip_tokenizer_init=True
+        tiny_checkpoint("llama3-scaled"), TP2, group=group, record=False, skip_tokenizer_init=True
     )
     (follower,) = engine.executor.children
     assert os.sched_getaffinity(0) == set(CORES)

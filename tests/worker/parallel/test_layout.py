@@ -7,9 +7,9 @@ import itertools
 import pytest
 import torch
 
+from gearshift.worker.comm import CommGroup
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.model.layers.linear import QKVParallelLinear
-from gearshift.worker.parallel.comm import CommGroup
 from gearshift.worker.parallel.groups import kv_replication_groups
 from gearshift.worker.parallel.layout import Layout
 

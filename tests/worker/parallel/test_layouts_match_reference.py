@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from gearshift.worker.launch import ParallelConfig
+from gearshift.worker.policies.registry import parse_policy
 from gearshift.worker.policies.shift import ShiftPolicy
 from gearshift.worker.sampling.params import SamplingParams
 from tests.worker.helpers import run_recording
@@ -61,15 +61,18 @@ def _assert_same(rows, reference_rows):
 
 
 LAYOUTS = {
-    "tp2": ParallelConfig(tp=2),
-    "tp4": ParallelConfig(tp=4),
-    "sp2": ParallelConfig(sp=2),
-    "sp4": ParallelConfig(sp=4),
-    "sp2tp2": ParallelConfig(sp=2, tp=2),
-    "shift-base": ParallelConfig(policy="shift", sp=2, tp=2, shift_threshold=0),
-    "shift-tp": ParallelConfig(policy="shift", sp=2, tp=2, shift_threshold=10**6),
+    "tp2": {"static": {"tp": 2}},
+    "tp4": {"static": {"tp": 4}},
+    "sp2": {"static": {"sp": 2}},
+    "sp4": {"static": {"sp": 4}},
+    "sp2tp2": {"static": {"sp": 2, "tp": 2}},
+    "pp2": {"static": {"pp": 2}},
+    "pp2tp2": {"static": {"pp": 2, "tp": 2}},
+    "pp2sp2": {"static": {"pp": 2, "sp": 2}},
+    "shift-base": {"shift": {"sp": 2, "tp": 2, "threshold": 0}},
+    "shift-tp": {"shift": {"sp": 2, "tp": 2, "threshold": 10**6}},
 }
-QUICK = {"tp2", "sp2", "sp4", "shift-base"}
+QUICK = {"tp2", "sp2", "sp4", "pp2", "shift-base"}
 
 
 @pytest.mark.parametrize(
@@ -77,8 +80,7 @@ QUICK = {"tp2", "sp2", "sp4", "shift-base"}
 )
 def test_layout_logits_equal_single_process(name, reference, group_factory):
     folder, reference_rows = reference
-    parallel = LAYOUTS[name]
-    engine = group_factory(folder, parallel, **ENGINE)
+    engine = group_factory(folder, LAYOUTS[name], **ENGINE)
     rows = run_recording(engine, _schedule())
     _assert_same(rows, reference_rows)
     plans = [plan for plan, _ in engine.executor.records]
@@ -87,28 +89,28 @@ def test_layout_logits_equal_single_process(name, reference, group_factory):
         assert gears == {"base"}
     if name == "shift-tp":
         assert gears == {"shift"}
-    if parallel.sp > 1 and name != "shift-tp":
+    sp = next(iter(LAYOUTS[name].values())).get("sp", 1)
+    if sp > 1 and name != "shift-tp":
         # Ulysses pads every step to a multiple of SP; real tokens are unchanged.
-        assert all(p.num_tokens % parallel.sp == 0 for p in plans)
+        assert all(p.num_tokens % sp == 0 for p in plans)
         assert any(p.num_tokens > sum(p.prefill_query_lens) + p.num_decodes for p in plans)
 
 
 class Alternating(ShiftPolicy):
     """Shift policy that changes gear on every step, whatever the batch size."""
 
-    def __init__(self, sp: int, tp: int) -> None:
-        super().__init__(sp, tp)
-        self.calls = 0
+    calls = 0
 
-    def choose_gear(self, num_tokens: int) -> int:
+    def choose_gear(self, batch) -> int:
         self.calls += 1
         return self.calls % 2
 
 
 def test_switching_gear_every_step_reads_the_kv_the_other_gear_wrote(reference, group_factory):
     folder, reference_rows = reference
-    engine = group_factory(folder, ParallelConfig(policy="shift", sp=2, tp=2), **ENGINE)
-    engine.policy = Alternating(2, 2)
+    shift = {"shift": {"sp": 2, "tp": 2}}
+    engine = group_factory(folder, shift, **ENGINE)
+    engine.policy = Alternating(parse_policy(shift), 4)
     rows = run_recording(engine, _schedule())
     gears = [p.gear for p, _ in engine.executor.records]
     assert all(a != b for a, b in itertools.pairwise(gears))

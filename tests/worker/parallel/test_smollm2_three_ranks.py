@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gearshift.worker.launch import ParallelConfig
 from gearshift.worker.sampling.params import SamplingParams
 
 CHATS = [
@@ -14,9 +13,10 @@ CHATS = [
     "Say hello in German.",
 ]
 LAYOUTS = {
-    "tp3": ParallelConfig(tp=3),
-    "sp3": ParallelConfig(sp=3),
-    "shift-sp3": ParallelConfig(policy="shift", sp=3, shift_threshold=40),
+    "tp3": {"static": {"tp": 3}},
+    "sp3": {"static": {"sp": 3}},
+    "pp3": {"static": {"pp": 3}},
+    "shift-sp3": {"shift": {"sp": 3, "threshold": 40}},
 }
 
 

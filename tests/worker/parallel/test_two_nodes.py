@@ -8,7 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gearshift.worker.launch import ParallelConfig
+import pytest
+
+from gearshift.worker.launch import GroupConfig
 from gearshift.worker.sampling.params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[3]
@@ -20,11 +22,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_two_nodes_of_two_ranks_match_one_process(tiny_checkpoint, group_factory):
+# TP 2 x SP 2, and TP 2 x PP 2 (each node one pipeline stage: activations cross nodes).
+POLICIES = {"sp2tp2": '{"static": {"tp": 2, "sp": 2}}', "tp2pp2": '{"static": {"tp": 2, "pp": 2}}'}
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_two_nodes_of_two_ranks_match_one_process(name, tiny_checkpoint, group_factory):
+    policy = POLICIES[name]
     folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    single = group_factory(folder, ParallelConfig(), record=False, skip_tokenizer_init=True)
+    single = group_factory(folder, None, record=False, skip_tokenizer_init=True)
     expected = [o.token_ids for o in single.generate(prompts, params)]
 
     port = _free_port()
@@ -35,18 +43,18 @@ def test_two_nodes_of_two_ranks_match_one_process(tiny_checkpoint, group_factory
         "GEARSHIFT_RANKS_PER_NODE": "2",
     }
     node1 = subprocess.Popen(
-        [sys.executable, "-m", "tests.worker.parallel.node_driver", str(folder), "2", "2"],
+        [sys.executable, "-m", "tests.worker.parallel.node_driver", str(folder), policy],
         cwd=REPO,
         env={**os.environ, **env, "GEARSHIFT_NODE_RANK": "1"},
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        leader = ParallelConfig(tp=2, sp=2, timeout_s=60.0).with_environment(
-            {**env, "GEARSHIFT_NODE_RANK": "0"}
+        leader = GroupConfig(timeout_s=60.0).with_environment(
+            4, {**env, "GEARSHIFT_NODE_RANK": "0"}
         )
-        assert (leader.group_port, leader.node_rank, leader.local_ranks) == (port, 0, 2)
-        engine = group_factory(folder, leader, record=False, skip_tokenizer_init=True)
+        assert (leader.group_port, leader.node_rank, leader.local_ranks(4)) == (port, 0, 2)
+        engine = group_factory(folder, policy, group=leader, record=False, skip_tokenizer_init=True)
         got = [o.token_ids for o in engine.generate(prompts, params)]
         assert got == expected
         engine.shutdown()

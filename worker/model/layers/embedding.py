@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gearshift.worker.comm import CommGroup
 from gearshift.worker.errors import ModelLoadError
 from gearshift.worker.model.layers.linear import pack_weight, packed_linear
 from gearshift.worker.model.weights import LazyWeight
-from gearshift.worker.parallel.comm import CommGroup
 
 
 class VocabParallelEmbedding(nn.Module):

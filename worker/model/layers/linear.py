@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gearshift.worker.comm import CommGroup
 from gearshift.worker.errors import ModelLoadError
 from gearshift.worker.model.weights import LazyWeight
-from gearshift.worker.parallel.comm import CommGroup
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:

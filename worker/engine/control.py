@@ -10,8 +10,8 @@ import time
 
 import torch
 
+from gearshift.worker.comm import CommGroup
 from gearshift.worker.engine.plan import HEADER_SIZE, StepPlan
-from gearshift.worker.parallel.comm import CommGroup
 
 STEP, KEEPALIVE, SHUTDOWN = 1, 2, 3
 

@@ -1,0 +1,156 @@
+"""One rank joining its group: process groups, the policy's gears, its KV cache, its loop."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from gearshift.worker.attention.select import make_attention
+from gearshift.worker.config import EngineConfig
+from gearshift.worker.engine.control import ControlChannel
+from gearshift.worker.engine.executor import follow
+from gearshift.worker.engine.loading import ModelSpec, inspect_model, kv_cache_blocks
+from gearshift.worker.engine.model_runner import ModelRunner, StepThreads
+from gearshift.worker.errors import GroupFailure
+from gearshift.worker.kv.cache import KVCacheSpec, allocate_kv_cache
+from gearshift.worker.launch.group_config import GroupConfig
+from gearshift.worker.launch.host import bind_rank_cores, die_with_parent, set_threads
+from gearshift.worker.model.weights import open_weight_source
+from gearshift.worker.parallel.groups import create_control_group
+from gearshift.worker.parallel.watchdog import EXIT_PEER_FAILED, Watchdog
+from gearshift.worker.policies.base import Policy, RankContext, RankModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RankState:
+    """What one rank holds once it has joined its group."""
+
+    spec: ModelSpec
+    runner: ModelRunner
+    model: RankModel
+    num_blocks: int
+    watchdog: Watchdog | None = None
+    channel: ControlChannel | None = None
+
+
+def device_for(config: EngineConfig, local_rank: int) -> torch.device:
+    if config.device.startswith("cuda"):
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device(config.device)
+
+
+def setup_rank(
+    config: EngineConfig,
+    policy: Policy,
+    rank: int,
+    device: torch.device,
+    timeout: timedelta,
+) -> RankState:
+    """Build this rank's gears (the policy's) and its KV cache (same block count everywhere)."""
+    spec, source = inspect_model(config, device)
+    source.close()
+    cfg = spec.config
+    ctx = RankContext(
+        rank=rank,
+        world_size=policy.world_size,
+        spec=spec,
+        open_source=lambda: open_weight_source(spec.path),
+        make_core=lambda: make_attention(config, cfg.head_dim),
+        device=device,
+        timeout=timeout,
+        show_progress=config.show_progress and rank == 0,
+    )
+    held = policy.build_rank(ctx)
+    kv_spec = KVCacheSpec(
+        held.kv_layers, held.kv_heads, cfg.head_dim, config.block_size, spec.dtype
+    )
+    blocks = kv_cache_blocks(config, kv_spec, device, spec.max_model_len)
+    if policy.world_size > 1:
+        agreed = torch.tensor([blocks], dtype=torch.int64, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        blocks = int(agreed.item())
+    kv = allocate_kv_cache(kv_spec, blocks, device)
+    threads = None
+    if device.type == "cpu" and config.prefill_threads is not None:
+        threads = StepThreads(config.prefill_threads)
+    return RankState(spec, ModelRunner(held.gears, kv, device, threads), held, blocks)
+
+
+def join_group(
+    config: EngineConfig,
+    policy: Policy,
+    group: GroupConfig,
+    rank: int,
+    store: dist.TCPStore,
+    port: int,
+) -> RankState:
+    """init_process_group, the control channel, heartbeats, then ``setup_rank``."""
+    world = policy.world_size
+    device = device_for(config, rank % group.local_ranks(world))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=group.timeout_s)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    control = create_control_group(world, rank, timeout)
+    watchdog = Watchdog(
+        group.group_addr,
+        port,
+        rank,
+        world,
+        group.heartbeat_interval_s,
+        group.heartbeat_timeout_s,
+    ).start()
+    try:
+        state = setup_rank(config, policy, rank, device, timeout)
+    except Exception as exc:
+        watchdog.record_exit(f"{type(exc).__name__}: {exc}")
+        raise
+    state.watchdog = watchdog
+    state.channel = ControlChannel(control, keepalive_interval=min(5.0, group.timeout_s / 4))
+    return state
+
+
+def follower_main(
+    config: EngineConfig,
+    policy: Policy,
+    group: GroupConfig,
+    rank: int,
+    port: int,
+    orphan_guard: bool,
+    cores: Sequence[int] = (),
+) -> None:
+    """Entry point of a non-leader rank (spawned locally or started by ``run_node``)."""
+    if orphan_guard:
+        die_with_parent()
+    logging.basicConfig(
+        level=logging.WARNING, format=f"rank {rank} %(levelname)s %(name)s: %(message)s"
+    )
+    world = policy.world_size
+    set_threads(config, group, world)
+    bind_rank_cores(config, group, world, rank % group.local_ranks(world), cores)
+    timeout = timedelta(seconds=group.timeout_s)
+    state: RankState | None = None
+    try:
+        store = dist.TCPStore(group.group_addr, port, world, is_master=False, timeout=timeout)
+        state = join_group(config, policy, group, rank, store, port)
+        assert state.channel is not None and state.watchdog is not None
+        follow(state.runner, state.channel, state.watchdog)
+    except GroupFailure as exc:
+        print(f"gearshift worker group: {exc}", file=sys.stderr, flush=True)
+        os._exit(EXIT_PEER_FAILED)
+    except Exception as exc:  # noqa: BLE001 - any failure ends this rank, loudly, and tells peers
+        traceback.print_exc()
+        if state is not None and state.watchdog is not None:
+            state.watchdog.record_exit(f"{type(exc).__name__}: {exc}")
+        print(f"gearshift worker group: rank {rank} failed: {exc}", file=sys.stderr, flush=True)
+        os._exit(1)

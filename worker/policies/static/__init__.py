@@ -1,0 +1,5 @@
+"""The ``static`` policy: one fixed layout (TP × SP × PP) for every step."""
+
+from gearshift.worker.policies.static.policy import StaticPolicy
+
+__all__ = ["StaticPolicy"]

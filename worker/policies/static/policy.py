@@ -1,0 +1,68 @@
+"""One gear for every step: Ulysses SP × TP inside each of PP pipeline stages.
+
+Pipeline parallel as vLLM users know it: stages hold contiguous layers (the embedding on the
+first, the final norm and LM head on the last) and only their layers' KV; activations cross by
+point-to-point send/recv; ``pp`` micro-batches are in flight, each over its own set of sequences
+(vLLM's virtual engines), so every stage works on a different micro-batch at once.
+"""
+
+from __future__ import annotations
+
+from gearshift.v1 import policy_pb2
+from gearshift.worker.errors import InvalidRequestError
+from gearshift.worker.model.config import ModelConfig
+from gearshift.worker.parallel.groups import create_groups
+from gearshift.worker.parallel.layout import Layout
+from gearshift.worker.policies.base import Policy, QueueView, RankContext, RankModel, StepRequest
+from gearshift.worker.policies.gears import build_gear, pipeline_stage
+
+
+class StaticPolicy(Policy):
+    """One gear (``static``) over tp × sp × pp ranks."""
+
+    kind = "static"
+
+    def __init__(self, policy: policy_pb2.Policy, world_size: int) -> None:
+        super().__init__(policy, world_size)
+        msg = self.message
+        if msg.dp != 1:
+            raise InvalidRequestError(
+                "policy.static.dp",
+                "policy.static.dp must be 1 with engine: gearshift (scale out with replicas)",
+            )
+        self.layout = Layout(sp=msg.sp, tp=msg.tp, pp=msg.pp)
+        self.gear_names = ("static",)
+
+    def check_model(self, cfg: ModelConfig) -> None:
+        self.layout.check_model(cfg.num_heads, cfg.num_kv_heads, cfg.num_layers)
+
+    def build_rank(self, ctx: RankContext) -> RankModel:
+        cfg = ctx.spec.config
+        self.check_model(cfg)
+        layout = self.layout
+        groups = create_groups(layout, ctx.rank, cfg.num_kv_heads, ctx.timeout)
+        stage = pipeline_stage(layout, ctx.rank, cfg.num_layers, groups.pp)
+        gear = build_gear("static", ctx, groups, groups.tp, layout.sp > 1, stage)
+        last_stage_first_rank = (layout.pp - 1) * layout.stage_size
+        return RankModel(
+            gears=[gear],
+            kv_layers=len(stage.layers) if stage is not None else cfg.num_layers,
+            kv_heads=layout.kv_heads_per_rank(cfg.num_kv_heads),
+            logits_rank=last_stage_first_rank,
+            p2p_group=groups.pp.group,
+        )
+
+    def micro_batches(self) -> int:
+        return self.layout.pp
+
+    def step_request(self, queues: QueueView) -> StepRequest:
+        if self.layout.pp == 1:
+            return StepRequest()
+        # Each micro-batch takes its share of the requests so that every stage has work
+        # (Seesaw §5.1 / vLLM's virtual engines: 1/pp of the sequences per micro-batch).
+        active = queues.running + queues.waiting
+        return StepRequest(max_seqs=max(1, -(-active // self.layout.pp)))
+
+    def pad_multiple(self, gear: int) -> int:
+        del gear
+        return self.layout.sp
