@@ -10,8 +10,9 @@ stage has run, so the engine can start the next micro-batch while later stages w
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TextIO
 
 import torch
 
@@ -119,6 +120,14 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.device = device
         self.threads = threads  # None: the process's thread count for every step
+        # Step events for tests and debugging ($GEARSHIFT_STEP_TRACE): "<step> <micro-batch>
+        # start|end <CLOCK_MONOTONIC ns>", one file per rank; the clock is the host's, so the
+        # files of one host's ranks merge into one order of events.
+        self.trace: TextIO | None = None
+
+    def _event(self, plan: StepPlan, what: str) -> None:
+        if self.trace is not None:
+            self.trace.write(f"{plan.step} {plan.micro_batch} {what} {time.monotonic_ns()}\n")
 
     @property
     def model(self) -> LlamaForCausalLM:
@@ -135,6 +144,13 @@ class ModelRunner:
         """Logits [S, vocab] (model dtype) for ``plan.logits_indices`` on the rank that makes
         them (the first rank of the last pipeline stage); None on every other rank. A
         pipeline's last stage sends them on to the leader when the leader is elsewhere."""
+        self._event(plan, "start")
+        try:
+            return self._execute(plan)
+        finally:
+            self._event(plan, "end")
+
+    def _execute(self, plan: StepPlan) -> torch.Tensor | None:
         gear = self.gears[plan.gear]
         if self.threads is not None:
             self.threads.for_step(plan.num_tokens)
@@ -186,3 +202,6 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         self.kv_caches = []
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None

@@ -8,6 +8,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from datetime import timedelta
 
 import torch
@@ -29,6 +30,8 @@ from gearshift.worker.parallel.watchdog import EXIT_PEER_FAILED, Watchdog
 from gearshift.worker.policies.base import Policy, RankContext, RankModel
 
 log = logging.getLogger(__name__)
+
+STEP_TRACE_ENV = "GEARSHIFT_STEP_TRACE"  # a folder: every rank logs its step events there
 
 
 @dataclass
@@ -84,7 +87,11 @@ def setup_rank(
     threads = None
     if device.type == "cpu" and config.prefill_threads is not None:
         threads = StepThreads(config.prefill_threads)
-    return RankState(spec, ModelRunner(held.gears, kv, device, threads), held, blocks)
+    runner = ModelRunner(held.gears, kv, device, threads)
+    trace_dir = os.environ.get(STEP_TRACE_ENV)
+    if trace_dir:
+        runner.trace = open(Path(trace_dir) / f"rank-{rank}.log", "a", buffering=1)  # noqa: SIM115
+    return RankState(spec, runner, held, blocks)
 
 
 def join_group(

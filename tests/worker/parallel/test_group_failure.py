@@ -32,17 +32,25 @@ def _wait_gone(pids: list[int], timeout: float) -> list[int]:
     return [p for p in pids if _alive(p)]
 
 
+# TP 3, and PP 3 (each rank a pipeline stage: the middle one and the last, which sends the
+# logits to the leader).
+POLICIES = {"tp3": '{"static": {"tp": 3}}', "pp3": '{"static": {"pp": 3}}'}
+
+
 @pytest.mark.parametrize("victim", [2, 1])
-def test_killing_a_rank_mid_generation_stops_the_group_with_the_rank_named(victim, tiny_checkpoint):
-    folder = tiny_checkpoint("llama2-bias", num_heads=6, num_kv_heads=3, hidden=48)
+@pytest.mark.parametrize("layout", list(POLICIES))
+def test_killing_a_rank_mid_generation_stops_the_group_with_the_rank_named(
+    layout, victim, tiny_checkpoint
+):
+    folder = tiny_checkpoint("llama2-bias", num_heads=6, num_kv_heads=3, hidden=48, layers=3)
     cmd = [
         sys.executable,
         "-m",
         "tests.worker.parallel.group_driver",
         "--model",
         str(folder),
-        "--tp",
-        "3",
+        "--policy-config",
+        POLICIES[layout],
     ]
     proc = subprocess.Popen(
         cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
