@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gearshift.operator.commands import children as kids
+from gearshift.operator.commands.layout import choose_serve_layout, model_heads
 from gearshift.operator.commands.router import add_router_args, port_flag, serve_until_signal
 from gearshift.worker.server.settings import add_engine_args
 
@@ -44,10 +45,34 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         dest="threshold",
         help="shift: scheduled tokens above which the base gear runs (live)",
     )
+    p.add_argument(
+        "--layout",
+        choices=("fastest",),
+        default=None,
+        help="fastest: pick --policy/--tp/--sp for this machine's cores and the model's heads, "
+        "and print which and why (docs/serving.md)",
+    )
     p.add_argument("--groups", type=int, default=1, help="worker groups (replicas)")
     p.add_argument("--worker-start-timeout", type=float, default=600.0)
     add_router_args(p)
     p.set_defaults(func=run)
+
+
+def apply_layout(args: argparse.Namespace, model: str) -> str | None:
+    """For --layout fastest: set policy, tp and sp on `args`; an error message or None."""
+    if args.layout is None:
+        return None
+    if args.device != "cpu":
+        return "--layout fastest chooses among CPU layouts; on other devices set --tp/--sp"
+    if (args.policy, args.tp, args.sp) != ("static", 1, 1):
+        return "--layout fastest picks --policy, --tp and --sp itself; drop them or it"
+    heads, kv_heads = model_heads(model)
+    cores = len(os.sched_getaffinity(0)) // max(args.groups, 1)
+    chosen = choose_serve_layout(cores, heads, kv_heads)
+    args.policy, args.tp, args.sp = chosen.policy, chosen.tp, chosen.sp
+    # Printed, not logged: the first thing a newcomer should read is what runs and why.
+    print(f"gearshift serve: layout fastest -> {chosen.describe()}", file=sys.stderr, flush=True)
+    return None
 
 
 def policy_json(args: argparse.Namespace) -> dict[str, Any]:
@@ -115,14 +140,28 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
     from gearshift.operator.router import config as config_mod
     from gearshift.operator.router.server import RouterServer
     from gearshift.v1 import policy_fields, policy_pb2
+    from gearshift.worker.errors import GearshiftError, InvalidRequestError
     from gearshift.worker.model.registry import default_served_name
+    from gearshift.worker.policies.support import check_runnable
+    from gearshift.worker.tokenizer.errors import TokenizerError
 
     model = args.model or args.model_pos or "smollm2"
     served = args.served_model_name or default_served_name(model)
+    try:
+        layout_error = apply_layout(args, model)
+    except (GearshiftError, TokenizerError, OSError, KeyError, ValueError) as exc:
+        layout_error = f"--layout fastest: cannot read the model's heads: {exc}"
+    if layout_error:
+        print(f"error: {layout_error}", file=sys.stderr)
+        return 2
     raw_policy = policy_json(args)
     policy = json_format.ParseDict(raw_policy, policy_pb2.Policy())
     ranks = args.tp * args.sp
     problems = policy_fields.layout_errors(policy, ranks)
+    try:
+        check_runnable(policy)  # the operator's InvalidSpec rule, word for word
+    except InvalidRequestError as exc:
+        problems.append(exc.message)
     if args.groups < 1:
         problems.append("--groups must be >= 1")
     for flag in ("num_threads", "prefill_threads"):

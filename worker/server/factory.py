@@ -15,6 +15,7 @@ from gearshift.worker.config import EngineConfig
 from gearshift.worker.engine.llm_engine import LLMEngine
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.launch import ParallelConfig, run_node, start_engine
+from gearshift.worker.policies.support import check_runnable
 from gearshift.worker.server.settings import WorkerSettings
 
 
@@ -22,14 +23,10 @@ def parallel_config(
     policy: policy_pb2.Policy, env: Mapping[str, str] | None = None
 ) -> ParallelConfig:
     """The launcher's layout for a defaults-filled policy, rendezvous from the pod's env."""
+    check_runnable(policy)
     kind = policy_fields.kind_of(policy)
     if kind == "static":
         s = policy.static
-        for name in ("pp", "dp"):
-            if getattr(s, name) != 1:
-                raise InvalidRequestError(
-                    f"policy.static.{name}", f"policy.static.{name} must be 1 in this engine"
-                )
         parallel = ParallelConfig(policy="static", tp=s.tp, sp=s.sp)
     elif kind == "shift":
         s = policy.shift
