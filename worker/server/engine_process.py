@@ -97,6 +97,16 @@ def _child_main(settings: WorkerSettings, conn: Connection, log_level: int) -> N
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which exits non-zero
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
+    blocks = engine.blocks
+    log.info(
+        "KV cache: %d blocks x %d tokens = %d tokens; max model len %d; %d rank(s), policy %s",
+        blocks.num_blocks,
+        blocks.block_size,
+        blocks.num_blocks * blocks.block_size,
+        engine.max_model_len,
+        settings.ranks,
+        engine.policy.kind,
+    )
     lock = threading.Lock()
 
     def send(message: tuple[Any, ...]) -> None:
