@@ -90,6 +90,10 @@ def test_finish_reasons_count_only_what_traffic_produced(tokenizer: Tokenizer) -
         assert m[("gearshift_inter_token_latency_seconds_count", ())] >= 1
         assert m[("gearshift_time_to_first_token_seconds_count", ())] == 4
         assert m[("gearshift_e2e_request_latency_seconds_count", ())] == 4
+        # Requests of more than one token have a time per output token (the abort may have one).
+        assert m[("gearshift_request_time_per_output_token_seconds_count", ())] >= 3
+        assert m[("gearshift_request_prompt_tokens_count", ())] == 4
+        assert m[("gearshift_prompt_tokens_total", ())] == 4 * len(tokenizer.encode("x"))
         # A mid-stream failure answered 200 and then an error event: not a refusal.
         assert _rejected(m) == {}
 
