@@ -67,7 +67,7 @@ def apply_layout(args: argparse.Namespace, model: str) -> str | None:
     if (args.policy, args.tp, args.sp) != ("static", 1, 1):
         return "--layout fastest picks --policy, --tp and --sp itself; drop them or it"
     heads, kv_heads = model_heads(model)
-    cores = len(os.sched_getaffinity(0)) // max(args.groups, 1)
+    cores = max(1, len(os.sched_getaffinity(0)) // max(args.groups, 1))
     chosen = choose_serve_layout(cores, heads, kv_heads)
     args.policy, args.tp, args.sp = chosen.policy, chosen.tp, chosen.sp
     # Printed, not logged: the first thing a newcomer should read is what runs and why.
@@ -164,6 +164,8 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
         problems.append(exc.message)
     if args.groups < 1:
         problems.append("--groups must be >= 1")
+    if args.threshold is not None and args.policy != "shift":
+        problems.append(f"--shift-threshold applies to --policy shift, not {args.policy}")
     for flag in ("num_threads", "prefill_threads"):
         value = getattr(args, flag)
         if value is not None and value < 1:

@@ -14,6 +14,7 @@ import pytest
         (["--groups", "0"], "--groups must be >= 1"),
         (["--num-threads", "0"], "--num-threads must be >= 1, got 0"),
         (["--prefill-threads", "-2"], "--prefill-threads must be >= 1, got -2"),
+        (["--shift-threshold", "64"], "--shift-threshold applies to --policy shift, not static"),
     ],
 )
 def test_bad_flags_exit_2_with_the_flag_named(flags, message):
