@@ -241,3 +241,37 @@ def test_shift_example_runs_as_make_serve_shift_with_one_ranks_greedy_tokens(
     steps = {g.name: g.steps for g in groups[0].stats.gears}
     assert steps["base"] >= 1 and steps["shift"] >= 1, steps
     assert groups[0].policy.shift.sp == 3
+
+
+# ---- a running resource edited into one the engine cannot run ---------------------------------
+
+
+def test_an_edit_to_an_unrunnable_policy_is_refused_and_leaves_the_groups_alone(
+    api: Api, admin: StandInAdmin, operator_process: OperatorProcess
+) -> None:
+    name = "edited"
+    api.create_cr(NS, _body("shift.yaml", name))
+    wait_for(
+        lambda: api.names(STS, {names.LABEL_DEPLOYMENT: name}) == {f"{name}-g0", f"{name}-g1"},
+        60,  # the operator also resyncs this module's other resources
+        what="the shift groups",
+    )
+    before = {g: (api.get(f"{STS}/{g}") or {})["metadata"]["labels"] for g in (f"{name}-g0",)}
+    api.patch_spec(NS, name, {"policy": {"shift": None, "static": {"tp": 4, "pp": 2}}})
+    wait_for(
+        lambda: condition(api.cr(NS, name), "InvalidSpec").get("status") == "True",
+        60,
+        what="InvalidSpec after the edit",
+    )
+    invalid = condition(api.cr(NS, name), "InvalidSpec")
+    assert invalid["reason"] == "SpecPolicyStaticPp" and invalid["observedGeneration"] == 2
+    # Nothing is rolled or deleted for a spec that cannot run: the old groups keep serving.
+    assert api.names(STS, {names.LABEL_DEPLOYMENT: name}) == {f"{name}-g0", f"{name}-g1"}
+    after = (api.get(f"{STS}/{name}-g0") or {})["metadata"]["labels"]
+    assert after[names.LABEL_REVISION] == before[f"{name}-g0"][names.LABEL_REVISION]
+    api.patch_spec(NS, name, {"policy": {"static": None, "shift": {"sp": 4, "tp": 2}}})
+    wait_for(
+        lambda: condition(api.cr(NS, name), "InvalidSpec").get("status") == "False",
+        60,
+        what="InvalidSpec cleared",
+    )
