@@ -41,7 +41,7 @@ def choose_serve_layout(cores: int, num_heads: int, num_kv_heads: int) -> ServeL
             "static",
             1,
             1,
-            f"{cores} cores (<= {SMALL_CPU_CORES}): one rank is fastest on a small CPU "
+            f"{cores} core(s) (<= {SMALL_CPU_CORES}): one rank is fastest on a small CPU "
             "(measured on 2 cores: 1.21x vLLM's throughput, vs 0.33x for shift SP 3 on 3 ranks)",
         )
     most = cores // CORES_PER_RANK

@@ -14,7 +14,7 @@ from gearshift.operator.commands.layout import choose_serve_layout, model_heads
 def test_a_small_cpu_runs_one_static_rank_and_says_why(cores: int) -> None:
     chosen = choose_serve_layout(cores, num_heads=9, num_kv_heads=3)
     assert (chosen.policy, chosen.tp, chosen.sp) == ("static", 1, 1)
-    assert f"{cores} cores" in chosen.reason and "small CPU" in chosen.reason
+    assert f"{cores} core(s)" in chosen.reason and "small CPU" in chosen.reason
 
 
 def test_heads_that_allow_no_tp_keep_one_rank() -> None:
