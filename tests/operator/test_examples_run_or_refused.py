@@ -122,13 +122,15 @@ def test_refused_examples_get_invalid_spec_and_no_children(
     side = EXAMPLES[example]
     name = "ex-" + example.removesuffix(".yaml")
     api.create_cr(NS, _body(example, name))
-    wait_for(lambda: condition(api.cr(NS, name), "InvalidSpec"), what=f"{name} conditions")
+    # 60 s: the operator also resyncs this module's other resources, slowly on a loaded CPU.
+    wait_for(lambda: condition(api.cr(NS, name), "InvalidSpec"), 60, what=f"{name} conditions")
     invalid = condition(api.cr(NS, name), "InvalidSpec")
     ready = condition(api.cr(NS, name), "Ready")
     if isinstance(side, RenderedForVllm):
         assert invalid["status"] == "False", invalid
         wait_for(
             lambda: api.names(STS, {names.LABEL_DEPLOYMENT: name}) == {f"{name}-g0"},
+            60,
             what="the vllm group's StatefulSet",
         )
         return
