@@ -8,7 +8,7 @@ PYTEST := $(BIN)/python -m pytest
 
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: install test test-fast lint format bench generate serve proto crd clean
+.PHONY: install test test-fast lint format bench generate serve serve-shift proto crd clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,11 +26,17 @@ install: $(STAMP)
 generate: install
 	$(BIN)/gearshift generate --model smollm2 --chat --prompt "$(PROMPT)" --max-tokens 64
 
-# The OpenAI-compatible server: router + one worker group of 3 ranks under the shift policy
-# (base gear Ulysses SP 3, shift gear TP 3) on :8000 (docs/serving.md, docs/parallelism.md).
-SERVE_ARGS ?= --policy shift --sp 3
+# The OpenAI-compatible server on :8000, in the layout that is fastest on this machine (one
+# static rank on a CPU of <= 4 cores); it prints which layout and why (docs/serving.md).
+SERVE_ARGS ?= --layout fastest
 serve: install
 	$(BIN)/gearshift serve --model smollm2 $(SERVE_ARGS) --port 8000
+
+# The shift policy on three ranks (base gear Ulysses SP 3, shift gear TP 3, one KV cache) on
+# :8000: shows the technique, slower than `make serve` on a small CPU (docs/parallelism.md).
+SERVE_SHIFT_ARGS ?= --policy shift --sp 3
+serve-shift: install
+	$(BIN)/gearshift serve --model smollm2 $(SERVE_SHIFT_ARGS) --port 8000
 
 test: install
 	$(PYTEST) tests

@@ -51,6 +51,11 @@ KEYS = (
 )
 
 
+# `vllm bench serve --seed`: the recorded pass and the warm-up draw different random prompts.
+RECORDED_SEED = 0
+WARMUP_SEED = 2
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -82,10 +87,11 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(10)
 
 
-def bench(
-    args: argparse.Namespace, port: int, out: Path, name: str, seed: int = 0
-) -> dict[str, Any]:
-    cmd = [
+def bench_command(
+    args: argparse.Namespace, port: int, out: Path, name: str, seed: int
+) -> list[str]:
+    """`vllm bench serve` for one pass; `seed` picks its random prompts."""
+    return [
         args.vllm_python,
         "-c",
         VLLM_CLI,
@@ -109,13 +115,19 @@ def bench(
         str(args.num_prompts),
         "--ignore-eos",
         "--seed",
-        "0",
+        str(seed),
         "--save-result",
         "--result-dir",
         str(out),
         "--result-filename",
         f"{name}.json",
     ]
+
+
+def bench(
+    args: argparse.Namespace, port: int, out: Path, name: str, seed: int = RECORDED_SEED
+) -> dict[str, Any]:
+    cmd = bench_command(args, port, out, name, seed)
     subprocess.run(cmd, check=True, timeout=1800, stdout=subprocess.DEVNULL, cwd=out)
     data = json.loads((out / f"{name}.json").read_text())
     return {k: data.get(k) for k in KEYS} | {"command": shlex.join([*cmd[:2], "<cli>", *cmd[3:]])}
@@ -138,9 +150,9 @@ def run_server(
     )
     try:
         wait_http(f"http://127.0.0.1:{port}/v1/models", proc, 600)
-        # Other prompts for the warm-up (seed 2; checked to share no prompt with seed 0): the
-        # recorded pass must not hit the prefix cache.
-        warmup = bench(args, port, out, f"{name}-warmup", seed=2)
+        # Other prompts for the warm-up (another seed): the recorded pass must not hit the
+        # prefix cache with prompts the warm-up already sent.
+        warmup = bench(args, port, out, f"{name}-warmup", seed=WARMUP_SEED)
         load = os.getloadavg()[0]
         result = bench(args, port, out, name)
         return result | {

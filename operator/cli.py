@@ -78,7 +78,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gearshift", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument(
+        "--log-level",
+        default=None,
+        help="default: INFO for the servers (start-up stages, as vLLM logs), WARNING otherwise",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete one prompt and print the text")
@@ -107,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    level = args.log_level or ("WARNING" if args.command == "generate" else "INFO")
+    logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")
     return int(args.func(args))
 
 

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from gearshift.operator.commands import children as kids
+from gearshift.operator.commands.layout import choose_serve_layout, model_heads
 from gearshift.operator.commands.router import add_router_args, port_flag, serve_until_signal
 from gearshift.worker.policies.flags import add_policy_args
 from gearshift.worker.server.settings import add_engine_args
@@ -34,10 +35,36 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         prefill_threads_help="per rank, for steps of 256+ tokens; default: every core, shared",
     )
     add_policy_args(p)
+    p.add_argument(
+        "--layout",
+        choices=("fastest",),
+        default=None,
+        help="fastest: pick the policy, --tp and --sp for this machine's cores and the model's "
+        "heads, and print which and why (docs/serving.md)",
+    )
     p.add_argument("--groups", type=int, default=1, help="worker groups (replicas)")
     p.add_argument("--worker-start-timeout", type=float, default=600.0)
     add_router_args(p)
     p.set_defaults(func=run)
+
+
+def apply_layout(args: argparse.Namespace, model: str) -> str | None:
+    """For --layout fastest: set the policy flags on `args`; an error message or None."""
+    if args.layout is None:
+        return None
+    if args.device != "cpu":
+        return "--layout fastest chooses among CPU layouts; on other devices set the policy"
+    if args.policy_config is not None or any(
+        getattr(args, f) is not None for f in ("policy", "tp", "sp", "pp")
+    ):
+        return "--layout fastest picks the policy itself; drop --policy-config/--policy/--tp/--sp"
+    heads, kv_heads = model_heads(model)
+    cores = max(1, len(os.sched_getaffinity(0)) // max(args.groups, 1))
+    chosen = choose_serve_layout(cores, heads, kv_heads)
+    args.policy, args.tp, args.sp = chosen.policy, chosen.tp, chosen.sp
+    # Printed, not logged: the first thing a newcomer should read is what runs and why.
+    print(f"gearshift serve: layout fastest -> {chosen.describe()}", file=sys.stderr, flush=True)
+    return None
 
 
 def max_requests_per_group(args: argparse.Namespace) -> int:
@@ -95,20 +122,30 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
 
     from gearshift.operator.router import config as config_mod
     from gearshift.operator.router.server import RouterServer
-    from gearshift.worker.errors import InvalidRequestError
+    from gearshift.worker.errors import GearshiftError, InvalidRequestError
     from gearshift.worker.model.registry import default_served_name
     from gearshift.worker.policies.flags import policy_from_args
-    from gearshift.worker.policies.registry import make_policy
+    from gearshift.worker.policies.support import check_runnable
+    from gearshift.worker.tokenizer.errors import TokenizerError
 
     model = args.model or args.model_pos or "smollm2"
     served = args.served_model_name or default_served_name(model)
+    try:
+        layout_error = apply_layout(args, model)
+    except (GearshiftError, TokenizerError, OSError, KeyError, ValueError) as exc:
+        layout_error = f"--layout fastest: cannot read the model's heads: {exc}"
+    if layout_error:
+        print(f"error: {layout_error}", file=sys.stderr)
+        return 2
     problems: list[str] = []
     try:
-        # The registry refuses what this engine cannot run (kind, layout), naming the field.
-        running = make_policy(policy_from_args(args))
+        policy = policy_from_args(args)
+        # The operator's InvalidSpec rule, word for word: the registry refuses what this engine
+        # cannot run (kind, layout), naming the field.
+        running = check_runnable(policy)
         policy, ranks = running.to_proto(), running.world_size
     except InvalidRequestError as exc:
-        print(f"error: {exc.field}: {exc.message}", file=sys.stderr)
+        print(f"error: {exc.message}", file=sys.stderr)
         return 2
     if args.groups < 1:
         problems.append("--groups must be >= 1")

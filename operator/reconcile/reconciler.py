@@ -29,6 +29,8 @@ from gearshift.operator.reconcile.render_meta import is_owned_by
 from gearshift.operator.reconcile.settings import OperatorSettings
 from gearshift.operator.reconcile.spec import DeploymentSpec, SpecError, parse
 from gearshift.v1 import policy_fields, policy_pb2, router_pb2
+from gearshift.worker.errors import InvalidRequestError
+from gearshift.worker.policies.support import check_runnable
 
 # Listed once per pass; every child of these kinds carries the deployment label.
 SNAPSHOT_KINDS = [
@@ -52,10 +54,10 @@ class Reconciler:
         previous = dict(body.get("status") or {})
         meta = body.get("metadata", {})
         try:
-            spec = parse(body)
+            spec = runnable_spec(body)
         except SpecError as exc:
             result = status.PassResult(
-                replicas=0, max_unavailable=1, groups=[], spec_error=str(exc)
+                replicas=0, max_unavailable=1, groups=[], spec_error=str(exc), spec_field=exc.field
             )
             return status.build(
                 result,
@@ -335,6 +337,21 @@ class Reconciler:
             failed = [f"{r.group}: {r.message}" for r in response.results if not r.applied]
             return "ApplyPolicy refused: " + "; ".join(failed)
         return ""
+
+
+def runnable_spec(body: dict[str, Any]) -> DeploymentSpec:
+    """The parsed spec; SpecError when it is invalid or asks for what the engine cannot run.
+
+    A spec the schema accepts but no worker can run renders no children: its pods could only
+    crash-loop (worker/policies/support.py holds the rule, shared with the worker and `serve`).
+    """
+    spec = parse(body)
+    if spec.engine == "gearshift":  # engine: vllm runs static pp/dp through vLLM itself
+        try:
+            check_runnable(spec.full_policy)
+        except InvalidRequestError as exc:
+            raise SpecError(exc.message, exc.field) from exc
+    return spec
 
 
 def _live_differs(reported: policy_pb2.Policy, desired: policy_pb2.Policy, ranks: int) -> bool:

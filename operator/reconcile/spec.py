@@ -37,6 +37,12 @@ MODEL_SOURCE_PATTERN = (
 class SpecError(ValueError):
     """The spec cannot be rendered; the message names the field."""
 
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        head = message.split(":", 1)[0]
+        # Every message starts with the field ("spec.model.source: ..."); "spec" when it lists many.
+        self.field = field or (head if head.startswith("spec") and " " not in head else "spec")
+
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -272,7 +278,5 @@ def _check(spec: DeploymentSpec) -> None:
             raise SpecError("spec.group.nodes: engine vllm runs single-node groups without sp")
         if not spec.images.vllm:
             raise SpecError("spec.images.vllm: required for engine vllm")
-    elif spec.full_policy.static.dp > 1:
-        raise SpecError("spec.policy.static.dp: the gearshift engine needs 1 (use spec.replicas)")
     if not spec.images.router or (spec.engine == "gearshift" and not spec.images.worker):
         raise SpecError("spec.images: worker and router images are required")

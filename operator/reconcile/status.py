@@ -7,6 +7,7 @@ Pods merely running do not make a deployment Ready.
 from __future__ import annotations
 
 import datetime as dt
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,7 +59,8 @@ class PassResult:
     gave_up: list[str] = field(default_factory=list)  # group messages at the restart cap
     restarting: list[str] = field(default_factory=list)  # groups restarting or in back-off
     policy_error: str = ""  # live policy apply failure
-    spec_error: str = ""
+    spec_error: str = ""  # the spec is invalid or not runnable: nothing is rendered
+    spec_field: str = ""  # the field spec_error is about, e.g. "spec.policy.static.pp"
 
 
 def condition(
@@ -86,6 +88,15 @@ def condition(
         "lastTransitionTime": since,
         "observedGeneration": generation,
     }
+
+
+def field_reason(field: str) -> str:
+    """A condition reason naming a spec field: "spec.policy.static.pp" -> "SpecPolicyStaticPp".
+
+    Kubernetes reasons are CamelCase words (no dots); the message carries the field verbatim.
+    """
+    words = [w for w in re.split(r"[^A-Za-z0-9]+", field) if w]
+    return "".join(w[0].upper() + w[1:] for w in words) or "InvalidSpec"
 
 
 def _gear(groups: list[GroupReport]) -> str:
@@ -154,10 +165,18 @@ def build(
     else:
         degraded = (False, "AsExpected", "")
 
+    # InvalidSpec (KServe's and LWS's way to say "this resource cannot be run as written"):
+    # True names the field in its reason and says why in its message.
+    if result.spec_error:
+        invalid = (True, field_reason(result.spec_field or "spec"), result.spec_error)
+    else:
+        invalid = (False, "SpecAccepted", "")
+
     conditions = [
         condition(prev, "Ready", *ready, now=now, generation=generation),
         condition(prev, "Progressing", *progressing, now=now, generation=generation),
         condition(prev, "Degraded", *degraded, now=now, generation=generation),
+        condition(prev, "InvalidSpec", *invalid, now=now, generation=generation),
     ]
     return {
         "observedGeneration": generation,

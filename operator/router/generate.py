@@ -122,6 +122,8 @@ class RequestRun:
                             yield delta
                     return
                 except _Retry as retry:
+                    if not any(g.name not in tried for g in self.pool.serving()):
+                        raise retry.error from None  # no group left: not a retry
                     attempt += 1
                     self.metrics.retries.labels(self.metrics.model_name).inc()
                     log.warning(
@@ -130,11 +132,9 @@ class RequestRun:
                         lease.group.name,
                         retry,
                     )
-                    if not any(g.name not in tried for g in self.pool.serving()):
-                        raise retry.error from None
-        except errors.APIError as exc:
+        except errors.APIError:
             if self._first_token is None:
-                self.metrics.rejected.labels(self.metrics.model_name, str(exc.status)).inc()
+                # A refusal, not a finished request: the API layer counts it (rejections.py).
                 self._recorded = True
             else:
                 self._record("error")

@@ -11,7 +11,8 @@ import grpc
 
 from gearshift.operator.router import errors
 from gearshift.operator.router.core import Router
-from gearshift.operator.router.generate import PreparedRequest
+from gearshift.operator.router.generate import PreparedRequest, RequestRun
+from gearshift.operator.router.rejections import count_grpc
 from gearshift.operator.router.text import LogprobEntry, TextOptions
 from gearshift.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -38,6 +39,7 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
         if scheme.lower() != "bearer" or not any(
             hmac.compare_digest(token.strip().encode(), k.encode()) for k in keys
         ):
+            count_grpc(self.router.metrics, errors.unauthorized())
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "incorrect API key provided")
 
     async def Generate(
@@ -45,6 +47,7 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         await self._check_key(context)
         router = self.router
+        run: RequestRun | None = None
         try:
             router.check_accepting()
             router.check_model(request.model or None)
@@ -90,6 +93,9 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
             if not request.stream:
                 yield whole
         except errors.APIError as exc:
+            if run is None or run.result.completion_tokens == 0:
+                # Refused before any token; a failure mid-stream is a finished "error" request.
+                count_grpc(router.metrics, exc)
             await context.abort(exc.grpc_code, exc.message)
 
 

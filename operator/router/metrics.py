@@ -88,8 +88,6 @@ LATENCY_BUCKETS = (
 )
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
-
 
 class RouterMetrics:
     """Every metric of one router process, in its own registry."""
@@ -161,8 +159,8 @@ class RouterMetrics:
         )
         self.rejected = Counter(
             "gearshift_requests_rejected",
-            "Requests refused before reaching a worker, by HTTP status.",
-            [*m, "status"],
+            "Every 4xx/5xx answer of the client APIs, by HTTP status and reason.",
+            [*m, "status", "reason"],
             registry=r,
         )
         self.retries = Counter(
@@ -171,9 +169,11 @@ class RouterMetrics:
             m,
             registry=r,
         )
-        for reason in FINISH_REASONS:
-            self.request_success.labels(model_name, reason)
         self.registry.register(GroupCollector(model_name, groups))
+
+    def reject(self, status: int, reason: str) -> None:
+        """One refused request (rejections.py calls this for every 4xx/5xx answer)."""
+        self.rejected.labels(self.model_name, str(status), reason).inc()
 
     def observe_finished(
         self,

@@ -23,6 +23,7 @@ from gearshift.operator.router.grpc_api import GenerationService
 from gearshift.operator.router.http_api import ApiKeyMiddleware, build_app
 from gearshift.operator.router.metrics import RouterMetrics
 from gearshift.operator.router.pool import GroupPool
+from gearshift.operator.router.rejections import RejectionCounter
 from gearshift.v1 import router_pb2_grpc
 from gearshift.worker.model.registry import resolve_model_path
 from gearshift.worker.tokenizer import Tokenizer
@@ -88,6 +89,8 @@ class RouterServer:
 
         app = build_app(router)
         app.add_middleware(ApiKeyMiddleware, keys=cfg.api_keys)
+        # Added last, so outermost: it also sees the API-key middleware's 401s.
+        app.add_middleware(RejectionCounter, metrics=metrics)
         sock = _listen(cfg.host, cfg.http_port)
         http_port = int(sock.getsockname()[1])
         self._http = _Uvicorn(

@@ -17,7 +17,9 @@ import psutil
 class ServeProcess:
     """Starts `gearshift serve ARGS` and reads the ports from its ready file."""
 
-    def __init__(self, tmp: Path, *args: str, start_timeout: float = 240.0) -> None:
+    def __init__(
+        self, tmp: Path, *args: str, start_timeout: float = 240.0, log_level: str | None = "INFO"
+    ) -> None:
         self.tmp = tmp
         self.ready_file = tmp / "serve.ready"
         self.log = tmp / "serve.log"
@@ -35,6 +37,8 @@ class ServeProcess:
             str(self.ready_file),
         ]
         self.start_timeout = start_timeout
+        # None: the CLI's own default level, as a user running `make serve` sees it.
+        self.log_flags = [] if log_level is None else ["--log-level", log_level]
         self.proc: subprocess.Popen[bytes] | None = None
         self.info: dict[str, Any] = {}
         self._descendants: list[psutil.Process] = []
@@ -47,8 +51,7 @@ class ServeProcess:
                 sys.executable,
                 "-m",
                 "gearshift.operator.cli",
-                "--log-level",
-                "INFO",
+                *self.log_flags,
                 "serve",
                 *self.args,
             ],

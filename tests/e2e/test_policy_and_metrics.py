@@ -118,5 +118,11 @@ def test_metrics_parse_and_every_metric_has_a_sample_after_traffic(serve: ServeP
     assert all(metrics[m] for m in REQUIRED)
     ttft = {labels.get("le"): v for labels, v in metrics["gearshift_time_to_first_token_seconds"]}
     assert ttft["+Inf"] >= 1
-    reasons = {labels["finished_reason"] for labels, _ in metrics["gearshift_request_success"]}
-    assert {"stop", "length", "abort", "error"} <= reasons
+    # max_tokens 3 on a 3-word prompt ends by length; other reasons appear only when traffic
+    # produces them (tests/router/test_router_metrics.py), never pre-created.
+    lengths = [
+        v
+        for labels, v in metrics["gearshift_request_success"]
+        if labels["finished_reason"] == "length"
+    ]
+    assert lengths and lengths[0] >= 1

@@ -14,6 +14,10 @@ import pytest
         (["--groups", "0"], "--groups must be >= 1"),
         (["--num-threads", "0"], "--num-threads must be >= 1, got 0"),
         (["--prefill-threads", "-2"], "--prefill-threads must be >= 1, got -2"),
+        (["--shift-threshold", "64"], "--shift-threshold is not a field of the static policy"),
+        (["--policy-config", '{"static": {}}', "--tp", "2"], "drop --tp"),
+        (["--policy-config", '{"tetris": {}}'], "not implemented by this engine"),
+        (["--policy-config", '{"static": {"dp": 2}}'], "spec.policy.static.dp"),
     ],
 )
 def test_bad_flags_exit_2_with_the_flag_named(flags, message):

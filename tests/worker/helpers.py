@@ -161,3 +161,33 @@ def scattered_block_tables(
         tables[b, :w] = order[used : used + w]
         used += w
     return tables
+
+
+def random_model_with_smollm2_tokenizer(
+    folder: Path, smollm2: Path, *, num_heads: int = 8, num_kv_heads: int = 2, layers: int = 4
+) -> Path:
+    """A random Llama (heads that split over TP 2 and 4) that speaks SmolLM2's vocabulary, with
+    its tokenizer and chat template saved beside it, so a server can serve it as text."""
+    import json
+
+    from gearshift.worker.tokenizer.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_path(smollm2)
+    make_hf_checkpoint(
+        folder,
+        "llama2-bias",
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        layers=layers,
+        vocab=tok.vocab_size,
+    )
+    tok.backend.save(str(folder / "tokenizer.json"))
+    assert tok.chat_template is not None
+    eos = sorted(tok.eos_token_ids)[0]
+    config = {
+        "chat_template": tok.chat_template.source,
+        "eos_token": tok.backend.id_to_token(eos),
+        **dict(tok.chat_template.special_tokens),
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder

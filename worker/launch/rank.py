@@ -8,8 +8,8 @@ import sys
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist

@@ -69,11 +69,10 @@ def policy_from_args(args: argparse.Namespace) -> policy_pb2.Policy:
         value = getattr(args, name, None)
         if value is None:
             continue
-        if (
-            name
-            not in policy_pb2.Policy.DESCRIPTOR.fields_by_name[kind].message_type.fields_by_name
-        ):
-            raise InvalidRequestError(name, f"--{name} is not a field of the {kind} policy")
+        known = policy_pb2.Policy.DESCRIPTOR.fields_by_name[kind].message_type.fields_by_name
+        if name not in known:
+            flag = "--shift-threshold" if name == "threshold" else f"--{name}"
+            raise InvalidRequestError(name, f"{flag} is not a field of the {kind} policy")
         fields[name] = value
     world = getattr(args, "world_size", None)
     if world is not None:

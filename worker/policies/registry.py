@@ -80,12 +80,6 @@ def parse_policy(raw: str | Mapping[str, Any] | policy_pb2.Policy | None) -> pol
     return policy
 
 
-def check_runnable(policy: policy_pb2.Policy, world_size: int | None = None) -> None:
-    """Refuse, naming the field, a policy this engine cannot run (what the operator accepts, a
-    worker must run); with ``world_size``, also check its layout against the group."""
-    make_policy(policy, world_size)
-
-
 def make_policy(
     policy: str | Mapping[str, Any] | policy_pb2.Policy | None, world_size: int | None = None
 ) -> Policy:

@@ -96,6 +96,16 @@ def _child_main(settings: WorkerSettings, conn: Connection, log_level: int) -> N
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which exits non-zero
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
+    blocks = engine.blocks
+    log.info(
+        "KV cache: %d blocks x %d tokens = %d tokens; max model len %d; %d rank(s), policy %s",
+        blocks.num_blocks,
+        blocks.block_size,
+        blocks.num_blocks * blocks.block_size,
+        engine.max_model_len,
+        settings.ranks,
+        engine.policy.kind,
+    )
     lock = threading.Lock()
 
     def send(message: tuple[Any, ...]) -> None:
@@ -204,14 +214,25 @@ class ProcessEngine:
     async def _watch_exit(self) -> None:
         while self._proc.is_alive():
             await asyncio.sleep(0.5)
-        self._close(f"the engine process exited with code {self._proc.exitcode}")
+        self._close(self._leader_gone())
+
+    def _leader_gone(self) -> str:
+        """Why the group ended when the engine process (the group's rank 0) went away."""
+        # A killed child closes its pipe before the parent can read its exit code; a short wait
+        # (only on this failure path) lets the message say how it ended.
+        self._proc.join(0.5)
+        code = self._proc.exitcode
+        how = "closed its pipe" if code is None else f"exited with code {code}"
+        if code is not None and code < 0:
+            how += f" ({signal.Signals(-code).name})"
+        return f"rank 0 (the group leader's engine process, pid {self._proc.pid}) {how}"
 
     def _on_readable(self) -> None:
         try:
             while self._conn.poll():
                 self._handle(self._conn.recv())
         except (EOFError, OSError):
-            self._close("the engine process closed its pipe")
+            self._close(self._leader_gone())
 
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]

@@ -18,6 +18,7 @@ from typing import Any
 from gearshift.v1 import policy_fields, policy_pb2
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.model.registry import default_served_name
+from gearshift.worker.policies.support import check_runnable
 
 DEFAULT_WORKER_PORT = 50051
 
@@ -129,6 +130,8 @@ def _policy(raw: Any, ranks: int) -> policy_pb2.Policy:
     errors = policy_fields.layout_errors(policy, ranks)
     if errors:
         raise InvalidRequestError("policy", "; ".join(errors))
+    # Refused here, before any rank starts, with the operator's InvalidSpec message.
+    check_runnable(policy)
     return policy_fields.with_defaults(policy, ranks)
 
 

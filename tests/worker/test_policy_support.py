@@ -1,0 +1,71 @@
+"""What the engine cannot run yet is refused by one function, before any process starts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from google.protobuf import json_format
+
+from gearshift.v1 import policy_pb2
+from gearshift.worker.errors import InvalidRequestError
+from gearshift.worker.policies.support import check_runnable
+
+
+def _policy(raw: dict) -> policy_pb2.Policy:
+    return json_format.ParseDict(raw, policy_pb2.Policy())
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        ({"seesaw": {"prefill": {"pp": 2}}}, "spec.policy.seesaw"),
+        ({"sidp": {"dp": 2}}, "spec.policy.sidp"),
+        ({"tetris": {"decodeTp": 1}}, "spec.policy.tetris"),
+        ({"static": {"dp": 4}}, "spec.policy.static.dp"),
+    ],
+)
+def test_unrunnable_policies_are_refused_naming_the_field(raw: dict, field: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        check_runnable(_policy(raw))
+    assert info.value.field == field
+    assert info.value.message.startswith(f"{field}: ")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {"static": {}},
+        {"static": {"tp": 2, "sp": 2, "pp": 1, "dp": 1}},
+        {"static": {"tp": 2, "pp": 2}},
+        {"shift": {"sp": 4, "tp": 2, "threshold": 0}},
+    ],
+)
+def test_static_and_shift_layouts_are_runnable(raw: dict) -> None:
+    check_runnable(_policy(raw))
+
+
+def test_gearshift_worker_refuses_a_seesaw_policy_before_loading_anything() -> None:
+    policy = {"seesaw": {"prefill": {"pp": 1, "tp": 1}, "decode": {"tp": 1, "pp": 1}}}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gearshift.operator.cli",
+            "worker",
+            "--policy-json",
+            json.dumps(policy),
+            "--port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    with pytest.raises(InvalidRequestError) as info:
+        check_runnable(_policy(policy))
+    # The same message the operator puts in its InvalidSpec condition.
+    assert info.value.message in done.stderr
