@@ -5,8 +5,10 @@ samples, so the router forwards the client's JSON body with only `model` rewritt
 backend serves: the answer is the backend's own, byte for byte in content, and every field the
 backend honours or refuses stays honoured or refused. What the router adds is what it adds for
 worker groups: the API key, routing by load, a retry on another group before the first token,
-draining, and the same request metrics (streams ask the backend for usage, which is dropped
-again when the client did not ask for it).
+draining, and the same request metrics. Token counts come from the answer's `usage`; a stream
+whose client did not ask for usage is not changed to get it (vLLM then moves fields between
+chunks), so its counts are estimates: our tokenizer's count of the prompt text, one token per
+chunk with output.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class _Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: str | None = None
+    has_counts: bool = False  # the backend sent usage
 
 
 class _Retry(Exception):
@@ -82,8 +85,6 @@ class ProxiedRequest:
         self.path = path
         self.body = body
         self.stream = bool(body.get("stream"))
-        options = body.get("stream_options")
-        self.client_usage = isinstance(options, dict) and bool(options.get("include_usage"))
         self.arrival = time.monotonic()
         self.prompt_tokens = self._estimate_prompt_tokens()
         self.usage = _Usage()
@@ -170,9 +171,6 @@ class ProxiedRequest:
         group = lease.group
         assert isinstance(group, OpenAIGroup)
         body = dict(self.body, model=group.backend_model(self.router.model_name))
-        if self.stream:
-            # Usage comes back on the last chunk: exact token counts for the metrics.
-            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         wire = group.client.build_request("POST", self.path, json=body)
         try:
             upstream = await group.client.send(wire, stream=True)
@@ -272,10 +270,6 @@ class ProxiedRequest:
                 if not isinstance(chunk, dict):
                     continue
                 self._on_chunk(lease, chunk)
-                if not self.client_usage:
-                    if chunk.get("usage") is not None and not chunk.get("choices"):
-                        continue  # the usage-only last chunk we asked for
-                    chunk.pop("usage", None)
                 if "model" in chunk:
                     chunk["model"] = self.router.model_name
                 yield _sse(chunk)
@@ -304,6 +298,7 @@ class ProxiedRequest:
     def _read_usage(self, chunk: dict[str, Any]) -> None:
         usage = chunk.get("usage")
         if isinstance(usage, dict):
+            self.usage.has_counts = True
             self.usage.prompt_tokens = int(usage.get("prompt_tokens") or 0)
             self.usage.completion_tokens = int(usage.get("completion_tokens") or 0)
         for c in chunk.get("choices") or []:
@@ -315,10 +310,13 @@ class ProxiedRequest:
             return
         self.recorded = True
         now, first = time.monotonic(), self.first
+        usage = self.usage
+        if not usage.has_counts:  # a stream without usage: estimates (module docstring)
+            usage.prompt_tokens, usage.completion_tokens = self.prompt_tokens, self.chunks
         self.router.metrics.observe_finished(
             finish_reason=reason,
-            prompt_tokens=self.usage.prompt_tokens,
-            output_tokens=self.usage.completion_tokens,
+            prompt_tokens=usage.prompt_tokens,
+            output_tokens=usage.completion_tokens,
             e2e=now - self.arrival,
             ttft=first - self.arrival if first is not None and ttft else None,
             decode_time=self.last - first
