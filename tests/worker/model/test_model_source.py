@@ -163,3 +163,14 @@ def test_fetch_model_command_downloads_or_fails_with_the_reason(
     )
     assert done.returncode == 2
     assert "hf://org/missing: repository not found" in done.stderr
+
+
+def test_serve_with_a_missing_hf_repo_exits_naming_it(hub: HubServer, tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "gearshift.operator.cli", "serve", "--model", "hf://org/gone"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "hf://org/gone: repository not found" in done.stderr
