@@ -36,6 +36,7 @@ class FakeOpenAI:
         self.model = model
         self.script = OpenAIScript()
         self.requests: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
         self.healthy = True
         app = Starlette(
             routes=[
@@ -86,6 +87,7 @@ class FakeOpenAI:
     async def _generate(self, request: Request) -> Response:
         body = await request.json()
         self.requests.append(body)
+        self.headers.append(dict(request.headers))
         s = self.script
         if s.status != 200:
             return JSONResponse({"error": {"message": f"scripted {s.status}"}}, s.status)

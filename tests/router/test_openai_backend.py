@@ -38,7 +38,7 @@ class Setup:
 
 @contextlib.asynccontextmanager
 async def running(
-    tok: Tokenizer, backends: int, extra: tuple[str, ...] = ()
+    tok: Tokenizer, backends: int, extra: tuple[str, ...] = (), api_keys: tuple[str, ...] = ()
 ) -> AsyncIterator[Setup]:
     fakes = [await FakeOpenAI().start() for _ in range(backends)]
     specs = [GroupSpec(f"v{i}", f.address) for i, f in enumerate(fakes)]
@@ -56,6 +56,7 @@ async def running(
         rpc_timeout_s=1.0,
         drain_timeout_s=2.0,
         backend="openai-http",
+        api_keys=api_keys,
     )
     server = RouterServer(config, tokenizer=tok)
     ports = await server.start()
@@ -238,3 +239,17 @@ def test_router_json_accepts_openai_http_and_refuses_unknown_backends(tmp_path: 
     path.write_text(json.dumps({"model": {"name": "m"}, "backend": "triton"}))
     with pytest.raises(config_mod.ConfigError, match="backend"):
         config_mod.from_file(path, env={})
+
+
+def test_api_keys_are_checked_before_anything_is_forwarded(tok: Tokenizer) -> None:
+    async def scenario() -> None:
+        async with running(tok, 1, api_keys=("k1",)) as s:
+            (fake,) = s.backends
+            r = await s.http.post("/v1/completions", json={"prompt": "hi"})
+            assert r.status_code == 401 and fake.requests == []
+            auth = {"Authorization": "Bearer k1"}
+            r = await s.http.post("/v1/completions", json={"prompt": "hi"}, headers=auth)
+            assert r.status_code == 200 and len(fake.requests) == 1
+            assert "authorization" not in fake.headers[0]  # the client's key stays here
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
