@@ -168,6 +168,16 @@ class ProxiedRequest:
             metrics.rejected.labels(metrics.model_name, str(status)).inc()
 
     async def _attempt(self, lease: Lease, request: Request) -> Response:
+        """One group's answer. Until it starts (headers, and a stream's first event) a client
+        that disconnects cancels the backend request; the lease is released on every exit
+        except a stream handed to the client, whose events release it at their end."""
+        try:
+            return await _until_disconnect(request, self._answer(lease))
+        except BaseException:
+            lease.release()  # idempotent
+            raise
+
+    async def _answer(self, lease: Lease) -> Response:
         group = lease.group
         assert isinstance(group, OpenAIGroup)
         body = dict(self.body, model=group.backend_model(self.router.model_name))
@@ -175,13 +185,13 @@ class ProxiedRequest:
         try:
             upstream = await group.client.send(wire, stream=True)
         except httpx.HTTPError as exc:
-            lease.release()
             group.mark_failed(f"{type(exc).__name__}: {exc}")
             raise _Retry(errors.unavailable(f"group {group.name}: {exc}")) from None
         if upstream.status_code != 200:
-            content = await upstream.aread()
-            await upstream.aclose()
-            lease.release()
+            try:
+                content = await upstream.aread()
+            finally:
+                await upstream.aclose()
             if upstream.status_code in _RETRY_STATUSES:
                 raise _Retry(
                     errors.APIError(
@@ -192,6 +202,7 @@ class ProxiedRequest:
                     )
                 )
             # The backend refused the request itself (400, 404, 422...): its answer is ours.
+            lease.release()
             self._reject(upstream.status_code)
             return Response(
                 content,
@@ -199,13 +210,12 @@ class ProxiedRequest:
                 media_type=upstream.headers.get("content-type", "application/json"),
             )
         if not self.stream:
-            return await self._whole(lease, upstream, request)
+            return await self._whole(lease, upstream)
         return await self._streamed(lease, upstream)
 
-    async def _whole(self, lease: Lease, upstream: httpx.Response, request: Request) -> Response:
+    async def _whole(self, lease: Lease, upstream: httpx.Response) -> Response:
         try:
-            content = await _until_disconnect(request, upstream.aread())
-            answer = json.loads(content)
+            answer = json.loads(await upstream.aread())
         except httpx.HTTPError as exc:
             lease.group.mark_failed(f"{type(exc).__name__}: {exc}")
             raise _Retry(errors.unavailable(f"group {lease.group.name}: {exc}")) from None
@@ -224,9 +234,7 @@ class ProxiedRequest:
     async def _streamed(self, lease: Lease, upstream: httpx.Response) -> Response:
         events = self._events(lease, upstream)
         try:
-            first = await anext(events)
-        except StopAsyncIteration:
-            first = None
+            first = await anext(events, None)
         except httpx.HTTPError as exc:
             await events.aclose()
             lease.group.mark_failed(f"{type(exc).__name__}: {exc}")

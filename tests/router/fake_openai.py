@@ -25,7 +25,7 @@ from starlette.routing import Route
 class OpenAIScript:
     status: int = 200  # answer generation requests with this status
     pieces: list[str] = field(default_factory=lambda: ["Hel", "lo"])
-    gate: asyncio.Event | None = None  # the stream waits on this before its first piece
+    gate: asyncio.Event | None = None  # the answer waits on this (streams: before any piece)
     drop_after: int | None = None  # close the connection after this many pieces
 
 
@@ -93,6 +93,8 @@ class FakeOpenAI:
             return JSONResponse({"error": {"message": f"scripted {s.status}"}}, s.status)
         chat = request.url.path.endswith("/chat/completions")
         if not body.get("stream"):
+            if s.gate is not None:
+                await asyncio.wait_for(s.gate.wait(), 30)
             text = "".join(s.pieces)
             choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
             choice |= (

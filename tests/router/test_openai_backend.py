@@ -253,3 +253,25 @@ def test_api_keys_are_checked_before_anything_is_forwarded(tok: Tokenizer) -> No
             assert "authorization" not in fake.headers[0]  # the client's key stays here
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_a_client_leaving_before_the_first_token_frees_the_group(tok: Tokenizer) -> None:
+    async def scenario(s: Setup) -> None:
+        (fake,) = s.backends
+        gate = asyncio.Event()  # opened only at the end: no first token before that
+        fake.script = OpenAIScript(gate=gate)
+        assert s.server.router is not None
+        pool = s.server.router.pool
+        for stream in (True, False):
+            with pytest.raises(httpx.ReadTimeout):
+                await s.http.post(
+                    "/v1/completions", json={"prompt": "hi", "stream": stream}, timeout=0.5
+                )
+            for _ in range(200):
+                if pool.in_flight == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert pool.in_flight == 0, "the request still holds the group"
+        gate.set()  # let the fake's own handlers finish so it can stop
+
+    run(tok, scenario)
