@@ -5,10 +5,7 @@ samples, so the router forwards the client's JSON body with only `model` rewritt
 backend serves: the answer is the backend's own, byte for byte in content, and every field the
 backend honours or refuses stays honoured or refused. What the router adds is what it adds for
 worker groups: the API key, routing by load, a retry on another group before the first token,
-draining, and the same request metrics. Token counts come from the answer's `usage`; a stream
-whose client did not ask for usage is not changed to get it (vLLM then moves fields between
-chunks), so its counts are estimates: our tokenizer's count of the prompt text, one token per
-chunk with output.
+draining, and the same request metrics (openai_accounting.py).
 """
 
 from __future__ import annotations
@@ -16,9 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -29,6 +24,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gearshift.operator.router import errors
 from gearshift.operator.router.core import Router
 from gearshift.operator.router.group import Lease
+from gearshift.operator.router.openai_accounting import (
+    ProxyAccount,
+    estimate_prompt_tokens,
+    requested_max_tokens,
+)
 from gearshift.operator.router.openai_backend import OpenAIGroup
 
 log = logging.getLogger(__name__)
@@ -61,14 +61,6 @@ class OpenAIProxy:
         await response(scope, receive, send)
 
 
-@dataclass
-class _Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    finish_reason: str | None = None
-    has_counts: bool = False  # the backend sent usage
-
-
 class _Retry(Exception):
     """The group failed before an answer; `error` is the answer if no group is left."""
 
@@ -85,13 +77,7 @@ class ProxiedRequest:
         self.path = path
         self.body = body
         self.stream = bool(body.get("stream"))
-        self.arrival = time.monotonic()
-        self.prompt_tokens = self._estimate_prompt_tokens()
-        self.usage = _Usage()
-        self.first: float | None = None
-        self.last: float | None = None
-        self.chunks = 0  # chunks with output so far
-        self.recorded = False
+        self.account = ProxyAccount(router.metrics, estimate_prompt_tokens(body, router.tokenizer))
 
     @classmethod
     async def start(cls, router: Router, request: Request) -> Response:
@@ -106,40 +92,6 @@ class ProxiedRequest:
         router.check_model(model if isinstance(model, str) else None)
         return await cls(router, request.url.path, body).respond(request)
 
-    # ---- load estimate --------------------------------------------------------------------
-
-    def _estimate_prompt_tokens(self) -> int:
-        """Prompt tokens for routing only (the backend counts for real): text through our
-        tokenizer, without the chat template."""
-        prompt = self.body.get("prompt", self.body.get("messages"))
-        texts: list[str] = []
-        count = 0
-
-        def walk(x: Any) -> None:
-            nonlocal count
-            if isinstance(x, str):
-                texts.append(x)
-            elif isinstance(x, int):
-                count += 1
-            elif isinstance(x, list):
-                for y in x:
-                    walk(y)
-            elif isinstance(x, dict):
-                for y in x.values():
-                    walk(y)
-
-        walk(prompt)
-        text = "\n".join(texts)
-        return count + (len(self.router.tokenizer.encode(text)) if text else 0)
-
-    def _max_tokens(self) -> int:
-        for key in ("max_completion_tokens", "max_tokens"):
-            value = self.body.get(key)
-            if isinstance(value, int) and value >= 0:
-                return value
-        limit = self.router.pool.max_model_len
-        return max(0, limit - self.prompt_tokens) if limit else 0
-
     # ---- sending --------------------------------------------------------------------------
 
     async def respond(self, request: Request) -> Response:
@@ -148,7 +100,11 @@ class ProxiedRequest:
         metrics = self.router.metrics
         try:
             while True:
-                lease = self.router.pool.acquire(self.prompt_tokens, self._max_tokens(), tried)
+                estimate = self.account.prompt_estimate
+                max_tokens = requested_max_tokens(
+                    self.body, estimate, self.router.pool.max_model_len
+                )
+                lease = self.router.pool.acquire(estimate, max_tokens, tried)
                 tried.add(lease.group.name)
                 try:
                     return await self._attempt(lease, request)
@@ -158,14 +114,8 @@ class ProxiedRequest:
                     if not any(g.name not in tried for g in self.router.pool.serving()):
                         raise retry.error from None
         except errors.APIError as exc:
-            self._reject(exc.status)
+            self.account.reject(exc.status)
             raise
-
-    def _reject(self, status: int) -> None:
-        if not self.recorded:
-            self.recorded = True
-            metrics = self.router.metrics
-            metrics.rejected.labels(metrics.model_name, str(status)).inc()
 
     async def _attempt(self, lease: Lease, request: Request) -> Response:
         """One group's answer. Until it starts (headers, and a stream's first event) a client
@@ -203,7 +153,7 @@ class ProxiedRequest:
                 )
             # The backend refused the request itself (400, 404, 422...): its answer is ours.
             lease.release()
-            self._reject(upstream.status_code)
+            self.account.reject(upstream.status_code)
             return Response(
                 content,
                 upstream.status_code,
@@ -224,11 +174,10 @@ class ProxiedRequest:
         finally:
             await upstream.aclose()
             lease.release()
-        self.first = self.last = time.monotonic()
         if isinstance(answer, dict):
             answer["model"] = self.router.model_name
-            self._read_usage(answer)
-        self._record(self.usage.finish_reason or "stop", ttft=False)
+            self.account.read_usage(answer)
+        self.account.record(self.account.finish_reason or "stop", streamed=False)
         return JSONResponse(answer)
 
     async def _streamed(self, lease: Lease, upstream: httpx.Response) -> Response:
@@ -251,15 +200,15 @@ class ProxiedRequest:
                     yield event
             except httpx.HTTPError as exc:
                 error = errors.worker_failed(
-                    f"group {lease.group.name} failed after {self.chunks} chunks: "
+                    f"group {lease.group.name} failed after {self.account.chunks} chunks: "
                     f"{type(exc).__name__}: {exc}"
                 )
                 yield _sse(error.body())
                 yield "data: [DONE]\n\n"
-                self._record("error")
+                self.account.record("error")
             finally:
                 await events.aclose()
-                self._record("abort")  # no-op unless the client left mid-stream
+                self.account.record("abort")  # no-op unless the client left mid-stream
 
         return StreamingResponse(body(), media_type="text/event-stream")
 
@@ -271,76 +220,19 @@ class ProxiedRequest:
                     continue
                 data = line[len("data:") :].strip()
                 if data == "[DONE]":
-                    self._record(self.usage.finish_reason or "stop")
+                    self.account.record(self.account.finish_reason or "stop")
                     yield "data: [DONE]\n\n"
                     continue
                 chunk = json.loads(data)
                 if not isinstance(chunk, dict):
                     continue
-                self._on_chunk(lease, chunk)
+                self.account.on_chunk(lease, chunk)
                 if "model" in chunk:
                     chunk["model"] = self.router.model_name
                 yield _sse(chunk)
         finally:
             await upstream.aclose()
             lease.release()
-
-    # ---- metrics --------------------------------------------------------------------------
-
-    def _on_chunk(self, lease: Lease, chunk: dict[str, Any]) -> None:
-        now = time.monotonic()
-        self._read_usage(chunk)
-        choices = chunk.get("choices") or []
-        produced = sum(1 for c in choices if _has_output(c))
-        if not produced:
-            return
-        lease.on_tokens(produced)
-        self.chunks += 1
-        metrics = self.router.metrics
-        if self.first is None:
-            self.first = now
-        elif self.last is not None:
-            metrics.itl.labels(metrics.model_name).observe(now - self.last)
-        self.last = now
-
-    def _read_usage(self, chunk: dict[str, Any]) -> None:
-        usage = chunk.get("usage")
-        if isinstance(usage, dict):
-            self.usage.has_counts = True
-            self.usage.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-            self.usage.completion_tokens = int(usage.get("completion_tokens") or 0)
-        for c in chunk.get("choices") or []:
-            if isinstance(c, dict) and c.get("finish_reason"):
-                self.usage.finish_reason = str(c["finish_reason"])
-
-    def _record(self, reason: str, ttft: bool = True) -> None:
-        if self.recorded:
-            return
-        self.recorded = True
-        now, first = time.monotonic(), self.first
-        usage = self.usage
-        if not usage.has_counts:  # a stream without usage: estimates (module docstring)
-            usage.prompt_tokens, usage.completion_tokens = self.prompt_tokens, self.chunks
-        self.router.metrics.observe_finished(
-            finish_reason=reason,
-            prompt_tokens=usage.prompt_tokens,
-            output_tokens=usage.completion_tokens,
-            e2e=now - self.arrival,
-            ttft=first - self.arrival if first is not None and ttft else None,
-            decode_time=self.last - first
-            if ttft and first is not None and self.last is not None
-            else None,
-            queue_time=None,
-        )
-
-
-def _has_output(choice: Any) -> bool:
-    if not isinstance(choice, dict):
-        return False
-    if choice.get("text"):
-        return True
-    delta = choice.get("delta")
-    return isinstance(delta, dict) and bool(delta.get("content") or delta.get("tool_calls"))
 
 
 def _sse(chunk: dict[str, Any]) -> str:
