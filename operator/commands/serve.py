@@ -26,7 +26,9 @@ log = logging.getLogger(__name__)
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="serve a model: router + local worker groups")
     p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help="as --model")
-    p.add_argument("--model", default=None, help="model folder, .gguf file, or 'smollm2'")
+    p.add_argument(
+        "--model", default=None, help="model folder, .gguf file, hf://org/name[@rev], or 'smollm2'"
+    )
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--name", default="gearshift", help="deployment name; groups are NAME-gI")
     add_engine_args(
@@ -156,6 +158,15 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
     if problems:
         print(f"error: {'; '.join(problems)}", file=sys.stderr)
         return 2
+    if model.startswith("hf://"):  # download once, before the router and groups read it
+        from gearshift.worker.errors import ModelLoadError
+        from gearshift.worker.model.registry import resolve_model_path
+
+        try:
+            model = str(await asyncio.to_thread(resolve_model_path, model))
+        except ModelLoadError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     engine_json = workdir / "engine.json"
     engine_json.write_text(
         json.dumps(

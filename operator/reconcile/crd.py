@@ -61,6 +61,25 @@ def spec_schema(policy: dict[str, Any]) -> dict[str, Any]:
                         "Weight and activation dtype.", enum=list(spec.DTYPES), default="auto"
                     ),
                     "maxModelLen": _int("Context length limit. Default: the model's.", minimum=1),
+                    "revision": _str(
+                        "hf:// only: the commit sha, tag or branch to download. Default: main.",
+                        pattern=r"^[\w.][\w./-]*$",
+                        maxLength=255,
+                    ),
+                    "hfTokenSecret": _obj(
+                        {
+                            "name": _str("Secret name."),
+                            "key": _str("Key in the Secret.", default="HF_TOKEN"),
+                        },
+                        "hf:// only: Secret with the token (HF_TOKEN) for private or gated repos.",
+                        required=["name"],
+                    ),
+                    "cache": _obj(
+                        {"claimName": _str("PersistentVolumeClaim to download into.")},
+                        "hf:// only: keep downloads in a PVC across pod restarts (by default each "
+                        "pod downloads into an emptyDir). Per revision, so deployments can share.",
+                        required=["claimName"],
+                    ),
                 },
                 "The model to serve.",
                 required=["source"],

@@ -78,6 +78,12 @@ def layout_rules() -> list[dict[str, Any]]:
             ".engine",
         ),
         (
+            "self.model.source.startsWith('hf://') || !(has(self.model.revision) || "
+            "has(self.model.hfTokenSecret) || has(self.model.cache))",
+            "model.revision, model.hfTokenSecret and model.cache apply to hf:// sources only",
+            ".model",
+        ),
+        (
             "self.engine == 'vllm' || has(self.images.worker)",
             "images.worker: required for engine gearshift",
             ".images",

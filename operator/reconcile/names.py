@@ -38,6 +38,7 @@ CONFIG_DIR = "/etc/gearshift"
 ENGINE_CONFIG = f"{CONFIG_DIR}/engine.json"
 ROUTER_CONFIG = f"{CONFIG_DIR}/router.json"
 PVC_MOUNT = "/mnt/model"
+HF_MOUNT = "/mnt/hf"  # hf:// downloads (the init container writes, the server reads)
 
 WORKER_HEALTH_SERVICE = "gearshift.v1.Worker"
 

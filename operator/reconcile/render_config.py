@@ -17,6 +17,7 @@ from gearshift.operator.reconcile import names
 from gearshift.operator.reconcile.render_meta import child_metadata
 from gearshift.operator.reconcile.spec import DeploymentSpec
 from gearshift.v1 import policy_fields, policy_pb2
+from gearshift.worker.model.source import HubSource
 
 
 def _policy_json(policy: policy_pb2.Policy) -> dict[str, Any]:
@@ -25,10 +26,14 @@ def _policy_json(policy: policy_pb2.Policy) -> dict[str, Any]:
 
 
 def model_path(spec: DeploymentSpec) -> str:
-    """The model as the worker container sees it: a path, or an "org/name" hub id."""
+    """The model as the server containers see it: a path in the image, on the PVC, or where
+    the init container downloaded the hf:// source (render_model.py)."""
     src = spec.model.source
     if src.scheme == "pvc":
         return f"{names.PVC_MOUNT}/{src.path}".rstrip("/")
+    if src.scheme == "hf":
+        hub = HubSource(src.path, spec.model.revision or None)
+        return f"{names.HF_MOUNT}/{hub.folder_name()}"
     return src.path
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from gearshift.operator.reconcile import names
+from gearshift.operator.reconcile import names, render_model
 from gearshift.operator.reconcile.render_meta import child_metadata
 from gearshift.operator.reconcile.spec import DeploymentSpec
 
@@ -44,15 +44,13 @@ def deployment(spec: DeploymentSpec) -> dict[str, Any]:
         {"name": "config", "configMap": {"name": names.config_map_name(spec.name)}},
         {"name": "tmp", "emptyDir": {}},
     ]
-    if spec.model.source.scheme == "pvc":
-        # The router loads the tokenizer from the same folder as the weights.
-        mounts.append({"name": "model", "mountPath": names.PVC_MOUNT, "readOnly": True})
-        volumes.append(
-            {
-                "name": "model",
-                "persistentVolumeClaim": {"claimName": spec.model.source.claim, "readOnly": True},
-            }
-        )
+    # The router loads the tokenizer from the same folder as the weights (hf://: its own
+    # tokenizer-only download).
+    model_mount, model_volume = render_model.mount(spec), render_model.volume(spec, router=True)
+    if model_mount is not None and model_volume is not None:
+        mounts.append(model_mount)
+        volumes.append(model_volume)
+    fetch = render_model.fetch_container(spec, router=True)
     container = {
         "name": "router",
         "image": spec.images.router,
@@ -80,6 +78,7 @@ def deployment(spec: DeploymentSpec) -> dict[str, Any]:
         "enableServiceLinks": False,
         "containers": [container],
         "volumes": volumes,
+        **({"initContainers": [fetch]} if fetch is not None else {}),
         "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
     }
     if spec.images.pull_secrets:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from gearshift.operator.reconcile import names, render_config
+from gearshift.operator.reconcile import names, render_config, render_model
 from gearshift.operator.reconcile.render_meta import child_metadata
 from gearshift.operator.reconcile.spec import DeploymentSpec
 
@@ -78,8 +78,9 @@ def _container(spec: DeploymentSpec, index: int, cluster_domain: str) -> dict[st
         {"name": "config", "mountPath": names.CONFIG_DIR, "readOnly": True},
         {"name": "shm", "mountPath": "/dev/shm"},
     ]
-    if spec.model.source.scheme == "pvc":
-        mounts.append({"name": "model", "mountPath": names.PVC_MOUNT, "readOnly": True})
+    model_mount = render_model.mount(spec)
+    if model_mount is not None:
+        mounts.append(model_mount)
     container: dict[str, Any] = {
         "name": "worker",
         "imagePullPolicy": spec.images.pull_policy,
@@ -133,13 +134,11 @@ def pod_template(spec: DeploymentSpec, index: int, cluster_domain: str) -> dict[
             {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.group.shm_size}},
         ],
     }
-    if spec.model.source.scheme == "pvc":
-        pod["volumes"].append(
-            {
-                "name": "model",
-                "persistentVolumeClaim": {"claimName": spec.model.source.claim, "readOnly": True},
-            }
-        )
+    model_volume, fetch = render_model.volume(spec), render_model.fetch_container(spec)
+    if model_volume is not None:
+        pod["volumes"].append(model_volume)
+    if fetch is not None:  # hf://: download before the server starts
+        pod["initContainers"] = [fetch]
     if spec.images.pull_secrets:
         pod["imagePullSecrets"] = [{"name": s} for s in spec.images.pull_secrets]
     if sched.node_selector:

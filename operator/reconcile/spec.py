@@ -73,6 +73,11 @@ class ModelSpec:
     served_name: str
     dtype: str = "auto"
     max_model_len: int | None = None
+    # hf:// sources only: what to pin, who may read it, where downloads are kept.
+    revision: str = ""
+    token_secret: str = ""
+    token_key: str = "HF_TOKEN"
+    cache_claim: str = ""  # a PVC kept across restarts; "" = an emptyDir per pod
 
 
 @dataclass(frozen=True)
@@ -212,6 +217,10 @@ def parse(body: dict[str, Any]) -> DeploymentSpec:
             served_name=m.get("name") or name,
             dtype=m.get("dtype", "auto"),
             max_model_len=m.get("maxModelLen"),
+            revision=m.get("revision", ""),
+            token_secret=m.get("hfTokenSecret", {}).get("name", ""),
+            token_key=m.get("hfTokenSecret", {}).get("key", "HF_TOKEN"),
+            cache_claim=m.get("cache", {}).get("claimName", ""),
         ),
         engine=spec.get("engine", "gearshift"),
         images=Images(
@@ -278,5 +287,8 @@ def _check(spec: DeploymentSpec) -> None:
             raise SpecError("spec.group.nodes: engine vllm runs single-node groups without sp")
         if not spec.images.vllm:
             raise SpecError("spec.images.vllm: required for engine vllm")
+    hub_only = spec.model.revision or spec.model.token_secret or spec.model.cache_claim
+    if hub_only and spec.model.source.scheme != "hf":
+        raise SpecError("spec.model: revision, hfTokenSecret and cache apply to hf:// sources only")
     if not spec.images.router or (spec.engine == "gearshift" and not spec.images.worker):
         raise SpecError("spec.images: worker and router images are required")

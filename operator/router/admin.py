@@ -8,7 +8,7 @@ import logging
 import grpc
 
 from gearshift.operator.router.core import Router
-from gearshift.operator.router.group import WorkerGroup
+from gearshift.operator.router.group import Group, WorkerGroup
 from gearshift.v1 import (
     policy_fields,
     policy_pb2,
@@ -26,7 +26,7 @@ class AdminService(router_pb2_grpc.AdminServicer):
     def __init__(self, router: Router) -> None:
         self.router = router
 
-    def _targets(self, name: str) -> list[WorkerGroup]:
+    def _targets(self, name: str) -> list[Group]:
         groups = list(self.router.pool.groups.values())
         return [g for g in groups if g.name == name] if name else groups
 
@@ -42,9 +42,11 @@ class AdminService(router_pb2_grpc.AdminServicer):
         applied = bool(results) and all(r.applied for r in results)
         return router_pb2.AdminApplyPolicyResponse(applied=applied, results=results)
 
-    async def _apply(
-        self, group: WorkerGroup, policy: policy_pb2.Policy
-    ) -> router_pb2.GroupApplyResult:
+    async def _apply(self, group: Group, policy: policy_pb2.Policy) -> router_pb2.GroupApplyResult:
+        if not isinstance(group, WorkerGroup):
+            return router_pb2.GroupApplyResult(
+                group=group.name, applied=False, message="an openai-http group has no live policy"
+            )
         try:
             response = await group.stub.ApplyPolicy(
                 worker_pb2.ApplyPolicyRequest(policy=policy), timeout=group.rpc_timeout_s

@@ -1,7 +1,8 @@
 """The router's configuration: router.json (the operator's contract) plus flags.
 
 router.json is documented in docs/operator.md: `{deployment, model: {name, path}, backend,
-groups: [{name, address}], policy, ports: {http, grpc, admin}, apiKeyEnv}`.
+groups: [{name, address}], policy, ports: {http, grpc, admin}, apiKeyEnv}`; backend is
+worker-grpc or openai-http.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from typing import Any
 from google.protobuf import json_format
 
 from gearshift.v1 import policy_pb2
+
+# How the router reaches its groups: gearshift.v1.Worker over gRPC, or OpenAI HTTP (vLLM pods).
+BACKENDS = ("worker-grpc", "openai-http")
 
 
 class ConfigError(ValueError):
@@ -109,6 +113,9 @@ def from_file(path: Path, env: Mapping[str, str] | None = None) -> RouterConfig:
         except json_format.ParseError as exc:
             raise ConfigError(f"{path}: invalid policy: {exc}") from exc
     ports = data.get("ports") or {}
+    backend = str(data.get("backend") or "worker-grpc")
+    if backend not in BACKENDS:
+        raise ConfigError(f"{path}: backend {backend!r} is not one of {', '.join(BACKENDS)}")
     return RouterConfig(
         model_name=str(model.get("name") or data.get("deployment") or "model"),
         model_path=str(model.get("path") or ""),
@@ -119,5 +126,5 @@ def from_file(path: Path, env: Mapping[str, str] | None = None) -> RouterConfig:
         admin_port=int(ports.get("admin", 50060)),
         api_keys=read_api_keys(None, None, data.get("apiKeyEnv") or None, env),
         config_path=path,
-        backend=str(data.get("backend") or "worker-grpc"),
+        backend=backend,
     )

@@ -21,6 +21,7 @@ _GRPC_CODES = {
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     499: grpc.StatusCode.CANCELLED,
     500: grpc.StatusCode.INTERNAL,
+    501: grpc.StatusCode.UNIMPLEMENTED,
     502: grpc.StatusCode.UNAVAILABLE,
     503: grpc.StatusCode.UNAVAILABLE,
 }

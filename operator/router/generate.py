@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from gearshift.operator.router import errors
-from gearshift.operator.router.group import Lease
+from gearshift.operator.router.group import Lease, WorkerGroup
 from gearshift.operator.router.metrics import RouterMetrics
 from gearshift.operator.router.pool import GroupPool
 from gearshift.operator.router.text import LogprobEntry, TextOptions, TextState
@@ -145,6 +145,14 @@ class RequestRun:
 
     async def _attempt(self, lease: Lease, attempt: int) -> AsyncGenerator[TokenDelta, None]:
         req = self.request
+        if not isinstance(lease.group, WorkerGroup):
+            lease.release()
+            # openai-http groups take the client's HTTP body (openai_proxy.py), not token ids.
+            raise errors.APIError(
+                501,
+                "this deployment's backend is openai-http: send OpenAI HTTP requests",
+                "not_implemented",
+            )
         wire = worker_pb2.WorkerGenerateRequest(
             request_id=f"{req.request_id}-{attempt}",
             prompt_token_ids=req.prompt_token_ids,

@@ -1,4 +1,4 @@
-"""One worker group as the router sees it: its channel, health, last stats and load."""
+"""One backend group as the router sees it: health, last stats and load; the gRPC worker kind."""
 
 from __future__ import annotations
 
@@ -44,15 +44,17 @@ class GroupLoad:
     others: int = 0
 
 
-class WorkerGroup:
-    """A client of one group leader's Worker service, polled for health and stats."""
+class Group:
+    """One backend group as the router sees it: health, last stats and load.
+
+    Subclasses own the transport (WorkerGroup: gearshift.v1.Worker over gRPC; OpenAIGroup in
+    openai_backend.py: an OpenAI-compatible HTTP server) and fill `healthy`, `stats` and
+    `message` in `poll`.
+    """
 
     def __init__(self, spec: GroupSpec, rpc_timeout_s: float) -> None:
         self.spec = spec
         self.rpc_timeout_s = rpc_timeout_s
-        self.channel = grpc.aio.insecure_channel(spec.address, options=CHANNEL_OPTIONS)
-        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
         self.load = GroupLoad()
         self.healthy = False
         self.draining = False
@@ -68,7 +70,7 @@ class WorkerGroup:
 
     @property
     def serving(self) -> bool:
-        """New requests may go here: healthy, answering GetStats, not drained or removed."""
+        """New requests may go here: healthy, answering its stats poll, not drained or removed."""
         return self.healthy and not self.draining and not self.removed
 
     @property
@@ -76,22 +78,12 @@ class WorkerGroup:
         return self.load.outstanding_tokens + self.load.others
 
     async def poll(self) -> None:
-        """One health check and GetStats, each bounded by rpc_timeout_s."""
-        try:
-            health = await self._health.Check(
-                health_pb2.HealthCheckRequest(service=HEALTH_SERVICE), timeout=self.rpc_timeout_s
-            )
-            if health.status != health_pb2.HealthCheckResponse.SERVING:
-                self._set_down("the worker reports NOT_SERVING (loading or stopping)")
-                return
-            stats = await self.stub.GetStats(
-                worker_pb2.GetStatsRequest(), timeout=self.rpc_timeout_s
-            )
-        except grpc.aio.AioRpcError as exc:
-            self._set_down(f"{exc.code().name}: {exc.details()}")
-            return
-        self.stats = stats
-        self.load.others = max(0, stats.outstanding_tokens - self.load.outstanding_tokens)
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        self.removed = True
+
+    def _set_up(self) -> None:
         if not self.healthy:
             log.info("group %s at %s is serving", self.name, self.spec.address)
         self.healthy, self.message, self.last_poll = True, "", time.monotonic()
@@ -124,6 +116,35 @@ class WorkerGroup:
         if self.load.in_flight == 0:
             self.finished.set()
 
+
+class WorkerGroup(Group):
+    """A client of one group leader's Worker service, polled for health and stats."""
+
+    def __init__(self, spec: GroupSpec, rpc_timeout_s: float) -> None:
+        super().__init__(spec, rpc_timeout_s)
+        self.channel = grpc.aio.insecure_channel(spec.address, options=CHANNEL_OPTIONS)
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    async def poll(self) -> None:
+        """One health check and GetStats, each bounded by rpc_timeout_s."""
+        try:
+            health = await self._health.Check(
+                health_pb2.HealthCheckRequest(service=HEALTH_SERVICE), timeout=self.rpc_timeout_s
+            )
+            if health.status != health_pb2.HealthCheckResponse.SERVING:
+                self._set_down("the worker reports NOT_SERVING (loading or stopping)")
+                return
+            stats = await self.stub.GetStats(
+                worker_pb2.GetStatsRequest(), timeout=self.rpc_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            self._set_down(f"{exc.code().name}: {exc.details()}")
+            return
+        self.stats = stats
+        self.load.others = max(0, stats.outstanding_tokens - self.load.outstanding_tokens)
+        self._set_up()
+
     async def close(self) -> None:
         self.removed = True
         with contextlib.suppress(Exception):
@@ -134,7 +155,7 @@ class WorkerGroup:
 class Lease:
     """One request's claim on a group; its outstanding tokens shrink as tokens arrive."""
 
-    group: WorkerGroup
+    group: Group
     prompt_tokens: int
     max_tokens: int
     remaining: int = field(init=False)

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gearshift.operator.router.group import WorkerGroup
+from gearshift.operator.router.group import Group
 from gearshift.v1 import policy_fields, policy_pb2
 
 # vLLM's bucket boundaries (vllm/v1/metrics/loggers.py), so dashboards carry over.
@@ -92,7 +92,7 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 class RouterMetrics:
     """Every metric of one router process, in its own registry."""
 
-    def __init__(self, model_name: str, groups: Callable[[], Iterable[WorkerGroup]]) -> None:
+    def __init__(self, model_name: str, groups: Callable[[], Iterable[Group]]) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         r, m = self.registry, ["model_name"]
@@ -204,7 +204,7 @@ class RouterMetrics:
 class GroupCollector(Collector):
     """Per-group gauges and counters from each group's last GetStats answer."""
 
-    def __init__(self, model_name: str, groups: Callable[[], Iterable[WorkerGroup]]) -> None:
+    def __init__(self, model_name: str, groups: Callable[[], Iterable[Group]]) -> None:
         self.model_name = model_name
         self.groups = groups
 

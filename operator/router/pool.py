@@ -1,4 +1,4 @@
-"""The router's worker groups: which serve, which gets the next request, reconfiguration."""
+"""The router's backend groups: which serve, which gets the next request, reconfiguration."""
 
 from __future__ import annotations
 
@@ -9,21 +9,36 @@ from collections.abc import Iterable
 
 from gearshift.operator.router import errors
 from gearshift.operator.router.config import GroupSpec
-from gearshift.operator.router.group import Lease, WorkerGroup
+from gearshift.operator.router.group import Group, Lease, WorkerGroup
+from gearshift.operator.router.openai_backend import OpenAIGroup
 
 log = logging.getLogger(__name__)
+
+
+# router.json `backend` → the group kind that speaks it (docs/operator.md).
+GROUP_KINDS: dict[str, type[Group]] = {
+    "worker-grpc": WorkerGroup,
+    "openai-http": OpenAIGroup,
+}
 
 
 class GroupPool:
     """Routes each request to the serving group with the fewest outstanding tokens."""
 
     def __init__(
-        self, max_requests_per_group: int, poll_interval_s: float, rpc_timeout_s: float
+        self,
+        max_requests_per_group: int,
+        poll_interval_s: float,
+        rpc_timeout_s: float,
+        backend: str = "worker-grpc",
     ) -> None:
+        if backend not in GROUP_KINDS:
+            raise ValueError(f"unknown backend {backend!r}; one of {', '.join(GROUP_KINDS)}")
+        self.kind = GROUP_KINDS[backend]
         self.max_requests_per_group = max_requests_per_group
         self.poll_interval_s = poll_interval_s
         self.rpc_timeout_s = rpc_timeout_s
-        self.groups: dict[str, WorkerGroup] = {}
+        self.groups: dict[str, Group] = {}
         self._pollers: dict[str, asyncio.Task[None]] = {}
         self._turn = 0  # breaks ties between equally loaded groups in turn
 
@@ -37,7 +52,7 @@ class GroupPool:
                 await self._retire(group)
         for name, spec in wanted.items():
             if name not in self.groups:
-                group = WorkerGroup(spec, self.rpc_timeout_s)
+                group = self.kind(spec, self.rpc_timeout_s)
                 self.groups[name] = group
                 self._pollers[name] = asyncio.create_task(
                     group.run_poller(self.poll_interval_s), name=f"poll-{name}"
@@ -45,7 +60,7 @@ class GroupPool:
                 log.info("group %s at %s added", name, spec.address)
         await asyncio.gather(*(g.poll() for g in self.groups.values()))
 
-    async def _retire(self, group: WorkerGroup) -> None:
+    async def _retire(self, group: Group) -> None:
         """Stop routing to a group now; close its channel once its requests finished."""
         log.info("group %s removed; closing when idle", group.name)
         group.removed = True
@@ -69,10 +84,10 @@ class GroupPool:
 
     # ---- state ----------------------------------------------------------------------------
 
-    def get(self, name: str) -> WorkerGroup | None:
+    def get(self, name: str) -> Group | None:
         return self.groups.get(name)
 
-    def serving(self) -> list[WorkerGroup]:
+    def serving(self) -> list[Group]:
         return [g for g in self.groups.values() if g.serving]
 
     @property
@@ -86,7 +101,7 @@ class GroupPool:
 
     @property
     def max_model_len(self) -> int | None:
-        """The served context length, as the workers report it (None before any answered)."""
+        """The served context length, as the backends report it (None before any answered)."""
         for g in self.groups.values():
             if g.stats is not None and g.stats.max_model_len:
                 return int(g.stats.max_model_len)

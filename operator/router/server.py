@@ -22,7 +22,8 @@ from gearshift.operator.router.core import Router
 from gearshift.operator.router.grpc_api import GenerationService
 from gearshift.operator.router.http_api import ApiKeyMiddleware, build_app
 from gearshift.operator.router.metrics import RouterMetrics
-from gearshift.operator.router.pool import GroupPool
+from gearshift.operator.router.openai_proxy import OpenAIProxy
+from gearshift.operator.router.pool import GROUP_KINDS, GroupPool
 from gearshift.operator.router.rejections import RejectionCounter
 from gearshift.v1 import router_pb2_grpc
 from gearshift.worker.model.registry import resolve_model_path
@@ -75,19 +76,23 @@ class RouterServer:
 
     async def start(self) -> BoundPorts:
         cfg = self.config
-        if cfg.backend != "worker-grpc":
+        if cfg.backend not in GROUP_KINDS:
             raise config_mod.ConfigError(
-                f"backend {cfg.backend!r} is not supported by this router (only worker-grpc)"
+                f"backend {cfg.backend!r} is not one of {', '.join(GROUP_KINDS)}"
             )
         tokenizer = self._tokenizer
         if tokenizer is None:
             tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model_path)
-        pool = GroupPool(cfg.max_requests_per_group, cfg.poll_interval_s, cfg.rpc_timeout_s)
+        pool = GroupPool(
+            cfg.max_requests_per_group, cfg.poll_interval_s, cfg.rpc_timeout_s, cfg.backend
+        )
         metrics = RouterMetrics(cfg.model_name, lambda: list(pool.groups.values()))
         router = self.router = Router(cfg, tokenizer, pool, metrics)
         await pool.configure(cfg.groups)
 
         app = build_app(router)
+        if cfg.backend == "openai-http":  # generation is the backend's; see openai_proxy.py
+            app.add_middleware(OpenAIProxy, router=router)
         app.add_middleware(ApiKeyMiddleware, keys=cfg.api_keys)
         # Added last, so outermost: it also sees the API-key middleware's 401s.
         app.add_middleware(RejectionCounter, metrics=metrics)
