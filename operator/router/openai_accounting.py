@@ -104,9 +104,10 @@ class ProxyAccount:
                 self.finish_reason = str(c["finish_reason"])
 
     def reject(self, status: int) -> None:
-        if not self.recorded:
-            self.recorded = True
-            self.metrics.rejected.labels(self.metrics.model_name, str(status)).inc()
+        """A refused request records no request metrics; the router's RejectionCounter
+        (rejections.py) counts the 4xx/5xx it returns, the backend's included."""
+        del status
+        self.recorded = True
 
     def record(self, reason: str, streamed: bool = True) -> None:
         """The finished request's metrics; `streamed` False: no first-token time exists."""

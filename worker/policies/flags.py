@@ -1,6 +1,9 @@
 """The policy on the command line: ``--policy-config`` (the CRD's ``spec.policy`` object, as a
 file or inline JSON/YAML) or the short flags ``--policy``, ``--tp``, ``--sp``, ``--pp`` and
-``--shift-threshold`` for the common cases. `generate`, `serve` and `worker` share them."""
+``--shift-threshold`` for the common cases. `generate`, `serve` and `worker` share them.
+
+Imports nothing heavier than the proto at module level: the router's command line (which never
+imports torch) adds these flags too."""
 
 from __future__ import annotations
 
@@ -10,7 +13,6 @@ from typing import Any
 
 from gearshift.v1 import policy_fields, policy_pb2
 from gearshift.worker.errors import InvalidRequestError
-from gearshift.worker.policies.registry import parse_policy
 
 SHORT_FLAGS = ("policy", "tp", "sp", "pp", "threshold", "world_size")
 
@@ -55,6 +57,8 @@ def read_policy_text(text: str) -> str:
 
 def policy_from_args(args: argparse.Namespace) -> policy_pb2.Policy:
     """The policy the flags describe; refuses --policy-config mixed with short flags."""
+    from gearshift.worker.policies.registry import parse_policy
+
     given = [f for f in SHORT_FLAGS if getattr(args, f, None) is not None]
     if args.policy_config is not None:
         if given:

@@ -10,16 +10,23 @@ InferenceDeployment spells it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from gearshift.v1 import policy_pb2
 from gearshift.worker.errors import InvalidRequestError
-from gearshift.worker.policies.base import Policy
-from gearshift.worker.policies.registry import make_policy
+
+if TYPE_CHECKING:
+    from gearshift.worker.policies.base import Policy
 
 
 def check_runnable(policy: policy_pb2.Policy, world_size: int | None = None) -> Policy:
     """The running policy for ``policy``, or InvalidRequestError(field, message) naming the
     field as in the InferenceDeployment (``spec.policy.static.dp``), which is also what
     engine.json's ``policy`` holds, so one message reads right in both places."""
+    # Imported here: the policies import torch, and the router's command line (which never
+    # does) imports this module.
+    from gearshift.worker.policies.registry import make_policy
+
     try:
         return make_policy(policy, world_size)
     except InvalidRequestError as exc:
