@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from gearshift.operator.router import errors
+from gearshift.operator.router import errors, request_params
 from gearshift.operator.router.core import Router
 from gearshift.operator.router.generate import PreparedRequest
 from gearshift.operator.router.text import LogprobEntry, TextOptions
@@ -45,19 +45,23 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         await self._check_key(context)
         router = self.router
+        claimed: str | None = None
         try:
             router.check_accepting()
             router.check_model(request.model or None)
             if bool(request.prompt) == bool(request.prompt_token_ids):
                 raise errors.bad_request("set exactly one of prompt and prompt_token_ids")
-            ids = (
-                router.tokenizer.encode(request.prompt)
-                if request.prompt
-                else list(request.prompt_token_ids)
-            )
+            if request.prompt:
+                ids = router.tokenizer.encode(request.prompt)
+            else:
+                ids = list(request.prompt_token_ids)
+                request_params.check_token_ids(ids, router.tokenizer.vocab_size, "prompt_token_ids")
             s = request.sampling
             max_tokens = s.max_tokens if s.HasField("max_tokens") else None
             router.check_length(ids, max_tokens, "prompt")
+            request_params.check_proto_sampling(
+                s, router.tokenizer, len(ids), router.pool.max_model_len
+            )
             sampling = common_pb2.SamplingParams()
             sampling.CopyFrom(s)
             del sampling.stop[:]  # stop strings are checked here, on the detokenised text
@@ -68,6 +72,8 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
                 min_tokens=s.min_tokens,
             )
             rid = request.request_id or f"gen-{uuid.uuid4().hex}"
+            router.claim_id(rid)
+            claimed = rid
             run = router.run(PreparedRequest(rid, ids, sampling, text))
             whole = router_pb2.GenerateResponse(request_id=rid)
             async with contextlib.aclosing(run.deltas()) as deltas:
@@ -91,6 +97,9 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
                 yield whole
         except errors.APIError as exc:
             await context.abort(exc.grpc_code, exc.message)
+        finally:
+            if claimed is not None:
+                router.active_ids.discard(claimed)
 
 
 def _logprob(entry: LogprobEntry) -> common_pb2.TokenLogprob:

@@ -24,8 +24,9 @@ from gearshift.worker.errors import GroupFailure, InvalidRequestError
 from gearshift.worker.kv.block_manager import BlockManager
 from gearshift.worker.policies.base import GearPolicy, StaticPolicy
 from gearshift.worker.sampling.logprobs import TokenLogprobs
-from gearshift.worker.sampling.params import SamplingParams
+from gearshift.worker.sampling.params import InvalidSamplingParams, SamplingParams
 from gearshift.worker.sampling.sampler import Sampler, SamplingState
+from gearshift.worker.structured import GrammarCompiler, GrammarMatcher, InvalidGrammar
 from gearshift.worker.tokenizer.detokenizer import IncrementalDetokenizer
 from gearshift.worker.tokenizer.stop import StopChecker
 from gearshift.worker.tokenizer.tokenizer import Tokenizer
@@ -86,6 +87,9 @@ class LLMEngine:
             blocks,
         )
         self.sampler = Sampler()
+        self.grammars = (
+            GrammarCompiler(tokenizer, vocab_size, eos_token_ids) if tokenizer is not None else None
+        )
         self.policy = policy or StaticPolicy()
         self.requests: dict[str, Sequence] = {}
         self._text: dict[str, _TextState] = {}
@@ -123,6 +127,8 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"request id {request_id!r} is already running")
         ids = self.tokenize(prompt)
         self._check_prompt(ids, params)
+        params.check_vocabulary(self.vocab_size)
+        grammar = self._grammar(params)
         room = self.max_model_len - len(ids)
         seq = Sequence(
             request_id=request_id,
@@ -133,6 +139,7 @@ class LLMEngine:
             generator=torch.Generator().manual_seed(params.seed)
             if params.seed is not None
             else None,
+            grammar=grammar,
         )
         if self.tokenizer is not None and self.config.detokenize:
             detok = IncrementalDetokenizer(
@@ -144,6 +151,19 @@ class LLMEngine:
             self._text[request_id] = _TextState(detok, stop)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def _grammar(self, params: SamplingParams) -> GrammarMatcher | None:
+        """The structured-output matcher of a new sequence (it lives on the leader only)."""
+        if params.structured is None:
+            return None
+        if self.grammars is None:
+            raise InvalidSamplingParams(
+                "structured_outputs", "structured outputs need the tokenizer, which is not loaded"
+            )
+        try:
+            return self.grammars.matcher(params.structured)
+        except InvalidGrammar as exc:
+            raise InvalidSamplingParams("structured_outputs", str(exc)) from None
 
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -240,7 +260,9 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         eos = self.eos_token_ids
         states = [
-            SamplingState(s.params, s.generator, s.prompt_token_ids, s.output_token_ids, eos)
+            SamplingState(
+                s.params, s.generator, s.prompt_token_ids, s.output_token_ids, eos, s.grammar
+            )
             for s in seqs
         ]
         sampled = self.sampler.sample(logits, states)

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     import torch
 
     from gearshift.worker.sampling.params import SamplingParams
+    from gearshift.worker.structured.matcher import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -40,6 +41,7 @@ class Sequence:
     max_tokens: int  # resolved: params.max_tokens capped by the model length
     arrival_time: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None
+    grammar: GrammarMatcher | None = None  # structured outputs: advanced by the sampler
     token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

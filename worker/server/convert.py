@@ -15,6 +15,7 @@ from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.policies.base import GearPolicy, LiveValue
 from gearshift.worker.sampling.logprobs import TokenLogprobs
 from gearshift.worker.sampling.params import SamplingParams
+from gearshift.worker.structured.grammar import spec_from_proto
 
 FINISH_REASONS = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
@@ -44,6 +45,10 @@ def sampling_params(p: common_pb2.SamplingParams) -> SamplingParams:
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
+        logit_bias=dict(p.logit_bias),
+        allowed_token_ids=tuple(p.allowed_token_ids),
+        bad_words=tuple(tuple(w.token_ids) for w in p.bad_words),
+        structured=spec_from_proto(p.structured) if p.HasField("structured") else None,
     )
 
 

@@ -1,0 +1,101 @@
+"""The n choices of one request: n (or best_of) child sequences run at once, like vLLM v1's
+parallel sampling, merged into one stream of index-tagged deltas.
+
+Each child is its own worker request (its own routing and retry). A child that fails before
+any child produced a token fails the whole request with its error; later failures end the
+stream with an error, as for one sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from gearshift.operator.router.generate import RequestRun, RunResult, TokenDelta
+
+
+@dataclass
+class ChoiceResult:
+    """One finished child: its deltas, in order, and its cumulative logprob (for best_of)."""
+
+    index: int
+    result: RunResult
+    deltas: list[TokenDelta] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+
+
+class Choices:
+    """Runs child requests concurrently; `close` (or leaving `stream`) cancels what is left."""
+
+    def __init__(self, runs: list[RequestRun], n: int, on_close: Callable[[], None]) -> None:
+        self.runs = runs
+        self.n = n
+        self._on_close = on_close
+        self._closed = False
+
+    @property
+    def results(self) -> list[RunResult]:
+        return [r.result for r in self.runs]
+
+    def usage(self) -> RunResult:
+        """The request's usage: the prompt once, the completions of every child (vLLM's sum)."""
+        first = self.runs[0].result
+        return RunResult(
+            prompt_tokens=first.prompt_tokens,
+            completion_tokens=sum(r.result.completion_tokens for r in self.runs),
+            cached_tokens=first.cached_tokens,
+        )
+
+    async def stream(self) -> AsyncIterator[tuple[int, TokenDelta]]:
+        """(child index, delta) as the children produce them."""
+        queue: asyncio.Queue[tuple[int, TokenDelta | BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int, run: RequestRun) -> None:
+            try:
+                async with contextlib.aclosing(run.deltas()) as deltas:
+                    async for delta in deltas:
+                        await queue.put((index, delta))
+            except BaseException as exc:
+                await queue.put((index, exc))
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                return
+            await queue.put((index, None))
+
+        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(self.runs)]
+        try:
+            running = len(tasks)
+            while running:
+                index, item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.close()
+
+    async def collect(self) -> list[ChoiceResult]:
+        """Every child to the end; the n best by cumulative logprob when best_of > n."""
+        results = [ChoiceResult(i, r.result) for i, r in enumerate(self.runs)]
+        async for index, delta in self.stream():
+            results[index].deltas.append(delta)
+            if delta.logprob is not None:
+                results[index].cumulative_logprob += delta.logprob.logprob
+        if len(results) > self.n:
+            best = sorted(results, key=lambda r: (-r.cumulative_logprob, r.index))[: self.n]
+            results = sorted(best, key=lambda r: r.index)
+        for new_index, result in enumerate(results):
+            result.index = new_index
+        return results
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._on_close()

@@ -1,0 +1,268 @@
+"""From a validated OpenAI body to worker parameters: token-id and context checks that need
+the tokenizer, structured-output specs, and the proto each child sequence is sent with."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from gearshift.operator.router import errors
+from gearshift.operator.router.protocol import MAX_LOGPROBS, ChatCompletionRequest, SamplingFields
+from gearshift.operator.router.text import TextOptions
+from gearshift.operator.router.tool_calls import ToolPlan, tool_plan
+from gearshift.v1 import common_pb2
+from gearshift.worker.structured.grammar import (
+    GrammarSpec,
+    InvalidGrammar,
+    compile_grammar,
+    spec_from_proto,
+    spec_to_proto,
+)
+from gearshift.worker.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+_INT64 = 2**63
+# Backends a client may name: we have one, llguidance ("guidance" is vLLM's name for it).
+_BACKENDS = {"auto", "guidance", "llguidance"}
+
+
+@dataclass
+class IgnoredFields:
+    """Logs each unknown request field once per router (vLLM's behaviour: accept, say so)."""
+
+    seen: set[str] = field(default_factory=set)
+
+    def note(self, body: SamplingFields) -> None:
+        for name in sorted(body.model_extra or ()):
+            if name not in self.seen:
+                self.seen.add(name)
+                log.warning("request field %r is not supported and was ignored", name[:64])
+
+
+def check_token_ids(ids: Iterable[int], vocab_size: int, param: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise errors.bad_request(
+            f"{param}: token id {bad} is outside the vocabulary (0..{vocab_size - 1})", param
+        )
+
+
+def _json_text(value: str | dict[str, object], param: str) -> str:
+    if isinstance(value, str):
+        try:
+            json.loads(value)
+        except ValueError as exc:
+            raise errors.bad_request(f"{param} is not valid JSON: {exc}", param) from None
+        return value
+    return json.dumps(value)
+
+
+def _requested_specs(body: SamplingFields) -> list[tuple[str, GrammarSpec]]:
+    """Every structured-output constraint the body asks for, with the field that asked."""
+    specs: list[tuple[str, GrammarSpec]] = []
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        specs.append(("response_format", GrammarSpec("json_object")))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise errors.bad_request(
+                "response_format.json_schema.schema is required", "response_format"
+            )
+        specs.append(
+            ("response_format", GrammarSpec("json_schema", json.dumps(rf.json_schema.schema_)))
+        )
+    so = body.structured_outputs
+    if so is not None:
+        set_fields = [
+            k for k in ("json_", "regex", "choice", "grammar", "json_object") if getattr(so, k)
+        ]
+        if len(set_fields) != 1:
+            raise errors.bad_request(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, "
+                "json_object",
+                "structured_outputs",
+            )
+        kind = set_fields[0]
+        if kind == "json_":
+            assert so.json_ is not None
+            spec = GrammarSpec("json_schema", _json_text(so.json_, "structured_outputs.json"))
+        elif kind == "choice":
+            spec = GrammarSpec("choice", choices=tuple(so.choice or ()))
+        elif kind == "json_object":
+            spec = GrammarSpec("json_object")
+        else:
+            spec = GrammarSpec(kind, str(getattr(so, kind)))  # type: ignore[arg-type]
+        specs.append(("structured_outputs", spec))
+    if body.guided_json is not None:
+        specs.append(
+            ("guided_json", GrammarSpec("json_schema", _json_text(body.guided_json, "guided_json")))
+        )
+    if body.guided_regex is not None:
+        specs.append(("guided_regex", GrammarSpec("regex", body.guided_regex)))
+    if body.guided_choice is not None:
+        specs.append(("guided_choice", GrammarSpec("choice", choices=tuple(body.guided_choice))))
+    if body.guided_grammar is not None:
+        specs.append(("guided_grammar", GrammarSpec("grammar", body.guided_grammar)))
+    return specs
+
+
+def structured_spec(body: SamplingFields) -> tuple[GrammarSpec | None, ToolPlan | None]:
+    """The one grammar the output must match (None: free text) and the chat's tool plan."""
+    backend = body.guided_decoding_backend
+    if backend is not None and backend not in _BACKENDS:
+        raise errors.bad_request(
+            f"guided_decoding_backend {backend[:40]!r} is not available; this server uses "
+            "llguidance ('auto', 'guidance')",
+            "guided_decoding_backend",
+        )
+    specs = _requested_specs(body)
+    plan = tool_plan(body) if isinstance(body, ChatCompletionRequest) else None
+    if plan is not None and plan.grammar is not None:
+        specs.append(("tool_choice", plan.grammar))
+    if len(specs) > 1:
+        names = ", ".join(name for name, _ in specs)
+        raise errors.bad_request(
+            f"only one structured-output constraint may be set, got {names}", specs[1][0]
+        )
+    if not specs:
+        return None, plan
+    param, spec = specs[0]
+    try:
+        compile_grammar(spec)  # the worker compiles again; this answers 400 before routing
+    except InvalidGrammar as exc:
+        raise errors.bad_request(f"{param}: {str(exc)[:500]}", param) from None
+    return spec, plan
+
+
+def bad_word_ids(words: Sequence[str], tokenizer: Tokenizer) -> list[list[int]]:
+    """Token sequences of each bad word, as vLLM bans them: alone and after a space."""
+    out: list[list[int]] = []
+    for word in words:
+        for variant in (word.lstrip(), " " + word.lstrip()):
+            ids = tokenizer.encode(variant, add_special_tokens=False)
+            if ids and ids not in out:
+                out.append(ids)
+    return out
+
+
+def check_context(body: SamplingFields, prompt_len: int, max_model_len: int | None) -> None:
+    """min_tokens must fit the context the prompt leaves (vLLM's check)."""
+    if max_model_len is not None and prompt_len + body.min_tokens > max_model_len:
+        raise errors.bad_request(
+            f"min_tokens ({body.min_tokens}) leaves no room: the prompt has {prompt_len} tokens "
+            f"and the maximum context length is {max_model_len}",
+            "min_tokens",
+        )
+
+
+def sampling_proto(
+    body: SamplingFields,
+    tokenizer: Tokenizer,
+    max_tokens: int | None,
+    logprobs: int | None,
+    spec: GrammarSpec | None,
+) -> common_pb2.SamplingParams:
+    """Worker parameters; stop strings stay on the router, which detokenises."""
+    vocab = tokenizer.vocab_size
+    if body.top_k is not None and body.top_k > vocab:
+        raise errors.bad_request(
+            f"top_k must be <= the vocabulary size ({vocab}), got {body.top_k}", "top_k"
+        )
+    check_token_ids(body.stop_token_ids or (), vocab, "stop_token_ids")
+    check_token_ids(body.allowed_token_ids or (), vocab, "allowed_token_ids")
+    bias: dict[int, float] = {}
+    for key, value in (body.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise errors.bad_request(
+                f"logit_bias keys must be token ids, got {key[:40]!r}", "logit_bias"
+            ) from None
+        if not -100.0 <= value <= 100.0:
+            raise errors.bad_request(
+                f"logit_bias values must be in [-100, 100], got {value}", "logit_bias"
+            )
+        bias[token] = value
+    check_token_ids(bias, vocab, "logit_bias")
+    p = common_pb2.SamplingParams(
+        min_tokens=body.min_tokens,
+        top_k=body.top_k if body.top_k and body.top_k > 0 else 0,
+        min_p=body.min_p or 0.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        stop_token_ids=body.stop_token_ids or [],
+        ignore_eos=body.ignore_eos,
+        skip_special_tokens=body.skip_special_tokens,
+        logit_bias=bias,
+        allowed_token_ids=body.allowed_token_ids or [],
+    )
+    for ids in bad_word_ids(body.bad_words or (), tokenizer):
+        p.bad_words.add(token_ids=ids)
+    if spec is not None:
+        p.structured.CopyFrom(spec_to_proto(spec))
+    if max_tokens is not None:
+        p.max_tokens = max_tokens
+    if body.temperature is not None:
+        p.temperature = body.temperature
+    if body.top_p is not None:
+        p.top_p = body.top_p
+    if body.seed is not None:
+        p.seed = body.seed
+    if body.repetition_penalty is not None:
+        p.repetition_penalty = body.repetition_penalty
+    if logprobs is not None:
+        p.logprobs = logprobs
+    return p
+
+
+def child_sampling(p: common_pb2.SamplingParams, index: int) -> common_pb2.SamplingParams:
+    """Sequence `index` of an n > 1 request: seed + index, so each differs yet all reproduce."""
+    if index == 0 or not p.HasField("seed"):
+        return p
+    child = common_pb2.SamplingParams()
+    child.CopyFrom(p)
+    child.seed = (p.seed + index + _INT64) % (2 * _INT64) - _INT64  # wrap inside int64
+    return child
+
+
+def text_options(body: SamplingFields) -> TextOptions:
+    return TextOptions(
+        stop=body.stop_strings(),
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
+        min_tokens=body.min_tokens,
+    )
+
+
+def check_proto_sampling(
+    s: common_pb2.SamplingParams, tokenizer: Tokenizer, prompt_len: int, max_model_len: int | None
+) -> None:
+    """The gRPC API's twin of the body checks: what the proto's types do not already bound."""
+    if any(not text for text in s.stop):
+        raise errors.bad_request("stop strings must be non-empty", "stop")
+    vocab = tokenizer.vocab_size
+    if s.top_k < -1 or s.top_k > vocab:
+        raise errors.bad_request(f"top_k must be -1, 0 or in [1, {vocab}], got {s.top_k}", "top_k")
+    if s.HasField("logprobs") and s.logprobs > MAX_LOGPROBS:
+        raise errors.bad_request(f"logprobs must be <= {MAX_LOGPROBS}", "logprobs")
+    if max_model_len is not None and prompt_len + s.min_tokens > max_model_len:
+        raise errors.bad_request(
+            f"min_tokens ({s.min_tokens}) does not fit the context ({max_model_len} tokens)",
+            "min_tokens",
+        )
+    check_token_ids(s.stop_token_ids, vocab, "stop_token_ids")
+    check_token_ids(s.allowed_token_ids, vocab, "allowed_token_ids")
+    check_token_ids(s.logit_bias, vocab, "logit_bias")
+    check_token_ids((t for w in s.bad_words for t in w.token_ids), vocab, "bad_words")
+    if any(not -100.0 <= v <= 100.0 for v in s.logit_bias.values()):
+        raise errors.bad_request("logit_bias values must be in [-100, 100]", "logit_bias")
+    if any(not w.token_ids for w in s.bad_words):
+        raise errors.bad_request("bad_words entries must be non-empty", "bad_words")
+    spec = spec_from_proto(s.structured) if s.HasField("structured") else None
+    if spec is not None:
+        try:
+            compile_grammar(spec)
+        except InvalidGrammar as exc:
+            raise errors.bad_request(f"structured: {str(exc)[:500]}", "structured") from None
