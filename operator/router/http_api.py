@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -158,17 +158,17 @@ def build_app(router: Router) -> FastAPI:
 
     # ---- probes and metadata ---------------------------------------------------------------
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={200: {"content": None}})
     async def health() -> Response:
         return Response(status_code=200)
 
-    @app.get("/ready")
+    @app.get("/ready", responses={503: {"description": "Not serving (no group, or draining)."}})
     async def ready() -> Response:
         serving = [g.name for g in router.pool.serving()]
         ok = bool(serving) and router.accepting
         return JSONResponse({"ready": ok, "serving_groups": serving}, 200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
