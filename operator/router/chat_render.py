@@ -20,6 +20,7 @@ class ChatView:
     model: str
     want_logprobs: bool
     include_usage: bool
+    continuous_usage: bool
     tools: ToolPlan | None
 
 
@@ -44,9 +45,12 @@ async def chunks(
     choice ends, then sent as tool_calls (or as content when it was not one after all)."""
 
     def chunk(choice: dict[str, Any]) -> dict[str, Any]:
-        return openai_format.chat_chunk(
+        out = openai_format.chat_chunk(
             view.rid, view.created, view.model, choice, view.include_usage
         )
+        if view.continuous_usage:
+            out["usage"] = openai_format.usage(choices.usage())
+        return out
 
     for i in range(choices.n):
         role = {"role": "assistant", "content": ""}

@@ -21,6 +21,7 @@ class CompletionView:
     echo: str
     want_logprobs: bool
     include_usage: bool
+    continuous_usage: bool
 
 
 def _logprobs(view: CompletionView, d: TokenDelta, offset: int) -> dict[str, Any] | None:
@@ -44,9 +45,12 @@ async def chunks(
         texts[i] = so_far + d.text
         stop_reason = choices.runs[i].result.stop_reason if d.finish_reason else None
         choice = openai_format.completion_choice(i, text, lp, d.finish_reason, stop_reason)
-        yield openai_format.completion_chunk(
+        chunk = openai_format.completion_chunk(
             view.rid, view.created, view.model, choice, view.include_usage
         )
+        if view.continuous_usage:
+            chunk["usage"] = openai_format.usage(choices.usage())
+        yield chunk
     if view.include_usage:
         yield openai_format.usage_chunk(
             view.rid, view.created, view.model, "text_completion", choices.usage()

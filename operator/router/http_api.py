@@ -236,6 +236,7 @@ def build_app(router: Router) -> FastAPI:
             tokenizer.decode(ids) if body.echo else "",
             body.logprobs is not None,
             body.include_usage,
+            body.continuous_usage,
         )
         if body.stream:
             return await _start_stream(
@@ -258,7 +259,13 @@ def build_app(router: Router) -> FastAPI:
             body, ids, body.output_limit, body.num_logprobs, "messages", "chatcmpl"
         )
         view = chat_render.ChatView(
-            rid, int(time.time()), router.model_name, body.logprobs, body.include_usage, tools
+            rid,
+            int(time.time()),
+            router.model_name,
+            body.logprobs,
+            body.include_usage,
+            body.continuous_usage,
+            tools,
         )
         if body.stream:
             return await _start_stream(

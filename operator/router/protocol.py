@@ -125,6 +125,13 @@ class SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     @property
+    def continuous_usage(self) -> bool:
+        """vLLM: with include_usage, every chunk carries the usage so far."""
+        return self.include_usage and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats
+        )
+
+    @property
     def num_sequences(self) -> int:
         """How many sequences run: best_of when set (the best n are kept), else n."""
         return self.best_of or self.n

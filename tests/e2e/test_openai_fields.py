@@ -219,3 +219,19 @@ def test_required_tool_choice_returns_tool_calls(client: openai.OpenAI) -> None:
 def test_unknown_fields_are_accepted_and_ignored(client: openai.OpenAI) -> None:
     out = _greedy(client, extra_body={"definitely_not_a_field": 1})
     assert out.choices[0].text == _greedy(client).choices[0].text
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client: openai.OpenAI) -> None:
+    chunks = list(
+        client.completions.create(
+            model="smollm2",
+            prompt=PROMPT,
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[-1] == 4
+    assert all(c.usage is not None and c.usage.prompt_tokens == 5 for c in chunks)
