@@ -22,6 +22,7 @@ class ChatView:
     include_usage: bool
     continuous_usage: bool
     tools: ToolPlan | None
+    want_prompt_logprobs: bool = False
 
 
 def _finish(view: ChatView, reason: str | None, has_calls: bool) -> str | None:
@@ -107,4 +108,10 @@ async def whole(view: ChatView, choices: Choices) -> dict[str, Any]:
                 r.index, message, lps if view.want_logprobs else None, reason, r.result.stop_reason
             )
         )
-    return openai_format.chat_completion(view.rid, view.created, view.model, out, choices.usage())
+    response = openai_format.chat_completion(
+        view.rid, view.created, view.model, out, choices.usage()
+    )
+    if view.want_prompt_logprobs:  # vLLM puts the chat's on the response, not a choice
+        entries = choices.runs[0].result.prompt_logprobs
+        response["prompt_logprobs"] = openai_format.prompt_logprobs(entries)
+    return response

@@ -8,7 +8,7 @@ from typing import Any
 
 from gearshift.operator.router import openai_format
 from gearshift.operator.router.choices import Choices
-from gearshift.operator.router.generate import TokenDelta
+from gearshift.operator.router.generate import RunResult, TokenDelta
 
 
 @dataclass(frozen=True)
@@ -22,14 +22,25 @@ class CompletionView:
     want_logprobs: bool
     include_usage: bool
     continuous_usage: bool
+    want_prompt_logprobs: bool = False
+    first_prompt_token: str = ""  # under echo + logprobs: the one prompt token nobody scores
 
 
-def _logprobs(view: CompletionView, d: TokenDelta, offset: int) -> dict[str, Any] | None:
-    if not view.want_logprobs or d.logprob is None:
-        return None
+def _echoed(view: CompletionView, result: RunResult) -> openai_format.CompletionLogprobs:
+    """Logprobs of the echoed prompt (echo + logprobs), before the generated tokens'."""
     acc = openai_format.CompletionLogprobs()
-    acc.add(d.logprob, offset)
-    return acc.to_dict()
+    if view.echo and view.want_logprobs:
+        acc.add_unscored(view.first_prompt_token, 0)
+        offset = len(view.first_prompt_token)
+        for entry in result.prompt_logprobs:
+            acc.add(entry, offset)
+            offset += len(entry.token)
+    return acc
+
+
+def _with_prompt(view: CompletionView, choice: dict[str, Any], result: RunResult) -> None:
+    if view.want_prompt_logprobs:
+        choice["prompt_logprobs"] = openai_format.prompt_logprobs(result.prompt_logprobs)
 
 
 async def chunks(
@@ -38,13 +49,20 @@ async def chunks(
     """One chunk per token of any choice, tagged with the choice's index."""
     texts: dict[int, str] = {}
     async for i, d in stream:
+        result = choices.runs[i].result
         first = i not in texts
         so_far = texts.get(i, view.echo)
         text = (view.echo if first else "") + d.text
-        lp = _logprobs(view, d, len(so_far))
+        lp = None
+        if view.want_logprobs and d.logprob is not None:
+            acc = _echoed(view, result) if first else openai_format.CompletionLogprobs()
+            acc.add(d.logprob, len(so_far))
+            lp = acc.to_dict()
         texts[i] = so_far + d.text
-        stop_reason = choices.runs[i].result.stop_reason if d.finish_reason else None
+        stop_reason = result.stop_reason if d.finish_reason else None
         choice = openai_format.completion_choice(i, text, lp, d.finish_reason, stop_reason)
+        if first:
+            _with_prompt(view, choice, result)
         chunk = openai_format.completion_chunk(
             view.rid, view.created, view.model, choice, view.include_usage
         )
@@ -60,15 +78,15 @@ async def chunks(
 async def whole(view: CompletionView, choices: Choices) -> dict[str, Any]:
     out = []
     for r in await choices.collect():
-        text, acc = view.echo, openai_format.CompletionLogprobs()
+        text, acc = view.echo, _echoed(view, r.result)
         for d in r.deltas:
             if view.want_logprobs and d.logprob is not None:
                 acc.add(d.logprob, len(text))
             text += d.text
         lp = acc.to_dict() if view.want_logprobs else None
-        out.append(
-            openai_format.completion_choice(
-                r.index, text, lp, r.result.finish_reason, r.result.stop_reason
-            )
+        choice = openai_format.completion_choice(
+            r.index, text, lp, r.result.finish_reason, r.result.stop_reason
         )
+        _with_prompt(view, choice, r.result)
+        out.append(choice)
     return openai_format.completion(view.rid, view.created, view.model, out, choices.usage())

@@ -221,12 +221,6 @@ def build_app(router: Router) -> FastAPI:
         router.check_model(body.model)
         if body.suffix:
             raise errors.bad_request("suffix is not supported", "suffix")
-        if body.prompt_logprobs is not None:
-            raise errors.bad_request("prompt_logprobs is not supported", "prompt_logprobs")
-        if body.echo and body.logprobs is not None:
-            raise errors.bad_request(
-                "echo with logprobs needs prompt logprobs, which are not supported", "echo"
-            )
         ids = router.completion_prompt(body)
         rid, choices = router.start(body, ids, body.max_tokens, body.logprobs, "prompt", "cmpl")
         view = completion_render.CompletionView(
@@ -237,6 +231,8 @@ def build_app(router: Router) -> FastAPI:
             body.logprobs is not None,
             body.include_usage,
             body.continuous_usage,
+            body.prompt_logprobs is not None,
+            tokenizer.decode([ids[0]], skip_special_tokens=False),
         )
         if body.stream:
             return await _start_stream(
@@ -251,8 +247,6 @@ def build_app(router: Router) -> FastAPI:
         router.check_text(body)
         router.check_accepting()
         router.check_model(body.model)
-        if body.prompt_logprobs is not None:
-            raise errors.bad_request("prompt_logprobs is not supported", "prompt_logprobs")
         _, tools = structured_spec(body)  # 400s about tools before the template sees them
         ids = router.chat_prompt(body)
         rid, choices = router.start(
@@ -266,6 +260,7 @@ def build_app(router: Router) -> FastAPI:
             body.include_usage,
             body.continuous_usage,
             tools,
+            body.prompt_logprobs is not None,
         )
         if body.stream:
             return await _start_stream(

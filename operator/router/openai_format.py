@@ -27,9 +27,16 @@ class CompletionLogprobs:
 
     def __init__(self) -> None:
         self.tokens: list[str] = []
-        self.token_logprobs: list[float] = []
-        self.top_logprobs: list[dict[str, float]] = []
+        self.token_logprobs: list[float | None] = []
+        self.top_logprobs: list[dict[str, float] | None] = []
         self.text_offset: list[int] = []
+
+    def add_unscored(self, token: str, offset: int) -> None:
+        """The prompt's first token under echo: nothing came before it to score it."""
+        self.tokens.append(token)
+        self.token_logprobs.append(None)
+        self.top_logprobs.append(None)
+        self.text_offset.append(offset)
 
     def add(self, entry: LogprobEntry, offset: int) -> None:
         self.tokens.append(entry.token)
@@ -46,6 +53,24 @@ class CompletionLogprobs:
             "top_logprobs": self.top_logprobs,
             "text_offset": self.text_offset,
         }
+
+
+def prompt_logprobs(entries: list[LogprobEntry]) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: None for the first token, then {token id: {logprob, rank,
+    decoded_token}} holding the prompt's own token and the top alternatives."""
+    out: list[dict[str, Any] | None] = [None]
+    for e in entries:
+        position = {
+            str(t.token_id): {"logprob": t.logprob, "rank": k + 1, "decoded_token": t.token}
+            for k, t in enumerate(e.top)
+        }
+        position[str(e.token_id)] = {
+            "logprob": e.logprob,
+            "rank": e.rank,
+            "decoded_token": e.token,
+        }
+        out.append(position)
+    return out
 
 
 def _response(

@@ -80,7 +80,7 @@ class SamplingFields(BaseModel):
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    prompt_logprobs: int | None = Field(None, ge=-1, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     request_id: str | None = Field(None, min_length=1, max_length=256)
     # vLLM's structured outputs: the object, and the older guided_* fields.
     structured_outputs: StructuredOutputs | None = None

@@ -214,6 +214,9 @@ def sampling_proto(
         p.repetition_penalty = body.repetition_penalty
     if logprobs is not None:
         p.logprobs = logprobs
+    echo_logprobs = getattr(body, "echo", False) and logprobs is not None
+    if body.prompt_logprobs is not None or echo_logprobs:
+        p.prompt_logprobs = max(body.prompt_logprobs or 0, logprobs or 0)
     return p
 
 
@@ -247,6 +250,8 @@ def check_proto_sampling(
         raise errors.bad_request(f"top_k must be -1, 0 or in [1, {vocab}], got {s.top_k}", "top_k")
     if s.HasField("logprobs") and s.logprobs > MAX_LOGPROBS:
         raise errors.bad_request(f"logprobs must be <= {MAX_LOGPROBS}", "logprobs")
+    if s.HasField("prompt_logprobs") and s.prompt_logprobs > MAX_LOGPROBS:
+        raise errors.bad_request(f"prompt_logprobs must be <= {MAX_LOGPROBS}", "prompt_logprobs")
     if max_model_len is not None and prompt_len + s.min_tokens > max_model_len:
         raise errors.bad_request(
             f"min_tokens ({s.min_tokens}) does not fit the context ({max_model_len} tokens)",

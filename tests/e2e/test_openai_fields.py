@@ -235,3 +235,55 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client: open
     counts = [c.usage.completion_tokens for c in chunks if c.choices]
     assert counts == sorted(counts) and counts[-1] == 4
     assert all(c.usage is not None and c.usage.prompt_tokens == 5 for c in chunks)
+
+
+def test_echo_with_logprobs_scores_the_prompt_like_prompt_logprobs(client: openai.OpenAI) -> None:
+    out = client.completions.create(
+        model="smollm2",
+        prompt=PROMPT,
+        max_tokens=2,
+        temperature=0,
+        echo=True,
+        logprobs=2,
+        extra_body={"prompt_logprobs": 2},
+    )
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith(PROMPT)
+    assert len(lp.tokens) == 5 + 2  # five prompt tokens, two generated
+    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
+    prompt_lp = choice.model_extra["prompt_logprobs"]
+    assert prompt_lp[0] is None and len(prompt_lp) == 5
+    # Both views of the prompt agree: the prompt token's own logprob at each position.
+    for k in range(1, 5):
+        position = prompt_lp[k]
+        own = [v for v in position.values() if v["decoded_token"] == lp.tokens[k]]
+        assert own and abs(own[0]["logprob"] - lp.token_logprobs[k]) < 1e-5
+        assert len(position) <= 3 and {v["rank"] for v in position.values()} >= {1, 2} - {0}
+    streamed = list(
+        client.completions.create(
+            model="smollm2",
+            prompt=PROMPT,
+            max_tokens=2,
+            temperature=0,
+            echo=True,
+            logprobs=2,
+            stream=True,
+        )
+    )
+    first = streamed[0].choices[0]
+    assert first.text.startswith(PROMPT) and first.logprobs.token_logprobs[0] is None
+    assert first.logprobs.tokens == lp.tokens[:6]
+
+
+def test_chat_prompt_logprobs_cover_the_templated_prompt(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model="smollm2",
+        messages=CHAT,
+        max_tokens=1,
+        temperature=0,
+        extra_body={"prompt_logprobs": 0},
+    )
+    prompt_lp = out.model_extra["prompt_logprobs"]
+    assert out.usage is not None and len(prompt_lp) == out.usage.prompt_tokens
+    assert prompt_lp[0] is None and all(len(p) == 1 for p in prompt_lp[1:])

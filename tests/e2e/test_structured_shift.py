@@ -71,7 +71,7 @@ def test_json_schema_holds_across_both_gears_for_every_choice(shift_serve: Serve
     assert after.get("base", 0) > before.get("base", 0), after
     assert after.get("shift", 0) > before.get("shift", 0), after
     text = "".join(
-        c.choices[0].delta.content or ""
+        c.choices[0].text
         for c in client.completions.create(
             model="smollm2",
             prompt="Pick a colour:",

@@ -18,6 +18,7 @@ from gearshift.worker.config import EngineConfig
 from gearshift.worker.engine.model_runner import Executor
 from gearshift.worker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from gearshift.worker.engine.plan import build_plan
+from gearshift.worker.engine.prompt_logprobs import take_prompt_logprobs
 from gearshift.worker.engine.scheduler import Scheduler, SchedulerConfig
 from gearshift.worker.engine.sequence import FinishReason, Sequence
 from gearshift.worker.errors import GroupFailure, InvalidRequestError
@@ -140,6 +141,7 @@ class LLMEngine:
             if params.seed is not None
             else None,
             grammar=grammar,
+            prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
         if self.tokenizer is not None and self.config.detokenize:
             detok = IncrementalDetokenizer(
@@ -238,6 +240,7 @@ class LLMEngine:
             scheduled = batch.decodes + [s for s, _ in batch.prefills]
             return [self._fail(seq, f"forward pass failed: {exc}") for seq in scheduled]
         assert logits is not None, "the leader's executor must return logits"
+        logits = take_prompt_logprobs(logits, batch)
         sampling: list[Sequence] = []
         for seq in batch.decodes:
             seq.num_computed_tokens += 1
@@ -307,6 +310,8 @@ class LLMEngine:
                 elif reason is not None:
                     text += state.stop.flush()
         out = self._output(seq, [token], text, [logprob] if logprob is not None else None)
+        if seq.num_output_tokens == 1:
+            out.prompt_logprobs = seq.prompt_logprobs
         if reason is not None:
             self.scheduler.finish(seq, reason)
             out.finished, out.finish_reason, out.stop_reason = True, reason, seq.stop_reason

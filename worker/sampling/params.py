@@ -72,6 +72,8 @@ class SamplingParams:
     bad_words: Sequence[Sequence[int]] = ()
     # The grammar the output must match (structured outputs); None: free text.
     structured: GrammarSpec | None = None
+    # Logprobs of the prompt tokens with this many alternatives (vLLM prompt_logprobs).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "logit_bias", dict(self.logit_bias))
@@ -159,6 +161,8 @@ class SamplingParams:
                 )
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         self._validate_processors()
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):

@@ -49,6 +49,7 @@ def sampling_params(p: common_pb2.SamplingParams) -> SamplingParams:
         allowed_token_ids=tuple(p.allowed_token_ids),
         bad_words=tuple(tuple(w.token_ids) for w in p.bad_words),
         structured=spec_from_proto(p.structured) if p.HasField("structured") else None,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
     )
 
 
@@ -79,6 +80,7 @@ def token_logprob(lp: TokenLogprobs) -> common_pb2.TokenLogprob:
     return common_pb2.TokenLogprob(
         token_id=lp.token_id,
         logprob=lp.logprob,
+        rank=lp.rank,
         top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
     )
 
@@ -100,6 +102,8 @@ def merge_outputs(
         response.token_ids.extend(out.new_token_ids)
         if out.new_logprobs:
             response.logprobs.extend(token_logprob(lp) for lp in out.new_logprobs)
+        if out.prompt_logprobs:
+            response.prompt_logprobs.extend(token_logprob(lp) for lp in out.prompt_logprobs)
     if last.finished and last.finish_reason is not None:
         response.finish_reason = FINISH_REASONS[last.finish_reason]
     if first or last.finished:
