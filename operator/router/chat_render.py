@@ -71,7 +71,9 @@ async def chunks(
             elif d.finish_reason is not None:
                 held.pop(i, None)
                 content, calls = _message(view, text)
-                delta = {"tool_calls": [dict(c, index=k) for k, c in enumerate(calls)]}
+                delta = (
+                    {"tool_calls": [dict(c, index=k) for k, c in enumerate(calls)]} if calls else {}
+                )
                 if content:
                     delta["content"] = content
                 reason = _finish(view, d.finish_reason, bool(calls))

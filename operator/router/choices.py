@@ -29,9 +29,12 @@ class ChoiceResult:
 class Choices:
     """Runs child requests concurrently; `close` (or leaving `stream`) cancels what is left."""
 
-    def __init__(self, runs: list[RequestRun], n: int, on_close: Callable[[], None]) -> None:
-        self.runs = runs
+    def __init__(
+        self, runs: list[RequestRun], n: int, per_prompt: int, on_close: Callable[[], None]
+    ) -> None:
+        self.runs = runs  # per_prompt (best_of, else n) children for each prompt, in order
         self.n = n
+        self.per_prompt = per_prompt
         self._on_close = on_close
         self._closed = False
 
@@ -39,13 +42,17 @@ class Choices:
     def results(self) -> list[RunResult]:
         return [r.result for r in self.runs]
 
+    @property
+    def num_choices(self) -> int:
+        return len(self.runs) // self.per_prompt * self.n
+
     def usage(self) -> RunResult:
-        """The request's usage: the prompt once, the completions of every child (vLLM's sum)."""
-        first = self.runs[0].result
+        """The request's usage: each prompt once, the completions of every child (vLLM's sum)."""
+        firsts = [r.result for r in self.runs[:: self.per_prompt]]
         return RunResult(
-            prompt_tokens=first.prompt_tokens,
+            prompt_tokens=sum(r.prompt_tokens for r in firsts),
             completion_tokens=sum(r.result.completion_tokens for r in self.runs),
-            cached_tokens=first.cached_tokens,
+            cached_tokens=sum(r.cached_tokens for r in firsts),
         )
 
     async def stream(self) -> AsyncIterator[tuple[int, TokenDelta]]:
@@ -82,18 +89,24 @@ class Choices:
             self.close()
 
     async def collect(self) -> list[ChoiceResult]:
-        """Every child to the end; the n best by cumulative logprob when best_of > n."""
+        """Every child to the end; per prompt, the n best by cumulative logprob (best_of > n).
+
+        Choice indices run prompt by prompt (prompt k's choices are k·n … k·n + n − 1), as
+        in vLLM.
+        """
         results = [ChoiceResult(i, r.result) for i, r in enumerate(self.runs)]
         async for index, delta in self.stream():
             results[index].deltas.append(delta)
             if delta.logprob is not None:
                 results[index].cumulative_logprob += delta.logprob.logprob
-        if len(results) > self.n:
-            best = sorted(results, key=lambda r: (-r.cumulative_logprob, r.index))[: self.n]
-            results = sorted(best, key=lambda r: r.index)
-        for new_index, result in enumerate(results):
+        kept: list[ChoiceResult] = []
+        for start in range(0, len(results), self.per_prompt):
+            group = results[start : start + self.per_prompt]
+            best = sorted(group, key=lambda r: (-r.cumulative_logprob, r.index))[: self.n]
+            kept += sorted(best, key=lambda r: r.index)
+        for new_index, result in enumerate(kept):
             result.index = new_index
-        return results
+        return kept
 
     def close(self) -> None:
         if not self._closed:

@@ -18,20 +18,28 @@ class CompletionView:
     rid: str
     created: int
     model: str
-    echo: str
+    n: int  # choices per prompt: choice i answers prompt i // n
+    echo: tuple[str, ...]  # per prompt: its text under echo, else ""
     want_logprobs: bool
     include_usage: bool
     continuous_usage: bool
     want_prompt_logprobs: bool = False
-    first_prompt_token: str = ""  # under echo + logprobs: the one prompt token nobody scores
+    # Under echo + logprobs, per prompt: its first token, which nothing before it scores.
+    first_prompt_tokens: tuple[str, ...] = ()
+
+    def echo_of(self, choice: int) -> str:
+        return self.echo[choice // self.n]
 
 
-def _echoed(view: CompletionView, result: RunResult) -> openai_format.CompletionLogprobs:
+def _echoed(
+    view: CompletionView, index: int, result: RunResult
+) -> openai_format.CompletionLogprobs:
     """Logprobs of the echoed prompt (echo + logprobs), before the generated tokens'."""
     acc = openai_format.CompletionLogprobs()
-    if view.echo and view.want_logprobs:
-        acc.add_unscored(view.first_prompt_token, 0)
-        offset = len(view.first_prompt_token)
+    if view.echo_of(index) and view.want_logprobs:
+        first = view.first_prompt_tokens[index // view.n]
+        acc.add_unscored(first, 0)
+        offset = len(first)
         for entry in result.prompt_logprobs:
             acc.add(entry, offset)
             offset += len(entry.token)
@@ -51,11 +59,11 @@ async def chunks(
     async for i, d in stream:
         result = choices.runs[i].result
         first = i not in texts
-        so_far = texts.get(i, view.echo)
-        text = (view.echo if first else "") + d.text
+        so_far = texts.get(i, view.echo_of(i))
+        text = (view.echo_of(i) if first else "") + d.text
         lp = None
         if view.want_logprobs and d.logprob is not None:
-            acc = _echoed(view, result) if first else openai_format.CompletionLogprobs()
+            acc = _echoed(view, i, result) if first else openai_format.CompletionLogprobs()
             acc.add(d.logprob, len(so_far))
             lp = acc.to_dict()
         texts[i] = so_far + d.text
@@ -78,7 +86,7 @@ async def chunks(
 async def whole(view: CompletionView, choices: Choices) -> dict[str, Any]:
     out = []
     for r in await choices.collect():
-        text, acc = view.echo, _echoed(view, r.result)
+        text, acc = view.echo_of(r.index), _echoed(view, r.index, r.result)
         for d in r.deltas:
             if view.want_logprobs and d.logprob is not None:
                 acc.add(d.logprob, len(text))

@@ -15,6 +15,7 @@ from gearshift.operator.router.generate import PreparedRequest, RequestRun
 from gearshift.operator.router.metrics import RouterMetrics
 from gearshift.operator.router.pool import GroupPool
 from gearshift.operator.router.protocol import (
+    MAX_N,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
@@ -61,20 +62,25 @@ class Router:
 
     # ---- prompts --------------------------------------------------------------------------
 
-    def completion_prompt(self, req: CompletionRequest) -> list[int]:
+    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        """Token ids of each prompt: a string or token ids, or a list of either (a batch)."""
         prompt: str | list[Any] = req.prompt
-        if prompt and isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise errors.bad_request(
-                    "only one prompt per request is supported; send one request per prompt",
-                    "prompt",
-                )
-            prompt = prompt[0]
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        if not ids:
-            raise errors.bad_request("the prompt is empty", "prompt")
-        request_params.check_token_ids(ids, self.tokenizer.vocab_size, "prompt")
-        return ids
+        batched = bool(prompt) and isinstance(prompt, list) and isinstance(prompt[0], (str, list))
+        batch: list[Any] = list(prompt) if batched else [prompt]
+        if len(batch) * req.num_sequences > MAX_N:
+            raise errors.bad_request(
+                f"prompts × best_of (or n) must be <= {MAX_N}, got {len(batch)} × "
+                f"{req.num_sequences}",
+                "prompt",
+            )
+        out = []
+        for p in batch:
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p]
+            if not ids:
+                raise errors.bad_request("the prompt is empty", "prompt")
+            request_params.check_token_ids(ids, self.tokenizer.vocab_size, "prompt")
+            out.append(ids)
+        return out
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         if not req.messages:
@@ -121,7 +127,7 @@ class Router:
     def start(
         self,
         body: SamplingFields,
-        ids: list[int],
+        prompts: list[list[int]],
         max_tokens: int | None,
         logprobs: int | None,
         prompt_param: str,
@@ -130,12 +136,14 @@ class Router:
         """Validate against the context and vocabulary, then start the request's sequences.
 
         Returns the response id (the client's request_id when given, as vLLM does) and the
-        running choices; closing them frees the id.
+        running choices, `best_of` (or `n`) per prompt in prompt order; closing them frees
+        the id.
         """
         self.check_accepting()
         self.check_model(body.model)
-        self.check_length(ids, max_tokens, prompt_param)
-        request_params.check_context(body, len(ids), self.pool.max_model_len)
+        for ids in prompts:
+            self.check_length(ids, max_tokens, prompt_param)
+            request_params.check_context(body, len(ids), self.pool.max_model_len)
         self.ignored_fields.note(body)
         spec, _ = request_params.structured_spec(body)
         if body.best_of is not None and body.best_of > body.n and logprobs is None:
@@ -147,15 +155,16 @@ class Router:
         runs = [
             self.run(
                 PreparedRequest(
-                    request_id=rid if count == 1 else f"{rid}-{i}",
+                    request_id=rid if count * len(prompts) == 1 else f"{rid}-{k}-{i}",
                     prompt_token_ids=ids,
                     sampling=request_params.child_sampling(sampling, i),
                     text=request_params.text_options(body),
                 )
             )
+            for k, ids in enumerate(prompts)
             for i in range(count)
         ]
-        return rid, Choices(runs, body.n, lambda: self.active_ids.discard(rid))
+        return rid, Choices(runs, body.n, count, lambda: self.active_ids.discard(rid))
 
     def claim_id(self, rid: str) -> None:
         if rid in self.active_ids:

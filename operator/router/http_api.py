@@ -221,18 +221,19 @@ def build_app(router: Router) -> FastAPI:
         router.check_model(body.model)
         if body.suffix:
             raise errors.bad_request("suffix is not supported", "suffix")
-        ids = router.completion_prompt(body)
-        rid, choices = router.start(body, ids, body.max_tokens, body.logprobs, "prompt", "cmpl")
+        prompts = router.completion_prompts(body)
+        rid, choices = router.start(body, prompts, body.max_tokens, body.logprobs, "prompt", "cmpl")
         view = completion_render.CompletionView(
             rid,
             int(time.time()),
             router.model_name,
-            tokenizer.decode(ids) if body.echo else "",
+            body.n,
+            tuple(tokenizer.decode(ids) if body.echo else "" for ids in prompts),
             body.logprobs is not None,
             body.include_usage,
             body.continuous_usage,
             body.prompt_logprobs is not None,
-            tokenizer.decode([ids[0]], skip_special_tokens=False),
+            tuple(tokenizer.decode(ids[:1], skip_special_tokens=False) for ids in prompts),
         )
         if body.stream:
             return await _start_stream(
@@ -250,7 +251,7 @@ def build_app(router: Router) -> FastAPI:
         _, tools = structured_spec(body)  # 400s about tools before the template sees them
         ids = router.chat_prompt(body)
         rid, choices = router.start(
-            body, ids, body.output_limit, body.num_logprobs, "messages", "chatcmpl"
+            body, [ids], body.output_limit, body.num_logprobs, "messages", "chatcmpl"
         )
         view = chat_render.ChatView(
             rid,

@@ -51,7 +51,8 @@ def _raw(serve: ServeProcess, path: str, raw: bytes) -> httpx.Response:
         ({"prompt": "hi", "n": 1, "best_of": 2, "stream": True}, "best_of"),
         ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
         ({"prompt": "hi", "suffix": "x"}, "suffix"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a"] * 65, "n": 2}, "prompt"),  # more than 128 sequences
+        ({"prompt": ["a", ""]}, "prompt"),
         ({"prompt": "hi", "guided_regex": "[a-"}, "guided_regex"),
         ({"prompt": "hi", "guided_json": "{nope"}, "guided_json"),
         ({"prompt": "hi", "guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),

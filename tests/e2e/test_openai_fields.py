@@ -287,3 +287,21 @@ def test_chat_prompt_logprobs_cover_the_templated_prompt(client: openai.OpenAI) 
     prompt_lp = out.model_extra["prompt_logprobs"]
     assert out.usage is not None and len(prompt_lp) == out.usage.prompt_tokens
     assert prompt_lp[0] is None and all(len(p) == 1 for p in prompt_lp[1:])
+
+
+def test_a_list_of_prompts_gets_n_choices_each_in_vllm_order(client: openai.OpenAI) -> None:
+    prompts = [PROMPT, "One, two, three,"]
+    out = client.completions.create(
+        model="smollm2", prompt=prompts, max_tokens=3, temperature=0, n=2
+    )
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    singles = [_greedy(client, prompt=p, max_tokens=3).choices[0].text for p in prompts]
+    assert [c.text for c in out.choices] == [singles[0], singles[0], singles[1], singles[1]]
+    assert out.usage is not None and out.usage.completion_tokens == 12
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(
+        model="smollm2", prompt=prompts, max_tokens=3, temperature=0, stream=True
+    ):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {0: singles[0], 1: singles[1]}
