@@ -77,8 +77,12 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
             run = router.run(PreparedRequest(rid, ids, sampling, text))
             whole = router_pb2.GenerateResponse(request_id=rid)
             async with contextlib.aclosing(run.deltas()) as deltas:
+                first = True
                 async for d in deltas:
                     out = router_pb2.GenerateResponse(request_id=rid) if request.stream else whole
+                    if first:
+                        out.prompt_logprobs.extend(_logprob(e) for e in run.result.prompt_logprobs)
+                        first = False
                     out.text += d.text
                     if d.token_id is not None:
                         out.token_ids.append(d.token_id)
@@ -107,6 +111,7 @@ def _logprob(entry: LogprobEntry) -> common_pb2.TokenLogprob:
         token_id=entry.token_id,
         logprob=entry.logprob,
         token=entry.token,
+        rank=entry.rank,
         top_logprobs=[
             common_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob, token=t.token)
             for t in entry.top

@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import grpc
 import httpx
 import jsonschema
 import openai
 import pytest
 
+from gearshift.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.e2e.conftest import API_KEY
 from tests.e2e.serve_process import ServeProcess
 
@@ -305,3 +307,27 @@ def test_a_list_of_prompts_gets_n_choices_each_in_vllm_order(client: openai.Open
         for c in chunk.choices:
             streamed[c.index] = streamed.get(c.index, "") + c.text
     assert streamed == {0: singles[0], 1: singles[1]}
+
+
+def test_grpc_honours_structured_outputs_logit_bias_and_prompt_logprobs(
+    serve: ServeProcess,
+) -> None:
+    sampling = common_pb2.SamplingParams(
+        max_tokens=8,
+        temperature=0,
+        prompt_logprobs=1,
+        # SmolLM2's digits are ids 32..41: every one but "7" (39) is banned.
+        logit_bias={t: -100.0 for t in range(32, 42) if t != 39},
+        structured=common_pb2.StructuredOutput(regex="[0-9]{3}"),
+    )
+    with grpc.insecure_channel(serve.grpc_address) as channel:
+        out = list(
+            router_pb2_grpc.GenerationStub(channel).Generate(
+                router_pb2.GenerateRequest(prompt=PROMPT, sampling=sampling),
+                metadata=(("authorization", f"Bearer {API_KEY}"),),
+                timeout=60,
+            )
+        )
+    assert len(out) == 1
+    assert out[0].text == "777"
+    assert [lp.rank >= 1 for lp in out[0].prompt_logprobs] == [True] * 4

@@ -158,7 +158,7 @@ def build_plan(
         query_lens.append(n)
         cursor += n
         if seq.needs_prompt_logprobs:
-            # prompt_logprobs: every row of the chunk (worker/sampling/prompt_logprobs.py).
+            # prompt_logprobs: every row of the chunk (engine/prompt_logprobs.py).
             logits_rows.extend(range(cursor - n, cursor))
         elif start + n == seq.num_tokens:
             logits_rows.append(cursor - 1)  # the chunk reaches the end: sample from its last token
