@@ -21,11 +21,6 @@ def _post(serve: ServeProcess, path: str, body: dict[str, Any]) -> httpx.Respons
     return httpx.post(f"{serve.url}{path}", json=body, headers=HEADERS, timeout=60)
 
 
-def _raw(serve: ServeProcess, path: str, raw: bytes) -> httpx.Response:
-    headers = {**HEADERS, "content-type": "application/json"}
-    return httpx.post(f"{serve.url}{path}", content=raw, headers=headers, timeout=60)
-
-
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -107,12 +102,15 @@ def test_chat_bad_fields_are_400_naming_the_field(
 def test_a_lone_surrogate_anywhere_is_400_not_500(
     serve: ServeProcess, path: str, raw: bytes
 ) -> None:
-    r = _raw(serve, path, raw)
-    assert r.status_code == 400, r.text
-    assert "surrogate" in r.json()["error"]["message"]
-    # The connection stays usable: a 500 used to reset keep-alive.
-    ok = _post(serve, "/v1/completions", {"prompt": "hi", "max_tokens": 1})
-    assert ok.status_code == 200
+    headers = {**HEADERS, "content-type": "application/json"}
+    with httpx.Client(base_url=serve.url, headers=headers, timeout=60) as client:
+        r = client.post(path, content=raw)
+        assert r.status_code == 400, r.text
+        assert "surrogate" in r.json()["error"]["message"]
+        # The same keep-alive connection still works (a 500 used to reset it).
+        ok = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+        assert ok.status_code == 200
+        assert client.get("/health").status_code == 200
 
 
 def test_openapi_schema_documents_400_not_422(serve: ServeProcess) -> None:
