@@ -91,6 +91,15 @@ class SamplingFields(BaseModel):
     guided_decoding_backend: str | None = None
 
     # Field validators, not a model validator: the error's location names the field.
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(
+        cls, v: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options can only be set with stream=true (as vLLM)")
+        return v
+
     @field_validator("stop")
     @classmethod
     def _stop_not_empty(cls, v: str | list[str] | None) -> str | list[str] | None:

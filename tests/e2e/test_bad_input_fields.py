@@ -55,6 +55,7 @@ def _post(serve: ServeProcess, path: str, body: dict[str, Any]) -> httpx.Respons
         ({"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}, None),
         ({"prompt": "hi", "response_format": {"type": "json_schema"}}, "response_format"),
         ({"prompt": "hi", "temperature": 1e39}, "temperature"),
+        ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )
 def test_completion_bad_fields_are_400_naming_the_field(
