@@ -72,6 +72,16 @@ class Choices:
             await queue.put((index, None))
 
         tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(self.runs)]
+        pending = set(tasks)
+
+        def child_done(task: asyncio.Future[None]) -> None:
+            # Every child ended: the id is free even if nobody reads (or closes) this stream.
+            pending.discard(task)
+            if not pending:
+                self.close()
+
+        for task in tasks:
+            task.add_done_callback(child_done)
         try:
             running = len(tasks)
             while running:
@@ -83,10 +93,12 @@ class Choices:
                 else:
                     yield index, item
         finally:
+            # Synchronous first: inside a cancelled (anyio) scope every await below raises
+            # again, and the id must be freed and the children cancelled all the same.
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
             self.close()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def collect(self) -> list[ChoiceResult]:
         """Every child to the end; per prompt, the n best by cumulative logprob (best_of > n).

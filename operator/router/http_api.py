@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gearshift.operator.router import chat_render, completion_render, errors, openai_format
+from gearshift.operator.router.choices import Choices
 from gearshift.operator.router.core import Router
 from gearshift.operator.router.openapi import ERROR_RESPONSES, GENERATION_RESPONSES, openapi_400
 from gearshift.operator.router.protocol import (
@@ -113,6 +114,25 @@ async def _start_stream(
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def _answer_stream(
+    request: Request, choices: Choices, render: Callable[[AsyncIterator[Any]], Chunks]
+) -> Response:
+    try:
+        return await _start_stream(request, choices.stream(), render)
+    except BaseException:
+        choices.close()  # the stream may never have started: free the request id here
+        raise
+
+
+async def _answer_whole(
+    request: Request, choices: Choices, work: Awaitable[dict[str, Any]]
+) -> Response:
+    try:
+        return JSONResponse(await _until_disconnect(request, work))
+    finally:
+        choices.close()
 
 
 def _error_response(error: errors.APIError) -> Response:
@@ -236,12 +256,9 @@ def build_app(router: Router) -> FastAPI:
             tuple(tokenizer.decode(ids[:1], skip_special_tokens=False) for ids in prompts),
         )
         if body.stream:
-            return await _start_stream(
-                request, choices.stream(), lambda s: completion_render.chunks(view, choices, s)
-            )
-        return JSONResponse(
-            await _until_disconnect(request, completion_render.whole(view, choices))
-        )
+            render = lambda s: completion_render.chunks(view, choices, s)
+            return await _answer_stream(request, choices, render)
+        return await _answer_whole(request, choices, completion_render.whole(view, choices))
 
     @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -264,9 +281,8 @@ def build_app(router: Router) -> FastAPI:
             body.prompt_logprobs is not None,
         )
         if body.stream:
-            return await _start_stream(
-                request, choices.stream(), lambda s: chat_render.chunks(view, choices, s)
-            )
-        return JSONResponse(await _until_disconnect(request, chat_render.whole(view, choices)))
+            render = lambda s: chat_render.chunks(view, choices, s)
+            return await _answer_stream(request, choices, render)
+        return await _answer_whole(request, choices, chat_render.whole(view, choices))
 
     return app

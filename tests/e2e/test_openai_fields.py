@@ -15,7 +15,7 @@ import pytest
 
 from gearshift.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.e2e.conftest import API_KEY
-from tests.e2e.serve_process import ServeProcess
+from tests.e2e.serve_process import ServeProcess, wait_for
 
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Give me a person as JSON."}]
@@ -139,6 +139,14 @@ def test_request_id_is_the_response_id_and_a_duplicate_in_flight_is_409(
     with pytest.raises(openai.ConflictError):
         _greedy(client, extra_body={"request_id": "busy-1"})
     stream.close()
+
+    def free_again() -> bool:
+        try:
+            return _greedy(client, extra_body={"request_id": "busy-1"}).id == "busy-1"
+        except openai.ConflictError:
+            return False
+
+    wait_for(free_again, 30, "the request id is free once its client went away")
 
 
 def test_json_schema_response_parses_and_validates(client: openai.OpenAI) -> None:
