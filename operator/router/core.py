@@ -21,6 +21,7 @@ from gearshift.operator.router.protocol import (
     SamplingFields,
     lone_surrogate_path,
 )
+from gearshift.operator.router.structured_request import structured_spec
 from gearshift.worker.tokenizer import ChatTemplateError, Tokenizer
 
 
@@ -145,7 +146,7 @@ class Router:
             self.check_length(ids, max_tokens, prompt_param)
             request_params.check_context(body, len(ids), self.pool.max_model_len)
         self.ignored_fields.note(body)
-        spec, _ = request_params.structured_spec(body)
+        spec, _ = structured_spec(body)
         if body.best_of is not None and body.best_of > body.n and logprobs is None:
             logprobs = 0  # best_of ranks by cumulative logprob; the client does not see them
         sampling = request_params.sampling_proto(body, self.tokenizer, max_tokens, logprobs, spec)

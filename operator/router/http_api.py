@@ -26,7 +26,7 @@ from gearshift.operator.router.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from gearshift.operator.router.request_params import structured_spec
+from gearshift.operator.router.structured_request import structured_spec
 
 T = TypeVar("T")
 VERSION = "0.1.0"

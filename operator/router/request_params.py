@@ -1,17 +1,15 @@
 """From a validated OpenAI body to worker parameters: token-id and context checks that need
-the tokenizer, structured-output specs, and the proto each child sequence is sent with."""
+the tokenizer, and the proto each child sequence is sent with."""
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from gearshift.operator.router import errors
-from gearshift.operator.router.protocol import MAX_LOGPROBS, ChatCompletionRequest, SamplingFields
+from gearshift.operator.router.protocol import MAX_LOGPROBS, SamplingFields
 from gearshift.operator.router.text import TextOptions
-from gearshift.operator.router.tool_calls import ToolPlan, tool_plan
 from gearshift.v1 import common_pb2
 from gearshift.worker.structured.grammar import (
     GrammarSpec,
@@ -24,21 +22,46 @@ from gearshift.worker.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 _INT64 = 2**63
-# Backends a client may name: we have one, llguidance ("guidance" is vLLM's name for it).
-_BACKENDS = {"auto", "guidance", "llguidance"}
 
 
 @dataclass
 class IgnoredFields:
-    """Logs each unknown request field once per router (vLLM's behaviour: accept, say so)."""
+    """Unknown fields are logged once per router and ignored (vLLM's behaviour); fields vLLM
+    honours and we do not are refused unless they hold vLLM's default (a no-op)."""
 
     seen: set[str] = field(default_factory=set)
 
     def note(self, body: SamplingFields) -> None:
         for name in sorted(body.model_extra or ()):
+            value = (body.model_extra or {})[name]
+            if name in _VLLM_UNSUPPORTED and value not in _VLLM_UNSUPPORTED[name]:
+                raise errors.bad_request(f"{name} is not supported by this server", name)
             if name not in self.seen:
                 self.seen.add(name)
                 log.warning("request field %r is not supported and was ignored", name[:64])
+
+
+# vLLM request fields we do not implement -> the values that mean "off" in vLLM (accepted).
+_VLLM_UNSUPPORTED: dict[str, tuple[object, ...]] = {
+    "use_beam_search": (False, None),
+    "length_penalty": (1, 1.0, None),
+    "truncate_prompt_tokens": (None,),
+    "spaces_between_special_tokens": (True, None),
+    "continue_final_message": (False, None),
+    "documents": (None,),
+    "chat_template": (None,),
+    "mm_processor_kwargs": (None,),
+    "prompt_embeds": (None,),
+    "priority": (0, None),
+    "cache_salt": (None,),
+    "return_tokens_as_token_ids": (False, None),
+    "return_token_ids": (False, None),
+    "logits_processors": (None,),
+    "kv_transfer_params": (None,),
+    "vllm_xargs": (None,),
+    "guided_whitespace_pattern": (None,),
+    "echo_prompt": (False, None),
+}
 
 
 def check_token_ids(ids: Iterable[int], vocab_size: int, param: str) -> None:
@@ -47,93 +70,6 @@ def check_token_ids(ids: Iterable[int], vocab_size: int, param: str) -> None:
         raise errors.bad_request(
             f"{param}: token id {bad} is outside the vocabulary (0..{vocab_size - 1})", param
         )
-
-
-def _json_text(value: str | dict[str, object], param: str) -> str:
-    if isinstance(value, str):
-        try:
-            json.loads(value)
-        except ValueError as exc:
-            raise errors.bad_request(f"{param} is not valid JSON: {exc}", param) from None
-        return value
-    return json.dumps(value)
-
-
-def _requested_specs(body: SamplingFields) -> list[tuple[str, GrammarSpec]]:
-    """Every structured-output constraint the body asks for, with the field that asked."""
-    specs: list[tuple[str, GrammarSpec]] = []
-    rf = body.response_format
-    if rf is not None and rf.type == "json_object":
-        specs.append(("response_format", GrammarSpec("json_object")))
-    elif rf is not None and rf.type == "json_schema":
-        if rf.json_schema is None or rf.json_schema.schema_ is None:
-            raise errors.bad_request(
-                "response_format.json_schema.schema is required", "response_format"
-            )
-        specs.append(
-            ("response_format", GrammarSpec("json_schema", json.dumps(rf.json_schema.schema_)))
-        )
-    so = body.structured_outputs
-    if so is not None:
-        set_fields = [
-            k for k in ("json_", "regex", "choice", "grammar", "json_object") if getattr(so, k)
-        ]
-        if len(set_fields) != 1:
-            raise errors.bad_request(
-                "structured_outputs must set exactly one of json, regex, choice, grammar, "
-                "json_object",
-                "structured_outputs",
-            )
-        kind = set_fields[0]
-        if kind == "json_":
-            assert so.json_ is not None
-            spec = GrammarSpec("json_schema", _json_text(so.json_, "structured_outputs.json"))
-        elif kind == "choice":
-            spec = GrammarSpec("choice", choices=tuple(so.choice or ()))
-        elif kind == "json_object":
-            spec = GrammarSpec("json_object")
-        else:
-            spec = GrammarSpec(kind, str(getattr(so, kind)))  # type: ignore[arg-type]
-        specs.append(("structured_outputs", spec))
-    if body.guided_json is not None:
-        specs.append(
-            ("guided_json", GrammarSpec("json_schema", _json_text(body.guided_json, "guided_json")))
-        )
-    if body.guided_regex is not None:
-        specs.append(("guided_regex", GrammarSpec("regex", body.guided_regex)))
-    if body.guided_choice is not None:
-        specs.append(("guided_choice", GrammarSpec("choice", choices=tuple(body.guided_choice))))
-    if body.guided_grammar is not None:
-        specs.append(("guided_grammar", GrammarSpec("grammar", body.guided_grammar)))
-    return specs
-
-
-def structured_spec(body: SamplingFields) -> tuple[GrammarSpec | None, ToolPlan | None]:
-    """The one grammar the output must match (None: free text) and the chat's tool plan."""
-    backend = body.guided_decoding_backend
-    if backend is not None and backend not in _BACKENDS:
-        raise errors.bad_request(
-            f"guided_decoding_backend {backend[:40]!r} is not available; this server uses "
-            "llguidance ('auto', 'guidance')",
-            "guided_decoding_backend",
-        )
-    specs = _requested_specs(body)
-    plan = tool_plan(body) if isinstance(body, ChatCompletionRequest) else None
-    if plan is not None and plan.grammar is not None:
-        specs.append(("tool_choice", plan.grammar))
-    if len(specs) > 1:
-        names = ", ".join(name for name, _ in specs)
-        raise errors.bad_request(
-            f"only one structured-output constraint may be set, got {names}", specs[1][0]
-        )
-    if not specs:
-        return None, plan
-    param, spec = specs[0]
-    try:
-        compile_grammar(spec)  # the worker compiles again; this answers 400 before routing
-    except InvalidGrammar as exc:
-        raise errors.bad_request(f"{param}: {str(exc)[:500]}", param) from None
-    return spec, plan
 
 
 def bad_word_ids(words: Sequence[str], tokenizer: Tokenizer) -> list[list[int]]:

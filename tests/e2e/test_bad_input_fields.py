@@ -56,6 +56,8 @@ def _post(serve: ServeProcess, path: str, body: dict[str, Any]) -> httpx.Respons
         ({"prompt": "hi", "response_format": {"type": "json_schema"}}, "response_format"),
         ({"prompt": "hi", "temperature": 1e39}, "temperature"),
         ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": "hi", "use_beam_search": True}, "use_beam_search"),  # vLLM's, not ours
+        ({"prompt": "hi", "truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
     ],
 )
 def test_completion_bad_fields_are_400_naming_the_field(
