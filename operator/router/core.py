@@ -8,16 +8,20 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from gearshift.operator.router import errors
+from gearshift.operator.router import errors, request_params
+from gearshift.operator.router.choices import Choices
 from gearshift.operator.router.config import RouterConfig
 from gearshift.operator.router.generate import PreparedRequest, RequestRun
 from gearshift.operator.router.metrics import RouterMetrics
 from gearshift.operator.router.pool import GroupPool
 from gearshift.operator.router.protocol import (
+    MAX_N,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
+    lone_surrogate_path,
 )
+from gearshift.operator.router.structured_request import structured_spec
 from gearshift.worker.tokenizer import ChatTemplateError, Tokenizer
 
 
@@ -31,6 +35,11 @@ class Router:
     metrics: RouterMetrics
     accepting: bool = True  # False while draining for shutdown
     created: int = field(default_factory=lambda: int(time.time()))
+    # Client request ids in flight: a second request with the same id is refused (409).
+    active_ids: set[str] = field(default_factory=set)
+    ignored_fields: request_params.IgnoredFields = field(
+        default_factory=request_params.IgnoredFields
+    )
 
     @property
     def model_name(self) -> str:
@@ -44,21 +53,35 @@ class Router:
         if not self.accepting:
             raise errors.unavailable("the server is shutting down")
 
+    @staticmethod
+    def check_text(body: object) -> None:
+        """Refuse strings no tokenizer or UTF-8 answer can carry (before any is echoed)."""
+        path = lone_surrogate_path(body)
+        if path is not None:
+            param = path.split(".")[0]
+            raise errors.bad_request(f"{path}: a string holds a lone UTF-16 surrogate", param)
+
     # ---- prompts --------------------------------------------------------------------------
 
-    def completion_prompt(self, req: CompletionRequest) -> list[int]:
+    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        """Token ids of each prompt: a string or token ids, or a list of either (a batch)."""
         prompt: str | list[Any] = req.prompt
-        if prompt and isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise errors.bad_request(
-                    "only one prompt per request is supported; send one request per prompt",
-                    "prompt",
-                )
-            prompt = prompt[0]
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        if not ids:
-            raise errors.bad_request("the prompt is empty", "prompt")
-        return ids
+        batched = bool(prompt) and isinstance(prompt, list) and isinstance(prompt[0], (str, list))
+        batch: list[Any] = list(prompt) if batched else [prompt]
+        if len(batch) * req.num_sequences > MAX_N:
+            raise errors.bad_request(
+                f"prompts × best_of (or n) must be <= {MAX_N}, got {len(batch)} × "
+                f"{req.num_sequences}",
+                "prompt",
+            )
+        out = []
+        for p in batch:
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p]
+            if not ids:
+                raise errors.bad_request("the prompt is empty", "prompt")
+            request_params.check_token_ids(ids, self.tokenizer.vocab_size, "prompt")
+            out.append(ids)
+        return out
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         if not req.messages:
@@ -102,24 +125,58 @@ class Router:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def prepare(
+    def start(
         self,
-        req: SamplingFields,
-        ids: list[int],
+        body: SamplingFields,
+        prompts: list[list[int]],
         max_tokens: int | None,
         logprobs: int | None,
         prompt_param: str,
         prefix: str,
-    ) -> PreparedRequest:
+    ) -> tuple[str, Choices]:
+        """Validate against the context and vocabulary, then start the request's sequences.
+
+        Returns the response id (the client's request_id when given, as vLLM does) and the
+        running choices, `best_of` (or `n`) per prompt in prompt order; closing them frees
+        the id.
+        """
         self.check_accepting()
-        self.check_model(req.model)
-        self.check_length(ids, max_tokens, prompt_param)
-        return PreparedRequest(
-            request_id=f"{prefix}-{uuid.uuid4().hex}",
-            prompt_token_ids=ids,
-            sampling=req.sampling(max_tokens, logprobs),
-            text=req.text_options(),
-        )
+        self.check_model(body.model)
+        for ids in prompts:
+            self.check_length(ids, max_tokens, prompt_param)
+            request_params.check_context(body, len(ids), self.pool.max_model_len)
+        self.ignored_fields.note(body)
+        spec, _ = structured_spec(body)
+        if body.best_of is not None and body.best_of > body.n and logprobs is None:
+            logprobs = 0  # best_of ranks by cumulative logprob; the client does not see them
+        sampling = request_params.sampling_proto(body, self.tokenizer, max_tokens, logprobs, spec)
+        rid = body.request_id or f"{prefix}-{uuid.uuid4().hex}"
+        self.claim_id(rid)
+        count = body.num_sequences
+        runs = [
+            self.run(
+                PreparedRequest(
+                    request_id=rid if count * len(prompts) == 1 else f"{rid}-{k}-{i}",
+                    prompt_token_ids=ids,
+                    sampling=request_params.child_sampling(sampling, i),
+                    text=request_params.text_options(body),
+                )
+            )
+            for k, ids in enumerate(prompts)
+            for i in range(count)
+        ]
+        return rid, Choices(runs, body.n, count, lambda: self.active_ids.discard(rid))
+
+    def claim_id(self, rid: str) -> None:
+        if rid in self.active_ids:
+            raise errors.APIError(
+                409,
+                "a request with this request_id is already running",
+                "invalid_request_error",
+                "request_id",
+                "request_id_in_use",
+            )
+        self.active_ids.add(rid)
 
     def run(self, request: PreparedRequest) -> RequestRun:
         return RequestRun(self.pool, self.tokenizer, self.metrics, request)

@@ -18,6 +18,7 @@ _GRPC_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     401: grpc.StatusCode.UNAUTHENTICATED,
     404: grpc.StatusCode.NOT_FOUND,
+    409: grpc.StatusCode.ALREADY_EXISTS,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     499: grpc.StatusCode.CANCELLED,
     500: grpc.StatusCode.INTERNAL,

@@ -75,6 +75,8 @@ class RunResult:
     stop_reason: str | int | None = None
     group: str = ""
     text: str = ""
+    # prompt_logprobs: one per prompt token from the second on (the worker sends them once).
+    prompt_logprobs: list[LogprobEntry] = field(default_factory=list)
 
 
 class RequestRun:
@@ -204,6 +206,9 @@ class RequestRun:
                 self._queue_time = t.scheduled_time - t.queued_time
         if response.HasField("usage"):
             self.result.cached_tokens = response.usage.cached_prompt_tokens
+        self.result.prompt_logprobs.extend(
+            self.state.logprob(lp) for lp in response.prompt_logprobs
+        )
         finish = _FINISH.get(response.finish_reason)
         if n:
             lease.on_tokens(n)

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from gearshift.operator.router import errors
+from gearshift.operator.router import errors, request_params
 from gearshift.operator.router.core import Router
 from gearshift.operator.router.generate import PreparedRequest, RequestRun
 from gearshift.operator.router.rejections import count_grpc
@@ -48,19 +48,23 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
         await self._check_key(context)
         router = self.router
         run: RequestRun | None = None
+        claimed: str | None = None
         try:
             router.check_accepting()
             router.check_model(request.model or None)
             if bool(request.prompt) == bool(request.prompt_token_ids):
                 raise errors.bad_request("set exactly one of prompt and prompt_token_ids")
-            ids = (
-                router.tokenizer.encode(request.prompt)
-                if request.prompt
-                else list(request.prompt_token_ids)
-            )
+            if request.prompt:
+                ids = router.tokenizer.encode(request.prompt)
+            else:
+                ids = list(request.prompt_token_ids)
+                request_params.check_token_ids(ids, router.tokenizer.vocab_size, "prompt_token_ids")
             s = request.sampling
             max_tokens = s.max_tokens if s.HasField("max_tokens") else None
             router.check_length(ids, max_tokens, "prompt")
+            request_params.check_proto_sampling(
+                s, router.tokenizer, len(ids), router.pool.max_model_len
+            )
             sampling = common_pb2.SamplingParams()
             sampling.CopyFrom(s)
             del sampling.stop[:]  # stop strings are checked here, on the detokenised text
@@ -71,11 +75,17 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
                 min_tokens=s.min_tokens,
             )
             rid = request.request_id or f"gen-{uuid.uuid4().hex}"
+            router.claim_id(rid)
+            claimed = rid
             run = router.run(PreparedRequest(rid, ids, sampling, text))
             whole = router_pb2.GenerateResponse(request_id=rid)
             async with contextlib.aclosing(run.deltas()) as deltas:
+                first = True
                 async for d in deltas:
                     out = router_pb2.GenerateResponse(request_id=rid) if request.stream else whole
+                    if first:
+                        out.prompt_logprobs.extend(_logprob(e) for e in run.result.prompt_logprobs)
+                        first = False
                     out.text += d.text
                     if d.token_id is not None:
                         out.token_ids.append(d.token_id)
@@ -97,6 +107,9 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
                 # Refused before any token; a failure mid-stream is a finished "error" request.
                 count_grpc(router.metrics, exc)
             await context.abort(exc.grpc_code, exc.message)
+        finally:
+            if claimed is not None:
+                router.active_ids.discard(claimed)
 
 
 def _logprob(entry: LogprobEntry) -> common_pb2.TokenLogprob:
@@ -104,6 +117,7 @@ def _logprob(entry: LogprobEntry) -> common_pb2.TokenLogprob:
         token_id=entry.token_id,
         logprob=entry.logprob,
         token=entry.token,
+        rank=entry.rank,
         top_logprobs=[
             common_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob, token=t.token)
             for t in entry.top

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import json
 import time
@@ -12,20 +11,22 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gearshift.operator.router import errors, openai_format
+from gearshift.operator.router import chat_render, completion_render, errors, openai_format
+from gearshift.operator.router.choices import Choices
 from gearshift.operator.router.core import Router
-from gearshift.operator.router.generate import RequestRun, TokenDelta
+from gearshift.operator.router.openapi import ERROR_RESPONSES, GENERATION_RESPONSES, openapi_400
 from gearshift.operator.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from gearshift.operator.router.structured_request import structured_spec
 
 T = TypeVar("T")
 VERSION = "0.1.0"
@@ -87,17 +88,16 @@ def _sse(chunk: dict[str, Any]) -> str:
 
 
 async def _start_stream(
-    request: Request, run: RequestRun, render: Callable[[AsyncIterator[TokenDelta]], Chunks]
+    request: Request, deltas: AsyncIterator[T], render: Callable[[AsyncIterator[T]], Chunks]
 ) -> Response:
     """Wait for the first token (errors before it are plain HTTP errors), then stream SSE."""
-    deltas = run.deltas()
     try:
         first = await _until_disconnect(request, anext(deltas, None))
     except BaseException:
-        await deltas.aclose()
+        await deltas.aclose()  # type: ignore[attr-defined]
         raise
 
-    async def all_deltas() -> AsyncIterator[TokenDelta]:
+    async def all_deltas() -> AsyncIterator[T]:
         if first is not None:
             yield first
         async for delta in deltas:
@@ -110,20 +110,46 @@ async def _start_stream(
         except errors.APIError as exc:  # the group failed mid-stream: say so, then end
             yield _sse(exc.body())
         finally:
-            await deltas.aclose()
+            await deltas.aclose()  # type: ignore[attr-defined]
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
+async def _answer_stream(
+    request: Request, choices: Choices, render: Callable[[AsyncIterator[Any]], Chunks]
+) -> Response:
+    try:
+        return await _start_stream(request, choices.stream(), render)
+    except BaseException:
+        choices.close()  # the stream may never have started: free the request id here
+        raise
+
+
+async def _answer_whole(
+    request: Request, choices: Choices, work: Awaitable[dict[str, Any]]
+) -> Response:
+    try:
+        return JSONResponse(await _until_disconnect(request, work))
+    finally:
+        choices.close()
+
+
+def _error_response(error: errors.APIError) -> Response:
+    # ASCII-escaped: an error may quote input, and no input may make the answer unencodable.
+    body = json.dumps(error.body(), ensure_ascii=True).encode()
+    return Response(body, error.status, error.headers(), media_type="application/json")
+
+
 def build_app(router: Router) -> FastAPI:
     """The HTTP app of one router."""
     app = FastAPI(title="Gearshift", version=VERSION, docs_url=None, redoc_url=None)
+    app.openapi = openapi_400(app)  # type: ignore[method-assign]
     tokenizer = router.tokenizer
 
     @app.exception_handler(errors.APIError)
     async def api_error(request: Request, exc: errors.APIError) -> Response:
-        return JSONResponse(exc.body(), exc.status, headers=exc.headers())
+        return _error_response(exc)
 
     @app.exception_handler(ClientDisconnected)
     async def client_gone(request: Request, exc: ClientDisconnected) -> Response:
@@ -139,31 +165,30 @@ def build_app(router: Router) -> FastAPI:
             param = ".".join(loc) or None
             msg = first.get("msg", "invalid request")
             error = errors.bad_request(f"{param}: {msg}" if param else msg, param)
-        return JSONResponse(error.body(), 400)
+        return _error_response(error)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
         error = errors.APIError(exc.status_code, str(exc.detail), "invalid_request_error")
-        return JSONResponse(error.body(), exc.status_code)
+        return _error_response(error)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
-        error = errors.internal(f"{type(exc).__name__}: {exc}")
-        return JSONResponse(error.body(), 500)
+        return _error_response(errors.internal(f"{type(exc).__name__}: {exc}"))
 
     # ---- probes and metadata ---------------------------------------------------------------
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={200: {"content": None}})
     async def health() -> Response:
         return Response(status_code=200)
 
-    @app.get("/ready")
+    @app.get("/ready", responses={503: {"description": "Not serving (no group, or draining)."}})
     async def ready() -> Response:
         serving = [g.name for g in router.pool.serving()]
         ok = bool(serving) and router.accepting
         return JSONResponse({"ready": ok, "serving_groups": serving}, 200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -178,8 +203,9 @@ def build_app(router: Router) -> FastAPI:
             cfg.model_name, cfg.model_path, router.created, router.pool.max_model_len
         )
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        router.check_text(body)
         router.check_model(body.model)
         if body.messages is not None:
             chat = ChatCompletionRequest.model_validate(
@@ -198,8 +224,9 @@ def build_app(router: Router) -> FastAPI:
             "token_strs": strs,
         }
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=ERROR_RESPONSES)
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        router.check_text(body)
         router.check_model(body.model)
         if any(t < 0 or t >= tokenizer.vocab_size for t in body.tokens):
             raise errors.bad_request("a token id is outside the vocabulary", "tokens")
@@ -207,111 +234,55 @@ def build_app(router: Router) -> FastAPI:
 
     # ---- generation -----------------------------------------------------------------------
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        router.check_text(body)
         router.check_accepting()
         router.check_model(body.model)
         if body.suffix:
             raise errors.bad_request("suffix is not supported", "suffix")
-        ids = router.completion_prompt(body)
-        prepared = router.prepare(body, ids, body.max_tokens, body.logprobs, "prompt", "cmpl")
-        run = router.run(prepared)
-        rid, created, model = prepared.request_id, int(time.time()), router.model_name
-        echo = tokenizer.decode(ids) if body.echo else ""
-        want_lp = body.logprobs is not None
-
-        async def render(deltas: AsyncIterator[TokenDelta]) -> Chunks:
-            offset, text_so_far = 0, echo
-            first = True
-            async for d in deltas:
-                text = (echo if first else "") + d.text
-                first = False
-                lp = None
-                if want_lp and d.logprob is not None:
-                    acc = openai_format.CompletionLogprobs()
-                    acc.add(d.logprob, len(text_so_far))
-                    lp = acc.to_dict()
-                text_so_far += d.text
-                offset += 1
-                stop_reason = run.result.stop_reason if d.finish_reason else None
-                yield openai_format.completion_chunk(
-                    rid, created, model, text, lp, d.finish_reason, stop_reason, body.include_usage
-                )
-            if body.include_usage:
-                yield openai_format.usage_chunk(rid, created, model, "text_completion", run.result)
-
+        prompts = router.completion_prompts(body)
+        rid, choices = router.start(body, prompts, body.max_tokens, body.logprobs, "prompt", "cmpl")
+        view = completion_render.CompletionView(
+            rid,
+            int(time.time()),
+            router.model_name,
+            body.n,
+            tuple(tokenizer.decode(ids) if body.echo else "" for ids in prompts),
+            body.logprobs is not None,
+            body.include_usage,
+            body.continuous_usage,
+            body.prompt_logprobs is not None,
+            tuple(tokenizer.decode(ids[:1], skip_special_tokens=False) for ids in prompts),
+        )
         if body.stream:
-            return await _start_stream(request, run, render)
+            render = lambda s: completion_render.chunks(view, choices, s)
+            return await _answer_stream(request, choices, render)
+        return await _answer_whole(request, choices, completion_render.whole(view, choices))
 
-        async def collect() -> dict[str, Any]:
-            text, acc = echo, openai_format.CompletionLogprobs()
-            async with contextlib.aclosing(run.deltas()) as deltas:
-                async for d in deltas:
-                    if want_lp and d.logprob is not None:
-                        acc.add(d.logprob, len(text))
-                    text += d.text
-            lp = acc.to_dict() if want_lp else None
-            return openai_format.completion(rid, created, model, text, lp, run.result)
-
-        return JSONResponse(await _until_disconnect(request, collect()))
-
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        router.check_text(body)
         router.check_accepting()
         router.check_model(body.model)
+        _, tools = structured_spec(body)  # 400s about tools before the template sees them
         ids = router.chat_prompt(body)
-        prepared = router.prepare(
-            body, ids, body.output_limit, body.num_logprobs, "messages", "chatcmpl"
+        rid, choices = router.start(
+            body, [ids], body.output_limit, body.num_logprobs, "messages", "chatcmpl"
         )
-        run = router.run(prepared)
-        rid, created, model = prepared.request_id, int(time.time()), router.model_name
-        want_lp = body.logprobs
-
-        async def render(deltas: AsyncIterator[TokenDelta]) -> Chunks:
-            yield openai_format.chat_chunk(
-                rid,
-                created,
-                model,
-                {"role": "assistant", "content": ""},
-                include_usage=body.include_usage,
-            )
-            async for d in deltas:
-                delta = {"content": d.text} if d.token_id is not None or d.text else {}
-                lp = (
-                    [openai_format.chat_logprob(d.logprob)]
-                    if want_lp and d.logprob is not None
-                    else None
-                )
-                stop_reason = run.result.stop_reason if d.finish_reason else None
-                yield openai_format.chat_chunk(
-                    rid,
-                    created,
-                    model,
-                    delta,
-                    lp,
-                    d.finish_reason,
-                    stop_reason,
-                    body.include_usage,
-                )
-            if body.include_usage:
-                yield openai_format.usage_chunk(
-                    rid, created, model, "chat.completion.chunk", run.result
-                )
-
+        view = chat_render.ChatView(
+            rid,
+            int(time.time()),
+            router.model_name,
+            body.logprobs,
+            body.include_usage,
+            body.continuous_usage,
+            tools,
+            body.prompt_logprobs is not None,
+        )
         if body.stream:
-            return await _start_stream(request, run, render)
-
-        async def collect() -> dict[str, Any]:
-            text, lps = "", []
-            async with contextlib.aclosing(run.deltas()) as deltas:
-                async for d in deltas:
-                    text += d.text
-                    if want_lp and d.logprob is not None:
-                        lps.append(openai_format.chat_logprob(d.logprob))
-            return openai_format.chat_completion(
-                rid, created, model, text, lps if want_lp else None, run.result
-            )
-
-        return JSONResponse(await _until_disconnect(request, collect()))
+            render = lambda s: chat_render.chunks(view, choices, s)
+            return await _answer_stream(request, choices, render)
+        return await _answer_whole(request, choices, chat_render.whole(view, choices))
 
     return app

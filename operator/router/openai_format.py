@@ -27,9 +27,16 @@ class CompletionLogprobs:
 
     def __init__(self) -> None:
         self.tokens: list[str] = []
-        self.token_logprobs: list[float] = []
-        self.top_logprobs: list[dict[str, float]] = []
+        self.token_logprobs: list[float | None] = []
+        self.top_logprobs: list[dict[str, float] | None] = []
         self.text_offset: list[int] = []
+
+    def add_unscored(self, token: str, offset: int) -> None:
+        """The prompt's first token under echo: nothing came before it to score it."""
+        self.tokens.append(token)
+        self.token_logprobs.append(None)
+        self.top_logprobs.append(None)
+        self.text_offset.append(offset)
 
     def add(self, entry: LogprobEntry, offset: int) -> None:
         self.tokens.append(entry.token)
@@ -48,48 +55,57 @@ class CompletionLogprobs:
         }
 
 
+def prompt_logprobs(entries: list[LogprobEntry]) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: None for the first token, then {token id: {logprob, rank,
+    decoded_token}} holding the prompt's own token and the top alternatives."""
+    out: list[dict[str, Any] | None] = [None]
+    for e in entries:
+        position = {
+            str(t.token_id): {"logprob": t.logprob, "rank": k + 1, "decoded_token": t.token}
+            for k, t in enumerate(e.top)
+        }
+        position[str(e.token_id)] = {
+            "logprob": e.logprob,
+            "rank": e.rank,
+            "decoded_token": e.token,
+        }
+        out.append(position)
+    return out
+
+
 def _response(
-    rid: str, obj: str, created: int, model: str, choice: dict[str, Any] | None
+    rid: str, obj: str, created: int, model: str, choices: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """The envelope every completion response and chunk shares; ``choice`` is the only one."""
-    return {
-        "id": rid,
-        "object": obj,
-        "created": created,
-        "model": model,
-        "choices": [] if choice is None else [{"index": 0, **choice}],
-    }
+    """The envelope every completion response and chunk shares."""
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
 
 
-def completion(
-    rid: str, created: int, model: str, text: str, logprobs: dict[str, Any] | None, r: RunResult
-) -> dict[str, Any]:
-    choice = {
-        "text": text,
-        "logprobs": logprobs,
-        "finish_reason": r.finish_reason,
-        "stop_reason": r.stop_reason,
-    }
-    return {**_response(rid, "text_completion", created, model, choice), "usage": usage(r)}
-
-
-def completion_chunk(
-    rid: str,
-    created: int,
-    model: str,
+def completion_choice(
+    index: int,
     text: str,
-    logprobs: dict[str, Any] | None = None,
-    finish_reason: str | None = None,
-    stop_reason: str | int | None = None,
-    include_usage: bool = False,
+    logprobs: dict[str, Any] | None,
+    finish_reason: str | None,
+    stop_reason: str | int | None,
 ) -> dict[str, Any]:
-    choice = {
+    return {
+        "index": index,
         "text": text,
         "logprobs": logprobs,
         "finish_reason": finish_reason,
         "stop_reason": stop_reason,
     }
-    chunk = _response(rid, "text_completion", created, model, choice)
+
+
+def completion(
+    rid: str, created: int, model: str, choices: list[dict[str, Any]], r: RunResult
+) -> dict[str, Any]:
+    return {**_response(rid, "text_completion", created, model, choices), "usage": usage(r)}
+
+
+def completion_chunk(
+    rid: str, created: int, model: str, choice: dict[str, Any], include_usage: bool = False
+) -> dict[str, Any]:
+    chunk = _response(rid, "text_completion", created, model, [choice])
     if include_usage:
         chunk["usage"] = None
     return chunk
@@ -97,7 +113,7 @@ def completion_chunk(
 
 def usage_chunk(rid: str, created: int, model: str, obj: str, r: RunResult) -> dict[str, Any]:
     """The last chunk with `stream_options.include_usage`: no choices, the usage."""
-    return {**_response(rid, obj, created, model, None), "usage": usage(r)}
+    return {**_response(rid, obj, created, model, []), "usage": usage(r)}
 
 
 # ---- /v1/chat/completions ----------------------------------------------------------------
@@ -115,40 +131,38 @@ def chat_logprob(entry: LogprobEntry) -> dict[str, Any]:
     }
 
 
-def chat_completion(
-    rid: str,
-    created: int,
-    model: str,
-    text: str,
+def chat_message(content: str | None, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"role": "assistant", "content": content, "tool_calls": tool_calls}
+
+
+def chat_choice(
+    index: int,
+    message: dict[str, Any],
     logprobs: list[dict[str, Any]] | None,
-    r: RunResult,
+    finish_reason: str | None,
+    stop_reason: str | int | None,
+    *,
+    delta: bool = False,
 ) -> dict[str, Any]:
-    choice = {
-        "message": {"role": "assistant", "content": text, "tool_calls": []},
-        "logprobs": {"content": logprobs} if logprobs is not None else None,
-        "finish_reason": r.finish_reason,
-        "stop_reason": r.stop_reason,
-    }
-    return {**_response(rid, "chat.completion", created, model, choice), "usage": usage(r)}
-
-
-def chat_chunk(
-    rid: str,
-    created: int,
-    model: str,
-    delta: dict[str, Any],
-    logprobs: list[dict[str, Any]] | None = None,
-    finish_reason: str | None = None,
-    stop_reason: str | int | None = None,
-    include_usage: bool = False,
-) -> dict[str, Any]:
-    choice = {
-        "delta": delta,
+    return {
+        "index": index,
+        "delta" if delta else "message": message,
         "logprobs": {"content": logprobs} if logprobs is not None else None,
         "finish_reason": finish_reason,
         "stop_reason": stop_reason,
     }
-    chunk = _response(rid, "chat.completion.chunk", created, model, choice)
+
+
+def chat_completion(
+    rid: str, created: int, model: str, choices: list[dict[str, Any]], r: RunResult
+) -> dict[str, Any]:
+    return {**_response(rid, "chat.completion", created, model, choices), "usage": usage(r)}
+
+
+def chat_chunk(
+    rid: str, created: int, model: str, choice: dict[str, Any], include_usage: bool = False
+) -> dict[str, Any]:
+    chunk = _response(rid, "chat.completion.chunk", created, model, [choice])
     if include_usage:
         chunk["usage"] = None
     return chunk

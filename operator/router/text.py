@@ -24,6 +24,7 @@ class LogprobEntry:
     token: str
     logprob: float
     top: tuple[TopEntry, ...]
+    rank: int = 0  # 1: the most likely token; 0: not known
 
 
 @dataclass(frozen=True)
@@ -90,4 +91,4 @@ class TextState:
         top = tuple(
             TopEntry(t.token_id, self.token_text(t.token_id), t.logprob) for t in lp.top_logprobs
         )
-        return LogprobEntry(lp.token_id, self.token_text(lp.token_id), lp.logprob, top)
+        return LogprobEntry(lp.token_id, self.token_text(lp.token_id), lp.logprob, top, lp.rank)

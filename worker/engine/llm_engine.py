@@ -25,13 +25,15 @@ from gearshift.worker.engine.contract import LeaderPolicy, QueueView
 from gearshift.worker.engine.model_runner import Executor, StepHandle
 from gearshift.worker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from gearshift.worker.engine.plan import StepPlan, build_plan
+from gearshift.worker.engine.prompt_logprobs import take_prompt_logprobs
 from gearshift.worker.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from gearshift.worker.engine.sequence import FinishReason, Sequence
 from gearshift.worker.errors import GroupFailure, InvalidRequestError
 from gearshift.worker.kv.block_manager import BlockManager
 from gearshift.worker.sampling.logprobs import TokenLogprobs
-from gearshift.worker.sampling.params import SamplingParams
+from gearshift.worker.sampling.params import InvalidSamplingParams, SamplingParams
 from gearshift.worker.sampling.sampler import Sampler, SamplingState
+from gearshift.worker.structured import GrammarCompiler, GrammarMatcher, InvalidGrammar
 from gearshift.worker.tokenizer.detokenizer import IncrementalDetokenizer
 from gearshift.worker.tokenizer.stop import StopChecker
 from gearshift.worker.tokenizer.tokenizer import Tokenizer
@@ -105,6 +107,9 @@ class LLMEngine:
             blocks,
         )
         self.sampler = Sampler()
+        self.grammars = (
+            GrammarCompiler(tokenizer, vocab_size, eos_token_ids) if tokenizer is not None else None
+        )
         self.policy = policy
         self.in_flight: deque[_InFlight] = deque()
         self._aborted: set[str] = set()  # aborts of in-flight requests, done when their step ends
@@ -145,6 +150,8 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"request id {request_id!r} is already running")
         ids = self.tokenize(prompt)
         self._check_prompt(ids, params)
+        params.check_vocabulary(self.vocab_size)
+        grammar = self._grammar(params)
         room = self.max_model_len - len(ids)
         seq = Sequence(
             request_id=request_id,
@@ -155,6 +162,8 @@ class LLMEngine:
             generator=torch.Generator().manual_seed(params.seed)
             if params.seed is not None
             else None,
+            grammar=grammar,
+            prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
         if self.tokenizer is not None and self.config.detokenize:
             detok = IncrementalDetokenizer(
@@ -166,6 +175,19 @@ class LLMEngine:
             self._text[request_id] = _TextState(detok, stop)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def _grammar(self, params: SamplingParams) -> GrammarMatcher | None:
+        """The structured-output matcher of a new sequence (it lives on the leader only)."""
+        if params.structured is None:
+            return None
+        if self.grammars is None:
+            raise InvalidSamplingParams(
+                "structured_outputs", "structured outputs need the tokenizer, which is not loaded"
+            )
+        try:
+            return self.grammars.matcher(params.structured)
+        except InvalidGrammar as exc:
+            raise InvalidSamplingParams("structured_outputs", str(exc)) from None
 
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -301,6 +323,7 @@ class LLMEngine:
         except Exception as exc:
             log.exception("forward pass failed at step %d", flight.plan.step)
             return [self._fail(seq, f"forward pass failed: {exc}") for seq in flight.seqs]
+        logits = take_prompt_logprobs(logits, batch)
         sampling: list[Sequence] = []
         for seq in batch.decodes:
             seq.num_computed_tokens += 1
@@ -329,7 +352,9 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         eos = self.eos_token_ids
         states = [
-            SamplingState(s.params, s.generator, s.prompt_token_ids, s.output_token_ids, eos)
+            SamplingState(
+                s.params, s.generator, s.prompt_token_ids, s.output_token_ids, eos, s.grammar
+            )
             for s in seqs
         ]
         sampled = self.sampler.sample(logits, states)
@@ -374,6 +399,8 @@ class LLMEngine:
                 elif reason is not None:
                     text += state.stop.flush()
         out = self._output(seq, [token], text, [logprob] if logprob is not None else None)
+        if seq.num_output_tokens == 1:
+            out.prompt_logprobs = seq.prompt_logprobs
         if reason is not None:
             self.scheduler.finish(seq, reason)
             out.finished, out.finish_reason, out.stop_reason = True, reason, seq.stop_reason

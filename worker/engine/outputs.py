@@ -37,6 +37,8 @@ class RequestOutput:
     metrics: RequestMetrics
     new_logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
+    # With prompt_logprobs: every prompt token's from the second on, on the first output only.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass

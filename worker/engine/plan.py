@@ -206,7 +206,10 @@ def build_plan(
         seq_lens[nd + i] = start + n
         query_lens.append(n)
         cursor += n
-        if start + n == seq.num_tokens:
+        if seq.needs_prompt_logprobs:
+            # prompt_logprobs: every row of the chunk (engine/prompt_logprobs.py).
+            logits_rows.extend(range(cursor - n, cursor))
+        elif start + n == seq.num_tokens:
             logits_rows.append(cursor - 1)  # the chunk reaches the end: sample from its last token
     pad = (-cursor) % pad_to
     if pad:

@@ -12,7 +12,9 @@ from gearshift.worker.kv.block_manager import BlockTable
 if TYPE_CHECKING:
     import torch
 
+    from gearshift.worker.sampling.logprobs import TokenLogprobs
     from gearshift.worker.sampling.params import SamplingParams
+    from gearshift.worker.structured.matcher import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -40,6 +42,9 @@ class Sequence:
     max_tokens: int  # resolved: params.max_tokens capped by the model length
     arrival_time: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None
+    grammar: GrammarMatcher | None = None  # structured outputs: advanced by the sampler
+    # With params.prompt_logprobs: filled chunk by chunk while the prompt is prefilled.
+    prompt_logprobs: list[TokenLogprobs] | None = None
     token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -67,6 +72,14 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt rows must still produce logits (so no prefix-cache hit may skip them)."""
+        return (
+            self.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     @property
     def is_finished(self) -> bool:

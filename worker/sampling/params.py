@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from gearshift.worker.structured.grammar import GrammarSpec
 
 # Below this a temperature is treated as greedy, as vLLM does: dividing by it would overflow.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
+# OpenAI's documented range for a logit_bias value.
+MAX_LOGIT_BIAS = 100.0
 # torch.Generator.manual_seed accepts any value in [-2**63, 2**64).
 _SEED_RANGE = (-(2**63), 2**64 - 1)
 
@@ -60,10 +64,22 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives to return; 0: only the chosen token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Token id -> value added to its logit (OpenAI logit_bias).
+    logit_bias: Mapping[int, float] = field(default_factory=dict, hash=False)
+    # Non-empty: only these ids may be sampled (vLLM allowed_token_ids).
+    allowed_token_ids: Sequence[int] = ()
+    # Token sequences never to generate (vLLM bad_words, already tokenised).
+    bad_words: Sequence[Sequence[int]] = ()
+    # The grammar the output must match (structured outputs); None: free text.
+    structured: GrammarSpec | None = None
+    # Logprobs of the prompt tokens with this many alternatives (vLLM prompt_logprobs).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "logit_bias", dict(self.logit_bias))
+        object.__setattr__(self, "bad_words", tuple(tuple(w) for w in self.bad_words))
         # Tuples keep the frozen dataclass hashable and unchanged by the caller's lists.
-        for name in ("stop", "stop_token_ids"):
+        for name in ("stop", "stop_token_ids", "allowed_token_ids"):
             value = getattr(self, name)
             if isinstance(value, str):  # OpenAI allows `"stop": "text"` for a single string
                 value = (value,)
@@ -77,6 +93,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Whether tokens are chosen by argmax."""
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether logit_bias, allowed_token_ids, bad_words or a grammar change the logits."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words or self.structured)
 
     @property
     def has_penalties(self) -> bool:
@@ -140,6 +161,43 @@ class SamplingParams:
                 )
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
+        self._validate_processors()
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidSamplingParams(name, f"{name} must be a boolean")
+
+    def _validate_processors(self) -> None:
+        for token_id, bias in self.logit_bias.items():
+            _check_int("logit_bias", token_id, low=0)
+            if not -MAX_LOGIT_BIAS <= _check_float("logit_bias", bias) <= MAX_LOGIT_BIAS:
+                raise InvalidSamplingParams(
+                    "logit_bias", f"logit_bias[{token_id}] must be in [-100, 100], got {bias}"
+                )
+        for token_id in self.allowed_token_ids:
+            _check_int("allowed_token_ids", token_id, low=0)
+        for word in self.bad_words:
+            if not word:
+                raise InvalidSamplingParams("bad_words", "bad_words must not hold an empty entry")
+            for token_id in word:
+                _check_int("bad_words", token_id, low=0)
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Token ids of the processors must be the model's; raises naming the field."""
+        fields: tuple[tuple[str, Sequence[int]], ...] = (
+            ("logit_bias", tuple(self.logit_bias)),
+            ("allowed_token_ids", self.allowed_token_ids),
+            ("stop_token_ids", self.stop_token_ids),
+            ("bad_words", tuple(t for w in self.bad_words for t in w)),
+        )
+        for name, ids in fields:
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                raise InvalidSamplingParams(
+                    name, f"{name}: token id {bad} is outside the vocabulary (0..{vocab_size - 1})"
+                )
+        if self.top_k > vocab_size:
+            raise InvalidSamplingParams(
+                "top_k", f"top_k must be <= the vocabulary size ({vocab_size}), got {self.top_k}"
+            )

@@ -14,6 +14,8 @@ from gearshift.worker.sampling.logprobs import TokenLogprobs, compute_logprobs
 from gearshift.worker.sampling.masks import apply_min_p, apply_top_k_top_p
 from gearshift.worker.sampling.params import SamplingParams
 from gearshift.worker.sampling.penalties import apply_penalties
+from gearshift.worker.sampling.processors import ProcessorRow, apply_processors
+from gearshift.worker.structured.matcher import GrammarMatcher
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,8 @@ class SamplingState:
     output_token_ids: Sequence[int] = ()
     # Masked while fewer than params.min_tokens tokens were generated (unless ignore_eos).
     eos_token_ids: frozenset[int] = frozenset()
+    # Structured outputs: this sequence's matcher; the sampler masks with it and advances it.
+    grammar: GrammarMatcher | None = None
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,14 @@ class Sampler:
         params = [s.params for s in states]
         banned = _min_tokens_bans(states, logits.shape[1])
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
-        if all(p.greedy for p in params) and not penalised and not banned[0]:
+        processed = [
+            ProcessorRow(s.params, s.output_token_ids, s.grammar, s.eos_token_ids)
+            if s.params.has_processors
+            else None
+            for s in states
+        ]
+        plain = not penalised and not banned[0] and not any(processed)
+        if all(p.greedy for p in params) and plain:
             # Fast path: no copy, no softmax; argmax is exact in any float dtype. torch's CPU
             # argmax is scalar (~2 ms for 32 rows of 49K): the CPU kernel is ~10x faster.
             usable = kernels.usable(logits)
@@ -68,9 +79,15 @@ class Sampler:
                 work.index_put_((rows, cols), torch.tensor(float("-inf"), device=work.device))
             if penalised:
                 self._penalise(work, states, penalised)
+            if any(processed):
+                apply_processors(work, processed)
             token_ids = self._choose(work, states)
         logprobs = compute_logprobs(logits, token_ids, [p.logprobs for p in params])
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+        chosen = token_ids.tolist()
+        for state, token in zip(states, chosen, strict=True):
+            if state.grammar is not None:
+                state.grammar.accept(token)
+        return SamplerOutput(token_ids=chosen, logprobs=logprobs)
 
     def _penalise(self, work: Tensor, states: Sequence[SamplingState], rows: list[int]) -> None:
         every_row = len(rows) == work.shape[0]

@@ -15,6 +15,7 @@ from gearshift.worker.engine.sequence import FinishReason
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.sampling.logprobs import TokenLogprobs
 from gearshift.worker.sampling.params import SamplingParams
+from gearshift.worker.structured.grammar import spec_from_proto
 
 FINISH_REASONS = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
@@ -44,6 +45,11 @@ def sampling_params(p: common_pb2.SamplingParams) -> SamplingParams:
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
+        logit_bias=dict(p.logit_bias),
+        allowed_token_ids=tuple(p.allowed_token_ids),
+        bad_words=tuple(tuple(w.token_ids) for w in p.bad_words),
+        structured=spec_from_proto(p.structured) if p.HasField("structured") else None,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
     )
 
 
@@ -74,6 +80,7 @@ def token_logprob(lp: TokenLogprobs) -> common_pb2.TokenLogprob:
     return common_pb2.TokenLogprob(
         token_id=lp.token_id,
         logprob=lp.logprob,
+        rank=lp.rank,
         top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
     )
 
@@ -95,6 +102,8 @@ def merge_outputs(
         response.token_ids.extend(out.new_token_ids)
         if out.new_logprobs:
             response.logprobs.extend(token_logprob(lp) for lp in out.new_logprobs)
+        if out.prompt_logprobs:
+            response.prompt_logprobs.extend(token_logprob(lp) for lp in out.prompt_logprobs)
     if last.finished and last.finish_reason is not None:
         response.finish_reason = FINISH_REASONS[last.finish_reason]
     if first or last.finished:

@@ -21,7 +21,14 @@ FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens")
+    __slots__ = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens", "logit_bias", "allowed_token_ids", "bad_words", "structured", "prompt_logprobs")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +45,11 @@ class SamplingParams(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     min_tokens: int
     temperature: float
@@ -54,7 +66,38 @@ class SamplingParams(_message.Message):
     logprobs: int
     include_stop_str_in_output: bool
     skip_special_tokens: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+    logit_bias: _containers.ScalarMap[int, float]
+    allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    bad_words: _containers.RepeatedCompositeFieldContainer[TokenSequence]
+    structured: StructuredOutput
+    prompt_logprobs: int
+    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+
+class TokenSequence(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StructuredOutput(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    choice: ChoiceList
+    grammar: str
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
+
+class ChoiceList(_message.Message):
+    __slots__ = ("choices",)
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
@@ -77,13 +120,15 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., token: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
-    __slots__ = ("token_id", "logprob", "top_logprobs", "token")
+    __slots__ = ("token_id", "logprob", "top_logprobs", "token", "rank")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprob]
     token: str
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., token: _Optional[str] = ...) -> None: ...
+    rank: int
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., token: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...

@@ -27,7 +27,7 @@ from gearshift.v1 import policy_pb2 as gearshift_dot_v1_dot_policy__pb2
 from gearshift.v1 import worker_pb2 as gearshift_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19gearshift/v1/router.proto\x12\x0cgearshift.v1\x1a\x19gearshift/v1/common.proto\x1a\x19gearshift/v1/policy.proto\x1a\x19gearshift/v1/worker.proto\"\x9e\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.gearshift.v1.SamplingParams\x12\x0e\n\x06stream\x18\x05 \x01(\x08\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"\xdb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.gearshift.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.gearshift.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.gearshift.v1.Usage\x12\r\n\x05group\x18\x07 \x01(\t\"N\n\x17\x41\x64minApplyPolicyRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12$\n\x06policy\x18\x02 \x01(\x0b\x32\x14.gearshift.v1.Policy\"i\n\x10GroupApplyResult\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\x12\x0f\n\x07message\x18\x03 \x01(\t\x12$\n\x06policy\x18\x04 \x01(\x0b\x32\x14.gearshift.v1.Policy\"\\\n\x18\x41\x64minApplyPolicyResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12/\n\x07results\x18\x02 \x03(\x0b\x32\x1e.gearshift.v1.GroupApplyResult\"\x12\n\x10GetStatusRequest\"\xbe\x01\n\x0bGroupStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07serving\x18\x03 \x01(\x08\x12\x0c\n\x04gear\x18\x04 \x01(\t\x12$\n\x06policy\x18\x05 \x01(\x0b\x32\x14.gearshift.v1.Policy\x12(\n\x05stats\x18\x06 \x01(\x0b\x32\x19.gearshift.v1.WorkerStats\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x0f\n\x07message\x18\x08 \x01(\t\"H\n\x0cRouterStatus\x12)\n\x06groups\x18\x01 \x03(\x0b\x32\x19.gearshift.v1.GroupStatus\x12\r\n\x05model\x18\x02 \x01(\t\"-\n\x0c\x44rainRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0e\n\x06resume\x18\x02 \x01(\x08\"\"\n\rDrainResponse\x12\x11\n\tin_flight\x18\x01 \x01(\r2Y\n\nGeneration\x12K\n\x08Generate\x12\x1d.gearshift.v1.GenerateRequest\x1a\x1e.gearshift.v1.GenerateResponse0\x01\x32\xf0\x01\n\x05\x41\x64min\x12\\\n\x0b\x41pplyPolicy\x12%.gearshift.v1.AdminApplyPolicyRequest\x1a&.gearshift.v1.AdminApplyPolicyResponse\x12G\n\tGetStatus\x12\x1e.gearshift.v1.GetStatusRequest\x1a\x1a.gearshift.v1.RouterStatus\x12@\n\x05\x44rain\x12\x1a.gearshift.v1.DrainRequest\x1a\x1b.gearshift.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19gearshift/v1/router.proto\x12\x0cgearshift.v1\x1a\x19gearshift/v1/common.proto\x1a\x19gearshift/v1/policy.proto\x1a\x19gearshift/v1/worker.proto\"\x9e\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.gearshift.v1.SamplingParams\x12\x0e\n\x06stream\x18\x05 \x01(\x08\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"\x90\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.gearshift.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.gearshift.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.gearshift.v1.Usage\x12\r\n\x05group\x18\x07 \x01(\t\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.gearshift.v1.TokenLogprob\"N\n\x17\x41\x64minApplyPolicyRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12$\n\x06policy\x18\x02 \x01(\x0b\x32\x14.gearshift.v1.Policy\"i\n\x10GroupApplyResult\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\x12\x0f\n\x07message\x18\x03 \x01(\t\x12$\n\x06policy\x18\x04 \x01(\x0b\x32\x14.gearshift.v1.Policy\"\\\n\x18\x41\x64minApplyPolicyResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12/\n\x07results\x18\x02 \x03(\x0b\x32\x1e.gearshift.v1.GroupApplyResult\"\x12\n\x10GetStatusRequest\"\xbe\x01\n\x0bGroupStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07serving\x18\x03 \x01(\x08\x12\x0c\n\x04gear\x18\x04 \x01(\t\x12$\n\x06policy\x18\x05 \x01(\x0b\x32\x14.gearshift.v1.Policy\x12(\n\x05stats\x18\x06 \x01(\x0b\x32\x19.gearshift.v1.WorkerStats\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x0f\n\x07message\x18\x08 \x01(\t\"H\n\x0cRouterStatus\x12)\n\x06groups\x18\x01 \x03(\x0b\x32\x19.gearshift.v1.GroupStatus\x12\r\n\x05model\x18\x02 \x01(\t\"-\n\x0c\x44rainRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0e\n\x06resume\x18\x02 \x01(\x08\"\"\n\rDrainResponse\x12\x11\n\tin_flight\x18\x01 \x01(\r2Y\n\nGeneration\x12K\n\x08Generate\x12\x1d.gearshift.v1.GenerateRequest\x1a\x1e.gearshift.v1.GenerateResponse0\x01\x32\xf0\x01\n\x05\x41\x64min\x12\\\n\x0b\x41pplyPolicy\x12%.gearshift.v1.AdminApplyPolicyRequest\x1a&.gearshift.v1.AdminApplyPolicyResponse\x12G\n\tGetStatus\x12\x1e.gearshift.v1.GetStatusRequest\x1a\x1a.gearshift.v1.RouterStatus\x12@\n\x05\x44rain\x12\x1a.gearshift.v1.DrainRequest\x1a\x1b.gearshift.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,25 +37,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=125
   _globals['_GENERATEREQUEST']._serialized_end=283
   _globals['_GENERATERESPONSE']._serialized_start=286
-  _globals['_GENERATERESPONSE']._serialized_end=505
-  _globals['_ADMINAPPLYPOLICYREQUEST']._serialized_start=507
-  _globals['_ADMINAPPLYPOLICYREQUEST']._serialized_end=585
-  _globals['_GROUPAPPLYRESULT']._serialized_start=587
-  _globals['_GROUPAPPLYRESULT']._serialized_end=692
-  _globals['_ADMINAPPLYPOLICYRESPONSE']._serialized_start=694
-  _globals['_ADMINAPPLYPOLICYRESPONSE']._serialized_end=786
-  _globals['_GETSTATUSREQUEST']._serialized_start=788
-  _globals['_GETSTATUSREQUEST']._serialized_end=806
-  _globals['_GROUPSTATUS']._serialized_start=809
-  _globals['_GROUPSTATUS']._serialized_end=999
-  _globals['_ROUTERSTATUS']._serialized_start=1001
-  _globals['_ROUTERSTATUS']._serialized_end=1073
-  _globals['_DRAINREQUEST']._serialized_start=1075
-  _globals['_DRAINREQUEST']._serialized_end=1120
-  _globals['_DRAINRESPONSE']._serialized_start=1122
-  _globals['_DRAINRESPONSE']._serialized_end=1156
-  _globals['_GENERATION']._serialized_start=1158
-  _globals['_GENERATION']._serialized_end=1247
-  _globals['_ADMIN']._serialized_start=1250
-  _globals['_ADMIN']._serialized_end=1490
+  _globals['_GENERATERESPONSE']._serialized_end=558
+  _globals['_ADMINAPPLYPOLICYREQUEST']._serialized_start=560
+  _globals['_ADMINAPPLYPOLICYREQUEST']._serialized_end=638
+  _globals['_GROUPAPPLYRESULT']._serialized_start=640
+  _globals['_GROUPAPPLYRESULT']._serialized_end=745
+  _globals['_ADMINAPPLYPOLICYRESPONSE']._serialized_start=747
+  _globals['_ADMINAPPLYPOLICYRESPONSE']._serialized_end=839
+  _globals['_GETSTATUSREQUEST']._serialized_start=841
+  _globals['_GETSTATUSREQUEST']._serialized_end=859
+  _globals['_GROUPSTATUS']._serialized_start=862
+  _globals['_GROUPSTATUS']._serialized_end=1052
+  _globals['_ROUTERSTATUS']._serialized_start=1054
+  _globals['_ROUTERSTATUS']._serialized_end=1126
+  _globals['_DRAINREQUEST']._serialized_start=1128
+  _globals['_DRAINREQUEST']._serialized_end=1173
+  _globals['_DRAINRESPONSE']._serialized_start=1175
+  _globals['_DRAINRESPONSE']._serialized_end=1209
+  _globals['_GENERATION']._serialized_start=1211
+  _globals['_GENERATION']._serialized_end=1300
+  _globals['_ADMIN']._serialized_start=1303
+  _globals['_ADMIN']._serialized_end=1543
 # @@protoc_insertion_point(module_scope)

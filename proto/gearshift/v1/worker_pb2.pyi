@@ -50,20 +50,22 @@ class RequestTiming(_message.Message):
     def __init__(self, queued_time: _Optional[float] = ..., scheduled_time: _Optional[float] = ..., first_token_time: _Optional[float] = ..., finished_time: _Optional[float] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "usage", "timing")
+    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "usage", "timing", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     finish_reason: _common_pb2.FinishReason
     usage: _common_pb2.Usage
     timing: RequestTiming
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timing: _Optional[_Union[RequestTiming, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timing: _Optional[_Union[RequestTiming, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
