@@ -17,18 +17,21 @@ from typing import Any
 from gearshift.operator.reconcile import (
     names,
     render_config,
+    render_network,
     render_router,
     render_workers,
     restarts,
     rollout,
     status,
 )
+from gearshift.operator.reconcile import render_security as security
 from gearshift.operator.reconcile.admin_client import AdminClient, AdminUnavailable
 from gearshift.operator.reconcile.kube import Kube, Snapshot
 from gearshift.operator.reconcile.render_meta import is_owned_by
 from gearshift.operator.reconcile.settings import OperatorSettings
 from gearshift.operator.reconcile.spec import DeploymentSpec, SpecError, parse
 from gearshift.v1 import policy_fields, policy_pb2, router_pb2
+from gearshift.worker.server import auth
 
 # Listed once per pass; every child of these kinds carries the deployment label.
 SNAPSHOT_KINDS = [
@@ -38,6 +41,7 @@ SNAPSHOT_KINDS = [
     ("apps/v1", "Deployment"),
     ("policy/v1", "PodDisruptionBudget"),
     ("v1", "Pod"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
 ]
 
 
@@ -69,6 +73,7 @@ class Reconciler:
         admin = AdminClient(
             self.settings.admin_address_for(spec.name, spec.namespace),
             self.settings.admin_timeout_seconds,
+            await self._control_token(spec),
         )
         router, router_error = await self._router_status(admin)
         result = await self._converge(spec, admin, router, router_error, previous, now)
@@ -81,6 +86,21 @@ class Reconciler:
             previous=previous,
             now=now,
         )
+
+    async def _control_token(self, spec: DeploymentSpec) -> str:
+        """The deployment's control token, from its Secret; created (random) when missing.
+
+        Never rotated by the operator: pods read it once at start. Delete the Secret to rotate;
+        the next pass makes a new one, and pods restarted after that pick it up.
+        """
+        name = names.control_secret(spec.name)
+        secret = await self.kube.get("v1", "Secret", spec.namespace, name)
+        token = security.token_from_secret(secret) if secret is not None else ""
+        if not token:
+            token = auth.generate_token()
+            await self.kube.apply(security.control_secret(spec, token))
+            self.logger.info("created the control token Secret %s", name)
+        return token
 
     async def _router_status(
         self, admin: AdminClient
@@ -146,6 +166,7 @@ class Reconciler:
         await self.kube.apply(render_router.deployment(spec), snap)
         await self.kube.apply(render_router.service(spec), snap)
         await self.kube.apply(render_router.admin_service(spec), snap)
+        await self.kube.apply(render_network.router_policy(spec, self.settings.operator), snap)
         await self.kube.apply(render_workers.disruption_budget(spec), snap)
 
         reports, gave_up, restarting = await self._restarts(
@@ -201,6 +222,7 @@ class Reconciler:
         self, spec: DeploymentSpec, snap: Snapshot, index: int, surge: bool
     ) -> None:
         await self.kube.apply(render_workers.headless_service(spec, index), snap)
+        await self.kube.apply(render_network.worker_policy(spec, index), snap)
         pod_group = render_workers.pod_group(spec, index)
         if pod_group is not None:
             await self.kube.apply(pod_group)
@@ -242,6 +264,7 @@ class Reconciler:
             await admin.drain(group)
         await self.kube.delete("apps/v1", "StatefulSet", spec.namespace, group)
         await self.kube.delete("v1", "Service", spec.namespace, group)
+        await self.kube.delete("networking.k8s.io/v1", "NetworkPolicy", spec.namespace, group)
         pod_group = render_workers.pod_group(spec, index)
         if pod_group is not None:
             await self.kube.delete(pod_group["apiVersion"], "PodGroup", spec.namespace, group)

@@ -1,7 +1,8 @@
 """The router's configuration: router.json (the operator's contract) plus flags.
 
 router.json is documented in docs/operator.md: `{deployment, model: {name, path}, backend,
-groups: [{name, address}], policy, ports: {http, grpc, admin}, apiKeyEnv}`.
+groups: [{name, address}], policy, ports: {http, grpc, admin}, apiKeyEnv, controlTokenFile,
+protectMetrics}`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from gearshift.v1 import policy_pb2
+from gearshift.worker.server import auth
 
 
 class ConfigError(ValueError):
@@ -52,6 +54,11 @@ class RouterConfig:
     config_path: Path | None = None  # re-read for group changes (a mounted ConfigMap)
     reload_interval_s: float = 5.0
     backend: str = "worker-grpc"
+    # The deployment's control token (worker/server/auth.py): sent on every Worker call and
+    # required on every Admin call. None: neither (a router run by hand, for development).
+    control_token: str | None = None
+    # /metrics needs an API key too (Prometheus then scrapes with a bearer token).
+    protect_metrics: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def with_overrides(self, **changes: Any) -> RouterConfig:
@@ -109,6 +116,12 @@ def from_file(path: Path, env: Mapping[str, str] | None = None) -> RouterConfig:
         except json_format.ParseError as exc:
             raise ConfigError(f"{path}: invalid policy: {exc}") from exc
     ports = data.get("ports") or {}
+    token_file = data.get("controlTokenFile") or env.get(auth.TOKEN_FILE_ENV)
+    try:
+        token = auth.read_token(token_file) if token_file else None
+    except auth.TokenError as exc:
+        raise ConfigError(f"{path}: controlTokenFile: {exc}") from exc
+    keys = read_api_keys(None, None, data.get("apiKeyEnv") or None, env)
     return RouterConfig(
         model_name=str(model.get("name") or data.get("deployment") or "model"),
         model_path=str(model.get("path") or ""),
@@ -117,7 +130,9 @@ def from_file(path: Path, env: Mapping[str, str] | None = None) -> RouterConfig:
         http_port=int(ports.get("http", 8000)),
         grpc_port=int(ports.get("grpc", 50050)),
         admin_port=int(ports.get("admin", 50060)),
-        api_keys=read_api_keys(None, None, data.get("apiKeyEnv") or None, env),
+        api_keys=keys,
         config_path=path,
         backend=str(data.get("backend") or "worker-grpc"),
+        control_token=token,
+        protect_metrics=bool(data.get("protectMetrics", False)),
     )

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -28,6 +29,7 @@ from gearshift.operator.router.protocol import (
 )
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 Chunks = AsyncIterator[dict[str, Any]]
@@ -44,12 +46,13 @@ class ApiKeyMiddleware:
     wrong key is always 401, never a 400 about the body.
     """
 
-    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...], protect_metrics: bool = False) -> None:
         self.app = app
         self.keys = [k.encode() for k in keys]
+        self.prefixes = PROTECTED_PREFIXES + (("/metrics",) if protect_metrics else ())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.keys and scope["path"].startswith(PROTECTED_PREFIXES):
+        if scope["type"] == "http" and self.keys and scope["path"].startswith(self.prefixes):
             header = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = header.partition(b" ")
             token = token.strip()
@@ -87,10 +90,13 @@ def _sse(chunk: dict[str, Any]) -> str:
 
 
 async def _start_stream(
-    request: Request, run: RequestRun, render: Callable[[AsyncIterator[TokenDelta]], Chunks]
+    request: Request,
+    run: RequestRun,
+    render: Callable[[AsyncIterator[TokenDelta]], Chunks],
+    router: Router,
 ) -> Response:
     """Wait for the first token (errors before it are plain HTTP errors), then stream SSE."""
-    deltas = run.deltas()
+    deltas = router.bounded(run.deltas())
     try:
         first = await _until_disconnect(request, anext(deltas, None))
     except BaseException:
@@ -107,7 +113,7 @@ async def _start_stream(
         try:
             async for chunk in render(all_deltas()):
                 yield _sse(chunk)
-        except errors.APIError as exc:  # the group failed mid-stream: say so, then end
+        except errors.APIError as exc:  # failed or cut off mid-stream: say so, then end
             yield _sse(exc.body())
         finally:
             await deltas.aclose()
@@ -144,11 +150,14 @@ def build_app(router: Router) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
         error = errors.APIError(exc.status_code, str(exc.detail), "invalid_request_error")
-        return JSONResponse(error.body(), exc.status_code)
+        # Keeps e.g. the Allow header of a 405.
+        return JSONResponse(error.body(), exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
-        error = errors.internal(f"{type(exc).__name__}: {exc}")
+        # The details (a traceback, maybe internal addresses) go to the log only.
+        log.exception("unexpected error answering %s %s", request.method, request.url.path)
+        error = errors.internal(f"internal error ({type(exc).__name__}); see the router log")
         return JSONResponse(error.body(), 500)
 
     # ---- probes and metadata ---------------------------------------------------------------
@@ -241,11 +250,11 @@ def build_app(router: Router) -> FastAPI:
                 yield openai_format.usage_chunk(rid, created, model, "text_completion", run.result)
 
         if body.stream:
-            return await _start_stream(request, run, render)
+            return await _start_stream(request, run, render, router)
 
         async def collect() -> dict[str, Any]:
             text, acc = echo, openai_format.CompletionLogprobs()
-            async with contextlib.aclosing(run.deltas()) as deltas:
+            async with contextlib.aclosing(router.bounded(run.deltas())) as deltas:
                 async for d in deltas:
                     if want_lp and d.logprob is not None:
                         acc.add(d.logprob, len(text))
@@ -299,11 +308,11 @@ def build_app(router: Router) -> FastAPI:
                 )
 
         if body.stream:
-            return await _start_stream(request, run, render)
+            return await _start_stream(request, run, render, router)
 
         async def collect() -> dict[str, Any]:
             text, lps = "", []
-            async with contextlib.aclosing(run.deltas()) as deltas:
+            async with contextlib.aclosing(router.bounded(run.deltas())) as deltas:
                 async for d in deltas:
                     text += d.text
                     if want_lp and d.logprob is not None:

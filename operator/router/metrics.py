@@ -171,6 +171,13 @@ class RouterMetrics:
             m,
             registry=r,
         )
+        self.group_restarts = Counter(
+            "gearshift_group_restarts",
+            "Worker groups restarted after they died (gearshift serve; the operator reports "
+            "restarts in the InferenceDeployment's status).",
+            [*m, "group"],
+            registry=r,
+        )
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name, reason)
         self.registry.register(GroupCollector(model_name, groups))

@@ -18,8 +18,13 @@ class GroupPool:
     """Routes each request to the serving group with the fewest outstanding tokens."""
 
     def __init__(
-        self, max_requests_per_group: int, poll_interval_s: float, rpc_timeout_s: float
+        self,
+        max_requests_per_group: int,
+        poll_interval_s: float,
+        rpc_timeout_s: float,
+        token: str | None = None,
     ) -> None:
+        self.token = token  # the control token, for every group's Worker calls
         self.max_requests_per_group = max_requests_per_group
         self.poll_interval_s = poll_interval_s
         self.rpc_timeout_s = rpc_timeout_s
@@ -37,7 +42,7 @@ class GroupPool:
                 await self._retire(group)
         for name, spec in wanted.items():
             if name not in self.groups:
-                group = WorkerGroup(spec, self.rpc_timeout_s)
+                group = WorkerGroup(spec, self.rpc_timeout_s, self.token)
                 self.groups[name] = group
                 self._pollers[name] = asyncio.create_task(
                     group.run_poller(self.poll_interval_s), name=f"poll-{name}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from gearshift.operator.router.metrics import RouterMetrics
 from gearshift.operator.router.pool import GroupPool
 from gearshift.v1 import router_pb2_grpc
 from gearshift.worker.model.registry import resolve_model_path
+from gearshift.worker.server import auth
 from gearshift.worker.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,15 @@ class BoundPorts:
     http: int
     grpc: int | None
     admin: int | None
+
+    def as_ready(self) -> dict[str, object]:
+        """The ready file's fields (--ready-file)."""
+        return {
+            "http_port": self.http,
+            "grpc_port": self.grpc,
+            "admin_port": self.admin,
+            "pid": os.getpid(),
+        }
 
 
 def load_tokenizer(model_path: str) -> Tokenizer:
@@ -78,16 +89,22 @@ class RouterServer:
             raise config_mod.ConfigError(
                 f"backend {cfg.backend!r} is not supported by this router (only worker-grpc)"
             )
+        if cfg.protect_metrics and not cfg.api_keys:
+            raise config_mod.ConfigError(
+                "protect metrics: /metrics can only be protected by an API key, and none is set"
+            )
         tokenizer = self._tokenizer
         if tokenizer is None:
             tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model_path)
-        pool = GroupPool(cfg.max_requests_per_group, cfg.poll_interval_s, cfg.rpc_timeout_s)
+        pool = GroupPool(
+            cfg.max_requests_per_group, cfg.poll_interval_s, cfg.rpc_timeout_s, cfg.control_token
+        )
         metrics = RouterMetrics(cfg.model_name, lambda: list(pool.groups.values()))
         router = self.router = Router(cfg, tokenizer, pool, metrics)
         await pool.configure(cfg.groups)
 
         app = build_app(router)
-        app.add_middleware(ApiKeyMiddleware, keys=cfg.api_keys)
+        app.add_middleware(ApiKeyMiddleware, keys=cfg.api_keys, protect_metrics=cfg.protect_metrics)
         sock = _listen(cfg.host, cfg.http_port)
         http_port = int(sock.getsockname()[1])
         self._http = _Uvicorn(
@@ -109,7 +126,7 @@ class RouterServer:
             await server.start()
             self._grpc.append(server)
         if cfg.admin_port is not None:
-            server = grpc.aio.server()
+            server = grpc.aio.server(interceptors=auth.interceptors(cfg.control_token, "admin"))
             router_pb2_grpc.add_AdminServicer_to_server(AdminService(router), server)
             admin_port = server.add_insecure_port(f"{cfg.admin_host}:{cfg.admin_port}")
             await server.start()
@@ -143,6 +160,12 @@ class RouterServer:
                 log.info("router.json changed: %d groups", len(groups))
                 await self.router.pool.configure(groups)
             last = groups
+
+    def stop_admission(self) -> None:
+        """New requests get 503 and /ready turns false; those in flight go on."""
+        if self.router is not None and self.router.accepting:
+            log.info("no longer admitting requests")
+            self.router.accepting = False
 
     async def stop(self, drain_timeout_s: float | None = None) -> None:
         """Drain (bounded), then stop every server; safe to call twice."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from gearshift.v1 import policy_fields, policy_pb2
 from gearshift.worker.config import EngineConfig
@@ -19,7 +19,9 @@ from gearshift.worker.server.settings import WorkerSettings
 
 
 def parallel_config(
-    policy: policy_pb2.Policy, env: Mapping[str, str] | None = None
+    policy: policy_pb2.Policy,
+    env: Mapping[str, str] | None = None,
+    heartbeat_timeout_s: float | None = None,
 ) -> ParallelConfig:
     """The launcher's layout for a defaults-filled policy, rendezvous from the pod's env."""
     kind = policy_fields.kind_of(policy)
@@ -36,6 +38,13 @@ def parallel_config(
         parallel = ParallelConfig(policy="shift", tp=s.tp, sp=s.sp, shift_threshold=s.threshold)
     else:
         raise InvalidRequestError("policy", f"policy {kind!r} is not implemented by this worker")
+    if heartbeat_timeout_s is not None:
+        # Heartbeats several times per timeout, so one late beat is not a verdict.
+        parallel = replace(
+            parallel,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            heartbeat_interval_s=min(parallel.heartbeat_interval_s, heartbeat_timeout_s / 5),
+        )
     return parallel.with_environment(dict(os.environ if env is None else env))
 
 
@@ -46,9 +55,15 @@ def engine_config(settings: WorkerSettings) -> EngineConfig:
 
 def build_engine(settings: WorkerSettings) -> LLMEngine:
     """The leader's engine: model, KV cache and policy, every rank of the group joined."""
-    return start_engine(engine_config(settings), parallel_config(settings.policy))
+    return start_engine(
+        engine_config(settings),
+        parallel_config(settings.policy, heartbeat_timeout_s=settings.heartbeat_timeout_s),
+    )
 
 
 def run_follower_node(settings: WorkerSettings) -> int:
     """A non-leader pod: run its ranks until the group ends; returns the exit code."""
-    return run_node(engine_config(settings), parallel_config(settings.policy))
+    return run_node(
+        engine_config(settings),
+        parallel_config(settings.policy, heartbeat_timeout_s=settings.heartbeat_timeout_s),
+    )
