@@ -196,12 +196,14 @@ def _join_group(
         parallel.world_size,
         parallel.heartbeat_interval_s,
         parallel.heartbeat_timeout_s,
+        startup_timeout=parallel.timeout_s,
     ).start()
     try:
         state = _setup_rank(config, parallel, groups, device)
     except Exception as exc:
         watchdog.record_exit(f"{type(exc).__name__}: {exc}")
         raise
+    watchdog.mark_ready()
     state.watchdog = watchdog
     state.channel = ControlChannel(
         groups.control, keepalive_interval=min(5.0, parallel.timeout_s / 4)

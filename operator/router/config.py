@@ -48,7 +48,7 @@ class RouterConfig:
     api_keys: tuple[str, ...] = ()
     # Requests in flight per group before the router answers 429.
     max_requests_per_group: int = 512
-    poll_interval_s: float = 1.0
+    poll_interval_s: float = 0.5  # a hung group must turn /ready 503 within 5 s
     rpc_timeout_s: float = 2.0
     drain_timeout_s: float = 30.0
     config_path: Path | None = None  # re-read for group changes (a mounted ConfigMap)
