@@ -54,7 +54,7 @@ def _is_rank_of(p: psutil.Process, serve: ServeProcess) -> bool:
 
 
 def _follower_rank(serve: ServeProcess) -> psutil.Process:
-    """A follower rank: spawned by the engine process, itself a child of the group's worker process."""
+    """A follower rank: a child of the engine process, itself a child of the worker process."""
     worker = psutil.Process(serve.worker_pid(GROUP))
     for engine in worker.children():
         for rank in engine.children():
