@@ -62,7 +62,7 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger
     # The timer and the change handlers may fire together for one object; one pass at a time.
     lock = memo.setdefault("lock", asyncio.Lock())
     async with lock:
-        reconciler = Reconciler(memo["kube"], SETTINGS, logger)
+        reconciler = Reconciler(memo["kube"], SETTINGS, logger, memo.setdefault("tokens", {}))
         new_status = await reconciler.reconcile(dict(body), dt.datetime.now(dt.UTC))
     for key, value in new_status.items():
         patch.status[key] = value

@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from gearshift.operator.reconcile import (
@@ -45,11 +46,18 @@ SNAPSHOT_KINDS = [
 ]
 
 
+# Seconds a control token read from its Secret is reused before the Secret is read again.
+TOKEN_CACHE_SECONDS = 60.0
+
+
 @dataclass
 class Reconciler:
     kube: Kube
     settings: OperatorSettings
     logger: logging.Logger | logging.LoggerAdapter[logging.Logger]
+    # (namespace, name, uid) → (token, monotonic time read); shared across passes (kopf memo)
+    # so a pass does not read the Secret each time.
+    tokens: dict[tuple[str, str, str], tuple[str, float]] = field(default_factory=dict)
 
     async def reconcile(self, body: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
         """Converge the children of `body`; returns the status to write."""
@@ -93,6 +101,10 @@ class Reconciler:
         Never rotated by the operator: pods read it once at start. Delete the Secret to rotate;
         the next pass makes a new one, and pods restarted after that pick it up.
         """
+        key = (spec.namespace, spec.name, spec.uid)
+        cached = self.tokens.get(key)
+        if cached is not None and time.monotonic() - cached[1] < TOKEN_CACHE_SECONDS:
+            return cached[0]
         name = names.control_secret(spec.name)
         secret = await self.kube.get("v1", "Secret", spec.namespace, name)
         token = security.token_from_secret(secret) if secret is not None else ""
@@ -100,6 +112,7 @@ class Reconciler:
             token = auth.generate_token()
             await self.kube.apply(security.control_secret(spec, token))
             self.logger.info("created the control token Secret %s", name)
+        self.tokens[key] = (token, time.monotonic())
         return token
 
     async def _router_status(

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from gearshift.operator.router import errors
 from gearshift.operator.router.config import RouterConfig
@@ -21,8 +21,6 @@ from gearshift.operator.router.protocol import (
 )
 from gearshift.worker.tokenizer import ChatTemplateError, Tokenizer
 
-T = TypeVar("T")
-
 
 @dataclass
 class Router:
@@ -34,8 +32,8 @@ class Router:
     metrics: RouterMetrics
     accepting: bool = True  # False while draining for shutdown
     created: int = field(default_factory=lambda: int(time.time()))
-    # Set when the drain timeout has passed: requests still running end with an error.
-    cut_off: asyncio.Event = field(default_factory=asyncio.Event)
+    # Requests not yet garbage: the drain cuts off those still running at its timeout.
+    runs: weakref.WeakSet[RequestRun] = field(default_factory=weakref.WeakSet)
 
     @property
     def model_name(self) -> str:
@@ -127,49 +125,28 @@ class Router:
         )
 
     def run(self, request: PreparedRequest) -> RequestRun:
-        return RequestRun(self.pool, self.tokenizer, self.metrics, request)
-
-    async def bounded(self, deltas: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
-        """`deltas` until the drain timeout passes, then a 503 (a stream's last error event).
-
-        Closing this generator closes `deltas` (which releases the request's group lease).
-        """
-        cut = asyncio.ensure_future(self.cut_off.wait())
-        step: asyncio.Future[T] | None = None
-        try:
-            while True:
-                step = asyncio.ensure_future(anext(deltas))
-                await asyncio.wait([step, cut], return_when=asyncio.FIRST_COMPLETED)
-                if not step.done():
-                    raise errors.unavailable(
-                        "the server is shutting down and this request did not finish within "
-                        "the drain timeout"
-                    )
-                try:
-                    item = step.result()
-                except StopAsyncIteration:
-                    return
-                yield item
-        finally:
-            cut.cancel()
-            if step is not None and not step.done():
-                step.cancel()
-                await asyncio.gather(step, return_exceptions=True)
-            await deltas.aclose()
+        run = RequestRun(self.pool, self.tokenizer, self.metrics, request)
+        self.runs.add(run)
+        return run
 
     async def drain(self, timeout_s: float, cut_off_wait_s: float = 5.0) -> int:
         """Refuse new requests and wait (bounded) for those in flight; returns those left.
 
-        After `timeout_s` the requests still running are cut off (`bounded`): streams end with
-        an error event and `[DONE]`, gRPC streams with UNAVAILABLE; `cut_off_wait_s` bounds the
-        wait for them to say so.
+        After `timeout_s` the requests still running are cut off (`RequestRun.cut`): streams end
+        with an error event and `[DONE]`, gRPC streams with UNAVAILABLE, other requests with a
+        503; `cut_off_wait_s` bounds the wait for them to say so.
         """
         self.accepting = False
         deadline = time.monotonic() + timeout_s
         while self.pool.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.pool.in_flight:
-            self.cut_off.set()
+            error = errors.unavailable(
+                "the server is shutting down and this request did not finish within the drain "
+                "timeout"
+            )
+            for run in list(self.runs):
+                run.cut(error)
             deadline = time.monotonic() + cut_off_wait_s
             while self.pool.in_flight and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)

@@ -7,6 +7,7 @@ with a clear error instead, since its output cannot be replayed elsewhere.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -106,6 +107,15 @@ class RequestRun:
         self._last_token: float | None = None
         self._queue_time: float | None = None
         self._recorded = False
+        self._call: grpc.aio.UnaryStreamCall | None = None
+        self._cut: errors.APIError | None = None  # set by `cut`: the error the run ends with
+
+    def cut(self, error: errors.APIError) -> None:
+        """End the run now with `error` (the drain timeout passed): its worker call is cancelled
+        (so the worker frees the request) and its consumer gets `error` instead of more tokens."""
+        self._cut = error
+        if self._call is not None and not self._call.done():
+            self._call.cancel()
 
     def _max_tokens(self) -> int:
         s = self.request.sampling
@@ -160,15 +170,26 @@ class RequestRun:
             prompt_token_ids=req.prompt_token_ids,
             sampling=req.sampling,
         )
-        call = lease.group.stub.Generate(wire, metadata=lease.group.metadata)
+        if self._cut is not None:
+            lease.release()
+            raise self._cut
+        call = self._call = lease.group.stub.Generate(wire, metadata=lease.group.metadata)
         try:
             async for response in call:
                 for delta in self._on_response(lease, response):
                     yield delta
                     if delta.finish_reason is not None:
                         return
+                if self._cut is not None:
+                    raise self._cut
         except grpc.aio.AioRpcError as exc:
-            raise self._classify(lease, exc) from None
+            raise (self._cut or self._classify(lease, exc)) from None
+        except asyncio.CancelledError:
+            # `cut` cancelled the call (not this task, which would be cancelling): its error.
+            task = asyncio.current_task()
+            if self._cut is not None and (task is None or not task.cancelling()):
+                raise self._cut from None
+            raise
         finally:
             lease.release()
             if not call.done():

@@ -70,7 +70,7 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
             rid = request.request_id or f"gen-{uuid.uuid4().hex}"
             run = router.run(PreparedRequest(rid, ids, sampling, text))
             whole = router_pb2.GenerateResponse(request_id=rid)
-            async with contextlib.aclosing(router.bounded(run.deltas())) as deltas:
+            async with contextlib.aclosing(run.deltas()) as deltas:
                 async for d in deltas:
                     out = router_pb2.GenerateResponse(request_id=rid) if request.stream else whole
                     out.text += d.text

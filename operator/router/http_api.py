@@ -90,13 +90,10 @@ def _sse(chunk: dict[str, Any]) -> str:
 
 
 async def _start_stream(
-    request: Request,
-    run: RequestRun,
-    render: Callable[[AsyncIterator[TokenDelta]], Chunks],
-    router: Router,
+    request: Request, run: RequestRun, render: Callable[[AsyncIterator[TokenDelta]], Chunks]
 ) -> Response:
     """Wait for the first token (errors before it are plain HTTP errors), then stream SSE."""
-    deltas = router.bounded(run.deltas())
+    deltas = run.deltas()
     try:
         first = await _until_disconnect(request, anext(deltas, None))
     except BaseException:
@@ -250,11 +247,11 @@ def build_app(router: Router) -> FastAPI:
                 yield openai_format.usage_chunk(rid, created, model, "text_completion", run.result)
 
         if body.stream:
-            return await _start_stream(request, run, render, router)
+            return await _start_stream(request, run, render)
 
         async def collect() -> dict[str, Any]:
             text, acc = echo, openai_format.CompletionLogprobs()
-            async with contextlib.aclosing(router.bounded(run.deltas())) as deltas:
+            async with contextlib.aclosing(run.deltas()) as deltas:
                 async for d in deltas:
                     if want_lp and d.logprob is not None:
                         acc.add(d.logprob, len(text))
@@ -308,11 +305,11 @@ def build_app(router: Router) -> FastAPI:
                 )
 
         if body.stream:
-            return await _start_stream(request, run, render, router)
+            return await _start_stream(request, run, render)
 
         async def collect() -> dict[str, Any]:
             text, lps = "", []
-            async with contextlib.aclosing(router.bounded(run.deltas())) as deltas:
+            async with contextlib.aclosing(run.deltas()) as deltas:
                 async for d in deltas:
                     text += d.text
                     if want_lp and d.logprob is not None:

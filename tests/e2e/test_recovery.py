@@ -53,14 +53,18 @@ def _is_rank_of(p: psutil.Process, serve: ServeProcess) -> bool:
         return False
 
 
-def _follower_rank(serve: ServeProcess) -> psutil.Process:
-    """A follower rank: a child of the engine process, itself a child of the worker process."""
+def _ranks(serve: ServeProcess) -> list[psutil.Process]:
+    """Rank 0 (the engine process, a child of the group's worker process), then its followers."""
     worker = psutil.Process(serve.worker_pid(GROUP))
     for engine in worker.children():
-        for rank in engine.children():
-            if "resource_tracker" not in " ".join(rank.cmdline()):
-                return rank
-    raise AssertionError(f"no follower rank under worker {worker.pid}")
+        if "resource_tracker" in " ".join(engine.cmdline()):
+            continue
+        followers = [
+            p for p in engine.children() if "resource_tracker" not in " ".join(p.cmdline())
+        ]
+        if followers:
+            return [engine, *followers]
+    raise AssertionError(f"no engine process with followers under worker {worker.pid}")
 
 
 def _ready(serve: ServeProcess) -> int:
@@ -100,24 +104,29 @@ def _wait_back(serve: ServeProcess, old_pid: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("which", ["follower", "leader"])
 def test_a_hung_rank_turns_ready_503_within_5s_then_the_group_restarts(
-    serve_tp3: ServeProcess,
+    serve_tp3: ServeProcess, which: str
 ) -> None:
-    assert _ready(serve_tp3) == 200 and _serves(serve_tp3)
+    serve_tp3.refresh()
+    wait_for(lambda: _ready(serve_tp3) == 200, 240, "ready before the hang", 0.5)
+    assert _serves(serve_tp3)
+    before = _restarts(serve_tp3)
     old_pid = serve_tp3.worker_pid(GROUP)
-    rank = _follower_rank(serve_tp3)
+    ranks = _ranks(serve_tp3)
+    rank = ranks[1] if which == "follower" else ranks[0]
     rank.send_signal(signal.SIGSTOP)
     try:
-        # Heartbeat timeout 2.5 s, the worker notices its engine in 0.2 s, the router polls
-        # every 0.5 s: the issue's bound is 5 s.
-        wait_for(lambda: _ready(serve_tp3) == 503, 5.0, "/ready 503 after SIGSTOP", 0.1)
+        # A follower: the leader's watchdog (2.5 s heartbeat timeout). The leader: the worker
+        # process, which hears from it every 0.25 s. Then the router's 0.5 s poll.
+        wait_for(lambda: _ready(serve_tp3) == 503, 5.0, f"/ready 503 after SIGSTOP ({which})", 0.1)
     finally:
         if rank.is_running():
             rank.send_signal(signal.SIGCONT)
     _wait_back(serve_tp3, old_pid)
     assert not rank.is_running() or rank.status() == psutil.STATUS_ZOMBIE
-    assert _restarts(serve_tp3) >= 1
-    assert "restart 1" in serve_tp3.tail(50_000)
+    assert _restarts(serve_tp3) == before + 1
+    assert f"restart {int(before) + 1}" in serve_tp3.tail(100_000)
 
 
 @pytest.mark.slow
