@@ -8,11 +8,13 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import httpx
 import pytest
 
+from gearshift.operator.router import config as config_mod
 from gearshift.operator.router.config import GroupSpec, RouterConfig
 from gearshift.operator.router.server import RouterServer, load_tokenizer
 from gearshift.v1 import policy_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -246,3 +248,15 @@ def test_metrics_can_be_protected_by_the_api_key(tokenizer: Tokenizer) -> None:
         assert (await s.http.get("/health")).status_code == 200  # probes stay open
 
     run(tokenizer, scenario, api_keys=("k1",), protect_metrics=True)
+
+
+def test_router_json_names_the_token_file_and_protect_metrics(tmp_path: Path) -> None:
+    """What the operator's router pod reads: the token file from the env (the Secret mount)."""
+    token_file = auth.write_token(tmp_path / "token", "from-the-secret")
+    path = tmp_path / "router.json"
+    path.write_text(json.dumps({"model": {"name": "m", "path": "smollm2"}, "protectMetrics": True}))
+    cfg = config_mod.from_file(path, {auth.TOKEN_FILE_ENV: str(token_file)})
+    assert cfg.control_token == "from-the-secret" and cfg.protect_metrics
+    assert config_mod.from_file(path, {}).control_token is None
+    with pytest.raises(config_mod.ConfigError, match="controlTokenFile"):
+        config_mod.from_file(path, {auth.TOKEN_FILE_ENV: str(tmp_path / "missing")})
