@@ -39,6 +39,9 @@ ENV PATH=/opt/gearshift/bin:$PATH \
     HF_HOME=/home/gearshift/.cache/huggingface \
     TRITON_CACHE_DIR=/home/gearshift/.cache/triton
 RUN useradd --uid 1000 --create-home --home-dir /home/gearshift gearshift
+# Under the operator the pod runs as this user with a read-only root filesystem; what the engine
+# writes is mounted: /tmp, /var/cache/gearshift (GEARSHIFT_KERNEL_CACHE, TRITON_CACHE_DIR and
+# HF_HOME point there) and /dev/shm (docs/operator.md, "Security").
 USER 1000
 # Worker gRPC (leader) + grpc.health.v1 (every rank), torch.distributed rendezvous.
 EXPOSE 50051 29500

@@ -1,4 +1,4 @@
-"""Worker groups as child processes of `gearshift serve`: start, wait until ready, stop.
+"""Worker groups as child processes of `gearshift serve`: start, wait until ready, restart, stop.
 
 Each child runs in its own session (process group), so stopping it also stops any rank
 processes it spawned, and a Ctrl-C in the terminal reaches only `serve`, which then drains
@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,14 +123,79 @@ def stop_children(children: list[WorkerChild], timeout_s: float = 15.0) -> None:
             child.proc.wait(5)
 
 
-async def watch_children(children: list[WorkerChild]) -> None:
-    """Log a worker group that exits while serving (the router stops routing to it)."""
-    reported: set[str] = set()
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How `gearshift serve` restarts a worker group that died, as the operator does in a
+    cluster: doubling back-off, capped; the count resets once a group has served a while."""
+
+    max_restarts: int = 10  # consecutive; 0: never restart
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    settle_s: float = 60.0
+    start_timeout_s: float = 600.0
+
+    def backoff(self, restarts: int) -> float:
+        return min(self.backoff_s * 2**restarts, self.max_backoff_s)
+
+
+# Called with the group's name and its restart count when a restarted group is serving again.
+OnRestarted = Callable[[WorkerChild, int], Awaitable[None]]
+
+
+async def supervise(
+    children: list[WorkerChild],
+    respawn: Callable[[WorkerChild, int], WorkerChild],
+    policy: RestartPolicy,
+    on_restarted: OnRestarted,
+) -> None:
+    """Restart each child that exits (bounded back-off); replaces it in `children` in place."""
+    await asyncio.gather(
+        *(_supervise_one(children, i, respawn, policy, on_restarted) for i in range(len(children)))
+    )
+
+
+async def _supervise_one(
+    children: list[WorkerChild],
+    index: int,
+    respawn: Callable[[WorkerChild, int], WorkerChild],
+    policy: RestartPolicy,
+    on_restarted: OnRestarted,
+) -> None:
+    restarts, total, started = 0, 0, time.monotonic()
+    never = asyncio.Event()  # wait_ready's stop: cancelling this task is how serve stops
     while True:
-        for child in children:
-            if not child.alive and child.name not in reported:
-                reported.add(child.name)
-                log.warning(
-                    "worker group %s exited with code %s", child.name, child.proc.returncode
-                )
-        await asyncio.sleep(0.5)
+        child = children[index]
+        while child.alive:
+            await asyncio.sleep(0.2)
+        if time.monotonic() - started > policy.settle_s:
+            restarts = 0
+        if restarts >= policy.max_restarts:
+            log.error(
+                "worker group %s exited with code %s; not restarting it (%d restarts in a row, "
+                "the limit)",
+                child.name,
+                child.proc.returncode,
+                restarts,
+            )
+            return
+        delay = policy.backoff(restarts)
+        restarts, total = restarts + 1, total + 1
+        log.warning(
+            "worker group %s exited with code %s; restart %d in %.0f s",
+            child.name,
+            child.proc.returncode,
+            total,
+            delay,
+        )
+        await asyncio.sleep(delay)
+        _signal_group(child, signal.SIGKILL)  # ranks the dead leader left behind
+        fresh = children[index] = respawn(child, total)
+        started = time.monotonic()
+        try:
+            await wait_ready([fresh], policy.start_timeout_s, never)
+        except ChildFailed as exc:
+            log.warning("restart %d of worker group %s failed: %s", total, child.name, exc)
+            _signal_group(fresh, signal.SIGKILL)
+            continue
+        log.info("worker group %s is back (restart %d) on %s", fresh.name, total, fresh.address)
+        await on_restarted(fresh, total)

@@ -29,7 +29,18 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", default=None, help="repeatable")
     p.add_argument("--api-key-file", default=None, help="one key per line")
     p.add_argument("--max-requests-per-group", type=int, default=None)
-    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may finish on SIGTERM; streams still running after "
+        "it end with an error event",
+    )
+    p.add_argument(
+        "--protect-metrics",
+        action="store_true",
+        help="/metrics needs an API key too (default: open, as Prometheus expects)",
+    )
     p.add_argument("--ready-file", type=Path, default=None, help="write the bound ports (JSON)")
 
 
@@ -67,16 +78,9 @@ async def serve_until_signal(
             loop.add_signal_handler(sig, stop.set)
     try:
         ports = await server.start()
-        write_ready(
-            ready_file,
-            {
-                "http_port": ports.http,
-                "grpc_port": ports.grpc,
-                "admin_port": ports.admin,
-                "pid": os.getpid(),
-                **extra,
-            },
-        )
+        # preStop: stop admission first (503, /ready false); SIGTERM then drains.
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, server.stop_admission)
+        write_ready(ready_file, {**ports.as_ready(), **extra})
         await stop.wait()
         log.info("stopping: draining in-flight requests")
     finally:
@@ -101,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
             max_requests_per_group=args.max_requests_per_group,
             drain_timeout_s=args.drain_timeout,
             api_keys=(*cfg.api_keys, *keys) or None,
+            protect_metrics=args.protect_metrics or None,
         )
         if args.grpc_port is not None:
             cfg = dataclasses.replace(cfg, grpc_port=port_flag(args.grpc_port))

@@ -16,8 +16,14 @@ from pathlib import Path
 
 from gearshift.operator.commands import children as kids
 from gearshift.operator.commands.layout import choose_serve_layout, model_heads
-from gearshift.operator.commands.router import add_router_args, port_flag, serve_until_signal
+from gearshift.operator.commands.router import (
+    add_router_args,
+    port_flag,
+    serve_until_signal,
+    write_ready,
+)
 from gearshift.worker.policies.flags import add_policy_args
+from gearshift.worker.server import auth
 from gearshift.worker.server.settings import add_engine_args
 
 log = logging.getLogger(__name__)
@@ -46,6 +52,25 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--groups", type=int, default=1, help="worker groups (replicas)")
     p.add_argument("--worker-start-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--max-group-restarts",
+        type=int,
+        default=10,
+        help="restarts in a row of a worker group that dies (back-off 1 s doubling to 30 s); "
+        "0: never restart",
+    )
+    p.add_argument(
+        "--control-token-file",
+        default=None,
+        help="the token internal calls carry (Admin, router → workers); default: a new random "
+        "one per run, named in the ready file",
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=None,
+        help="seconds without a rank's heartbeat before its group stops (and restarts)",
+    )
     add_router_args(p)
     p.set_defaults(func=run)
 
@@ -116,6 +141,8 @@ def _worker_args(args: argparse.Namespace, engine_json: Path, ranks: int) -> lis
         out += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
     if not args.enable_prefix_caching:
         out.append("--no-enable-prefix-caching")
+    if args.heartbeat_timeout is not None:
+        out += ["--heartbeat-timeout", str(args.heartbeat_timeout)]
     return out
 
 
@@ -151,6 +178,10 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
         return 2
     if args.groups < 1:
         problems.append("--groups must be >= 1")
+    if args.max_group_restarts < 0:
+        problems.append(f"--max-group-restarts must be >= 0, got {args.max_group_restarts}")
+    if args.heartbeat_timeout is not None and args.heartbeat_timeout <= 0:
+        problems.append(f"--heartbeat-timeout must be > 0, got {args.heartbeat_timeout}")
     for flag in ("num_threads", "prefill_threads"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -191,15 +222,50 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    worker_args = _worker_args(args, engine_json, ranks)
+    # The control token: the router sends it to the workers, Admin requires it (auth.py).
+    try:
+        token = (
+            auth.read_token(args.control_token_file)
+            if args.control_token_file
+            else auth.generate_token()
+        )
+    except auth.TokenError as exc:
+        print(f"error: --control-token-file: {exc}", file=sys.stderr)
+        return 2
+    token_file = auth.write_token(workdir / "control.token", token)
+    worker_args = [*_worker_args(args, engine_json, ranks), "--control-token-file", str(token_file)]
     children = [
         kids.spawn_worker(f"{args.name}-g{i}", worker_args, workdir / f"g{i}.ready")
         for i in range(args.groups)
     ]
+    server: RouterServer | None = None
+
+    def ready_extra() -> dict[str, object]:
+        groups = [{"name": c.name, "address": c.address, "pid": c.proc.pid} for c in children]
+        return {"groups": groups, "control_token_file": str(token_file)}
+
+    def respawn(old: kids.WorkerChild, restart: int) -> kids.WorkerChild:
+        ready = workdir / f"{old.name}.r{restart}.ready"
+        return kids.spawn_worker(old.name, worker_args, ready)
+
+    async def restarted(child: kids.WorkerChild, restart: int) -> None:
+        if server is None or server.router is None:
+            return
+        router = server.router
+        router.metrics.group_restarts.labels(router.model_name, child.name).inc()
+        await router.pool.configure(
+            [config_mod.GroupSpec(c.name, c.address) for c in children if c.port is not None]
+        )
+        if server.ports is not None:
+            write_ready(args.ready_file, {**server.ports.as_ready(), **ready_extra()})
+
+    restart_policy = kids.RestartPolicy(
+        max_restarts=args.max_group_restarts, start_timeout_s=args.worker_start_timeout
+    )
     watcher: asyncio.Task[None] | None = None
     try:
         await kids.wait_ready(children, args.worker_start_timeout, stop)
-        watcher = asyncio.create_task(kids.watch_children(children))
+        watcher = asyncio.create_task(kids.supervise(children, respawn, restart_policy, restarted))
         cfg = config_mod.RouterConfig(
             model_name=served,
             model_path=model,
@@ -213,11 +279,12 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
             api_keys=keys,
             max_requests_per_group=max_requests_per_group(args),
             drain_timeout_s=args.drain_timeout,
+            control_token=token,
+            protect_metrics=args.protect_metrics,
         )
-        groups = [{"name": c.name, "address": c.address, "pid": c.proc.pid} for c in children]
-        extra: dict[str, object] = {"groups": groups}
+        server = RouterServer(cfg)
         if not stop.is_set():
-            await serve_until_signal(RouterServer(cfg), args.ready_file, extra, stop)
+            await serve_until_signal(server, args.ready_file, ready_extra(), stop)
     except kids.ChildFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import grpc
 
 from gearshift.v1 import policy_pb2, router_pb2, router_pb2_grpc
+from gearshift.worker.server import auth
 
 
 class AdminUnavailable(RuntimeError):
@@ -23,13 +24,20 @@ class AdminClient:
 
     address: str
     timeout_seconds: float = 3.0
+    token: str | None = None  # the deployment's control token (worker/server/auth.py)
+
+    @property
+    def _metadata(self) -> auth.Metadata | None:
+        return auth.call_metadata(self.token)
 
     async def get_status(self) -> router_pb2.RouterStatus:
         async with grpc.aio.insecure_channel(self.address) as channel:
             stub = router_pb2_grpc.AdminStub(channel)
             try:
                 return await stub.GetStatus(
-                    router_pb2.GetStatusRequest(), timeout=self.timeout_seconds
+                    router_pb2.GetStatusRequest(),
+                    timeout=self.timeout_seconds,
+                    metadata=self._metadata,
                 )
             except grpc.aio.AioRpcError as exc:
                 raise AdminUnavailable(
@@ -43,7 +51,9 @@ class AdminClient:
             stub = router_pb2_grpc.AdminStub(channel)
             request = router_pb2.AdminApplyPolicyRequest(group=group, policy=policy)
             try:
-                return await stub.ApplyPolicy(request, timeout=self.timeout_seconds)
+                return await stub.ApplyPolicy(
+                    request, timeout=self.timeout_seconds, metadata=self._metadata
+                )
             except grpc.aio.AioRpcError as exc:
                 raise AdminUnavailable(
                     f"{self.address}: {exc.code().name} {exc.details()}"
@@ -55,7 +65,9 @@ class AdminClient:
             stub = router_pb2_grpc.AdminStub(channel)
             request = router_pb2.DrainRequest(group=group, resume=resume)
             try:
-                response = await stub.Drain(request, timeout=self.timeout_seconds)
+                response = await stub.Drain(
+                    request, timeout=self.timeout_seconds, metadata=self._metadata
+                )
             except grpc.aio.AioRpcError as exc:
                 raise AdminUnavailable(
                     f"{self.address}: {exc.code().name} {exc.details()}"

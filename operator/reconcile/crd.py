@@ -169,6 +169,27 @@ def spec_schema(policy: dict[str, Any]) -> dict[str, Any]:
                         required=["name"],
                     ),
                     "resources": {**_FREE, "description": "Router container resources."},
+                    "allowedClients": {
+                        "type": "array",
+                        "items": _FREE,
+                        "description": "NetworkPolicy peers (podSelector, namespaceSelector, "
+                        "ipBlock) that may reach the client ports (HTTP, gRPC). Empty: everyone. "
+                        "Worker and Admin ports are always closed to everything but the "
+                        "deployment's own pods and the operator.",
+                    },
+                    "protectMetrics": {
+                        "type": "boolean",
+                        "default": False,
+                        "description": "Require the API key on /metrics too (default: open, "
+                        "as Prometheus expects). Needs apiKeySecret.",
+                    },
+                    "drainTimeoutSeconds": _int(
+                        "On shutdown, seconds in-flight requests may finish; streams still "
+                        "running then end with an error event. Pods get this plus a margin as "
+                        "their termination grace period.",
+                        minimum=0,
+                        default=spec.DEFAULT_DRAIN_TIMEOUT_SECONDS,
+                    ),
                 },
                 "The request router (OpenAI HTTP, gRPC, admin API).",
                 default={},

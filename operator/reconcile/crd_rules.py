@@ -94,6 +94,13 @@ def layout_rules() -> list[dict[str, Any]]:
             ".images",
         ),
         (
+            "!has(self.router) || !has(self.router.protectMetrics) || "
+            "!self.router.protectMetrics || has(self.router.apiKeySecret)",
+            "router.protectMetrics: needs router.apiKeySecret (/metrics is protected by the "
+            "API key)",
+            ".router.protectMetrics",
+        ),
+        (
             f"self.engine == 'vllm' || !has({st}) || {_opt(f'{st}.dp', '1')} == 1",
             "policy.static.dp: the gearshift engine needs 1; scale out with replicas",
             ".policy.static.dp",

@@ -35,6 +35,7 @@ _CHILD_KINDS = (
     ("v1", "ConfigMap"),
     ("policy/v1", "PodDisruptionBudget"),
     ("v1", "Pod"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
 )
 
 
@@ -61,7 +62,7 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger
     # The timer and the change handlers may fire together for one object; one pass at a time.
     lock = memo.setdefault("lock", asyncio.Lock())
     async with lock:
-        reconciler = Reconciler(memo["kube"], SETTINGS, logger)
+        reconciler = Reconciler(memo["kube"], SETTINGS, logger, memo.setdefault("tokens", {}))
         new_status = await reconciler.reconcile(dict(body), dt.datetime.now(dt.UTC))
     for key, value in new_status.items():
         patch.status[key] = value
@@ -98,4 +99,6 @@ async def on_delete(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> 
         ):
             if is_owned_by(obj, spec) or kind == "Pod":
                 await kube.delete(api_version, kind, spec.namespace, obj["metadata"]["name"])
+    # By name: the operator may not list Secrets.
+    await kube.delete("v1", "Secret", spec.namespace, names.control_secret(spec.name))
     logger.info("deleted the children of %s/%s", spec.namespace, spec.name)

@@ -39,6 +39,20 @@ ENGINE_CONFIG = f"{CONFIG_DIR}/engine.json"
 ROUTER_CONFIG = f"{CONFIG_DIR}/router.json"
 PVC_MOUNT = "/mnt/model"
 HF_MOUNT = "/mnt/hf"  # hf:// downloads (the init container writes, the server reads)
+# The control token (worker/server/auth.py): a key of the deployment's Secret, mounted as a file.
+CONTROL_TOKEN_KEY = "token"
+CONTROL_TOKEN_DIR = "/etc/gearshift-control"
+CONTROL_TOKEN_FILE = f"{CONTROL_TOKEN_DIR}/{CONTROL_TOKEN_KEY}"
+# Writable paths under a read-only root filesystem (emptyDirs).
+TMP_DIR = "/tmp"
+CACHE_DIR = "/var/cache/gearshift"  # compiled CPU kernels, Triton, Hugging Face
+WORKER_UID = 1000  # the worker image's user (docker/worker.Dockerfile)
+ROUTER_UID = 65532  # the operator/router image's user (docker/operator.Dockerfile)
+# Seconds a preStop hook waits after it stopped admission, so endpoints and the router's poll
+# see the pod go unready before SIGTERM starts the drain.
+PRESTOP_SECONDS = 5
+# Beyond preStop + drain: for the servers to close and the last error events to be written.
+GRACE_MARGIN_SECONDS = 15
 
 WORKER_HEALTH_SERVICE = "gearshift.v1.Worker"
 
@@ -58,6 +72,11 @@ def router_name(name: str) -> str:
 
 def router_admin_service(name: str) -> str:
     return f"{name}-router-admin"
+
+
+def control_secret(name: str) -> str:
+    """The Secret holding the deployment's control token."""
+    return f"{name}-control-token"
 
 
 def pdb_name(name: str) -> str:

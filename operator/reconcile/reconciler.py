@@ -11,18 +11,21 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from gearshift.operator.reconcile import (
     names,
     render_config,
+    render_network,
     render_router,
     render_workers,
     restarts,
     rollout,
     status,
 )
+from gearshift.operator.reconcile import render_security as security
 from gearshift.operator.reconcile.admin_client import AdminClient, AdminUnavailable
 from gearshift.operator.reconcile.kube import Kube, Snapshot
 from gearshift.operator.reconcile.render_meta import is_owned_by
@@ -31,6 +34,7 @@ from gearshift.operator.reconcile.spec import DeploymentSpec, SpecError, parse
 from gearshift.v1 import policy_fields, policy_pb2, router_pb2
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.policies.support import check_runnable
+from gearshift.worker.server import auth
 
 # Listed once per pass; every child of these kinds carries the deployment label.
 SNAPSHOT_KINDS = [
@@ -40,7 +44,12 @@ SNAPSHOT_KINDS = [
     ("apps/v1", "Deployment"),
     ("policy/v1", "PodDisruptionBudget"),
     ("v1", "Pod"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
 ]
+
+
+# Seconds a control token read from its Secret is reused before the Secret is read again.
+TOKEN_CACHE_SECONDS = 60.0
 
 
 @dataclass
@@ -48,6 +57,9 @@ class Reconciler:
     kube: Kube
     settings: OperatorSettings
     logger: logging.Logger | logging.LoggerAdapter[logging.Logger]
+    # (namespace, name, uid) → (token, monotonic time read); shared across passes (kopf memo)
+    # so a pass does not read the Secret each time.
+    tokens: dict[tuple[str, str, str], tuple[str, float]] = field(default_factory=dict)
 
     async def reconcile(self, body: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
         """Converge the children of `body`; returns the status to write."""
@@ -71,6 +83,7 @@ class Reconciler:
         admin = AdminClient(
             self.settings.admin_address_for(spec.name, spec.namespace),
             self.settings.admin_timeout_seconds,
+            await self._control_token(spec),
         )
         router, router_error = await self._router_status(admin)
         result = await self._converge(spec, admin, router, router_error, previous, now)
@@ -83,6 +96,26 @@ class Reconciler:
             previous=previous,
             now=now,
         )
+
+    async def _control_token(self, spec: DeploymentSpec) -> str:
+        """The deployment's control token, from its Secret; created (random) when missing.
+
+        Never rotated by the operator: pods read it once at start. Delete the Secret to rotate;
+        the next pass makes a new one, and pods restarted after that pick it up.
+        """
+        key = (spec.namespace, spec.name, spec.uid)
+        cached = self.tokens.get(key)
+        if cached is not None and time.monotonic() - cached[1] < TOKEN_CACHE_SECONDS:
+            return cached[0]
+        name = names.control_secret(spec.name)
+        secret = await self.kube.get("v1", "Secret", spec.namespace, name)
+        token = security.token_from_secret(secret) if secret is not None else ""
+        if not token:
+            token = auth.generate_token()
+            await self.kube.apply(security.control_secret(spec, token))
+            self.logger.info("created the control token Secret %s", name)
+        self.tokens[key] = (token, time.monotonic())
+        return token
 
     async def _router_status(
         self, admin: AdminClient
@@ -148,6 +181,7 @@ class Reconciler:
         await self.kube.apply(render_router.deployment(spec), snap)
         await self.kube.apply(render_router.service(spec), snap)
         await self.kube.apply(render_router.admin_service(spec), snap)
+        await self.kube.apply(render_network.router_policy(spec, self.settings.operator), snap)
         await self.kube.apply(render_workers.disruption_budget(spec), snap)
 
         reports, gave_up, restarting = await self._restarts(
@@ -203,6 +237,7 @@ class Reconciler:
         self, spec: DeploymentSpec, snap: Snapshot, index: int, surge: bool
     ) -> None:
         await self.kube.apply(render_workers.headless_service(spec, index), snap)
+        await self.kube.apply(render_network.worker_policy(spec, index), snap)
         pod_group = render_workers.pod_group(spec, index)
         if pod_group is not None:
             await self.kube.apply(pod_group)
@@ -244,6 +279,7 @@ class Reconciler:
             await admin.drain(group)
         await self.kube.delete("apps/v1", "StatefulSet", spec.namespace, group)
         await self.kube.delete("v1", "Service", spec.namespace, group)
+        await self.kube.delete("networking.k8s.io/v1", "NetworkPolicy", spec.namespace, group)
         pod_group = render_workers.pod_group(spec, index)
         if pod_group is not None:
             await self.kube.delete(pod_group["apiVersion"], "PodGroup", spec.namespace, group)

@@ -84,6 +84,7 @@ def router_config(spec: DeploymentSpec, indices: list[int], cluster_domain: str)
             "admin": names.ROUTER_ADMIN_PORT,
         },
         "apiKeyEnv": "GEARSHIFT_API_KEY" if spec.router.api_key_secret else "",
+        "protectMetrics": spec.router.protect_metrics,
     }
 
 

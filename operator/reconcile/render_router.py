@@ -10,6 +10,7 @@ import copy
 from typing import Any
 
 from gearshift.operator.reconcile import names, render_model
+from gearshift.operator.reconcile import render_security as security
 from gearshift.operator.reconcile.render_meta import child_metadata
 from gearshift.operator.reconcile.spec import DeploymentSpec
 
@@ -21,6 +22,7 @@ def _router_labels(spec: DeploymentSpec) -> dict[str, str]:
 def deployment(spec: DeploymentSpec) -> dict[str, Any]:
     env: list[dict[str, Any]] = [
         {"name": "GEARSHIFT_CONFIG", "value": names.ROUTER_CONFIG},
+        security.token_env(),
         # The tokenizer cache must be writable under a read-only root filesystem.
         {"name": "HF_HOME", "value": "/tmp/hf"},
     ]
@@ -38,11 +40,13 @@ def deployment(spec: DeploymentSpec) -> dict[str, Any]:
         )
     mounts = [
         {"name": "config", "mountPath": names.CONFIG_DIR, "readOnly": True},
-        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "tmp", "mountPath": names.TMP_DIR},
+        security.token_mount(),
     ]
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": names.config_map_name(spec.name)}},
         {"name": "tmp", "emptyDir": {}},
+        security.token_volume(spec),
     ]
     # The router loads the tokenizer from the same folder as the weights (hf://: its own
     # tokenizer-only download).
@@ -56,7 +60,13 @@ def deployment(spec: DeploymentSpec) -> dict[str, Any]:
         "image": spec.images.router,
         "imagePullPolicy": spec.images.pull_policy,
         "command": ["gearshift"],
-        "args": ["router", "--config", names.ROUTER_CONFIG],
+        "args": [
+            "router",
+            "--config",
+            names.ROUTER_CONFIG,
+            "--drain-timeout",
+            str(spec.router.drain_timeout_seconds),
+        ],
         "env": env,
         "ports": [
             {"name": "http", "containerPort": names.ROUTER_HTTP_PORT},
@@ -67,19 +77,18 @@ def deployment(spec: DeploymentSpec) -> dict[str, Any]:
         "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},
         "resources": copy.deepcopy(spec.router.resources),
         "volumeMounts": mounts,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "readOnlyRootFilesystem": True,
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": security.container_security(read_only_root=True, non_root=True),
+        "lifecycle": security.stop_admission_hook(signal_pid1=True),
     }
     pod: dict[str, Any] = {
         "enableServiceLinks": False,
+        # The router never calls the Kubernetes API (router.json arrives as a mounted file).
+        "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": security.grace_period_seconds(spec),
         "containers": [container],
         "volumes": volumes,
         **({"initContainers": [fetch]} if fetch is not None else {}),
-        "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": security.pod_security(names.ROUTER_UID),
     }
     if spec.images.pull_secrets:
         pod["imagePullSecrets"] = [{"name": s} for s in spec.images.pull_secrets]

@@ -12,6 +12,7 @@ import copy
 from typing import Any
 
 from gearshift.operator.reconcile import names, render_config, render_model
+from gearshift.operator.reconcile import render_security as security
 from gearshift.operator.reconcile.render_meta import child_metadata
 from gearshift.operator.reconcile.spec import DeploymentSpec
 
@@ -81,12 +82,23 @@ def _container(spec: DeploymentSpec, index: int, cluster_domain: str) -> dict[st
     model_mount = render_model.mount(spec)
     if model_mount is not None:
         mounts.append(model_mount)
+    gearshift = spec.engine != "vllm"
+    env = _env(spec, index, cluster_domain)
+    if gearshift:
+        # Read-only root: the engine writes only to /tmp, the cache mount and /dev/shm.
+        mounts += [*security.scratch_mounts(), security.token_mount()]
+        env = [security.token_env(), *security.cache_env(), *env]
     container: dict[str, Any] = {
         "name": "worker",
         "imagePullPolicy": spec.images.pull_policy,
-        "env": _env(spec, index, cluster_domain),
+        "env": env,
         "resources": resources,
         "volumeMounts": mounts,
+        # vLLM's image runs as root and writes under its home: only what it allows is set.
+        "securityContext": security.container_security(
+            read_only_root=gearshift, non_root=gearshift
+        ),
+        "lifecycle": security.stop_admission_hook(signal_pid1=gearshift),
     }
     if spec.engine == "vllm":
         container |= {
@@ -103,7 +115,13 @@ def _container(spec: DeploymentSpec, index: int, cluster_domain: str) -> dict[st
         container |= {
             "image": spec.images.worker,
             "command": ["gearshift"],
-            "args": ["worker", "--config", names.ENGINE_CONFIG],
+            "args": [
+                "worker",
+                "--config",
+                names.ENGINE_CONFIG,
+                "--drain-timeout",
+                str(spec.router.drain_timeout_seconds),
+            ],
             "ports": [
                 {"name": "grpc", "containerPort": names.WORKER_GRPC_PORT},
                 {"name": "dist", "containerPort": names.WORKER_DIST_PORT},
@@ -126,14 +144,21 @@ def pod_template(spec: DeploymentSpec, index: int, cluster_domain: str) -> dict[
         **names.group_selector(spec.name, index),
         names.LABEL_GROUP_INDEX: str(index),
     }
+    gearshift = spec.engine != "vllm"
     pod: dict[str, Any] = {
         "enableServiceLinks": False,
+        # Workers never call the Kubernetes API.
+        "automountServiceAccountToken": False,
+        "securityContext": security.pod_security(names.WORKER_UID if gearshift else None),
+        "terminationGracePeriodSeconds": security.grace_period_seconds(spec),
         "containers": [_container(spec, index, cluster_domain)],
         "volumes": [
             {"name": "config", "configMap": {"name": names.config_map_name(spec.name)}},
             {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.group.shm_size}},
         ],
     }
+    if gearshift:
+        pod["volumes"] += [*security.scratch_volumes(), security.token_volume(spec)]
     model_volume, fetch = render_model.volume(spec), render_model.fetch_container(spec)
     if model_volume is not None:
         pod["volumes"].append(model_volume)

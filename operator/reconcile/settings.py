@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gearshift.operator.reconcile import names
+from gearshift.operator.reconcile.render_network import OperatorPeer
 
 DEFAULT_ADMIN_ADDRESS = "{router_admin}.{namespace}.svc.{cluster_domain}:{port}"
 
@@ -19,6 +20,9 @@ class OperatorSettings:
     admin_timeout_seconds: float = 3.0
     # Level-triggered resync: every pass re-reads children, router status and pods.
     resync_seconds: float = 10.0
+    # Who may call each router's Admin API (its NetworkPolicy): the operator's namespace and
+    # pod labels, from the chart.
+    operator: OperatorPeer = field(default_factory=OperatorPeer)
 
     def admin_address_for(self, name: str, namespace: str) -> str:
         return self.admin_address.format(
@@ -37,4 +41,19 @@ class OperatorSettings:
             admin_address=e.get("GEARSHIFT_ROUTER_ADMIN_ADDRESS", DEFAULT_ADMIN_ADDRESS),
             admin_timeout_seconds=float(e.get("GEARSHIFT_ADMIN_TIMEOUT_SECONDS", "3")),
             resync_seconds=float(e.get("GEARSHIFT_RESYNC_SECONDS", "10")),
+            operator=OperatorPeer(
+                namespace=e.get("GEARSHIFT_OPERATOR_NAMESPACE", ""),
+                labels=parse_labels(e.get("GEARSHIFT_OPERATOR_LABELS", "")),
+            ),
         )
+
+
+def parse_labels(text: str) -> dict[str, str]:
+    """`k=v,k2=v2` (a label selector's equality form) into a dict."""
+    out = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"GEARSHIFT_OPERATOR_LABELS: {item!r} is not key=value")
+        out[key.strip()] = value.strip()
+    return out

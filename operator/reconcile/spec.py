@@ -21,6 +21,7 @@ DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
 DEFAULT_SHM_SIZE = "8Gi"
 DEFAULT_ROUTER_PORT = 8000
 DEFAULT_ROUTER_GRPC_PORT = 50050
+DEFAULT_DRAIN_TIMEOUT_SECONDS = 30
 DEFAULT_BACKOFF_SECONDS = 10
 DEFAULT_MAX_BACKOFF_SECONDS = 300
 DEFAULT_MAX_RESTARTS = 10
@@ -112,6 +113,10 @@ class RouterSpec:
     api_key_secret: str = ""
     api_key_key: str = "api-key"
     resources: dict[str, Any] = field(default_factory=dict)
+    # NetworkPolicy peers that may reach the client ports; empty: everyone.
+    allowed_clients: tuple[dict[str, Any], ...] = ()
+    protect_metrics: bool = False
+    drain_timeout_seconds: int = DEFAULT_DRAIN_TIMEOUT_SECONDS
 
 
 @dataclass(frozen=True)
@@ -248,6 +253,9 @@ def parse(body: dict[str, Any]) -> DeploymentSpec:
             api_key_secret=key.get("name", ""),
             api_key_key=key.get("key", "api-key"),
             resources=dict(r.get("resources", {})),
+            allowed_clients=tuple(r.get("allowedClients", [])),
+            protect_metrics=bool(r.get("protectMetrics", False)),
+            drain_timeout_seconds=int(r.get("drainTimeoutSeconds", DEFAULT_DRAIN_TIMEOUT_SECONDS)),
         ),
         scheduling=Scheduling(
             node_selector=dict(s.get("nodeSelector", {})),
@@ -292,3 +300,8 @@ def _check(spec: DeploymentSpec) -> None:
         raise SpecError("spec.model: revision, hfTokenSecret and cache apply to hf:// sources only")
     if not spec.images.router or (spec.engine == "gearshift" and not spec.images.worker):
         raise SpecError("spec.images: worker and router images are required")
+    if spec.router.protect_metrics and not spec.router.api_key_secret:
+        raise SpecError(
+            "spec.router.protectMetrics: /metrics is protected by the API key, so "
+            "spec.router.apiKeySecret is required"
+        )

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 class AdminService(router_pb2_grpc.AdminServicer):
-    """What the operator (and people) call; no API key: it listens behind a ClusterIP."""
+    """What the operator (and people) call, with the deployment's control token (auth.py)."""
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -49,7 +49,9 @@ class AdminService(router_pb2_grpc.AdminServicer):
             )
         try:
             response = await group.stub.ApplyPolicy(
-                worker_pb2.ApplyPolicyRequest(policy=policy), timeout=group.rpc_timeout_s
+                worker_pb2.ApplyPolicyRequest(policy=policy),
+                timeout=group.rpc_timeout_s,
+                metadata=group.metadata,
             )
         except grpc.aio.AioRpcError as exc:
             return router_pb2.GroupApplyResult(

@@ -1,8 +1,8 @@
 """The router's configuration: router.json (the operator's contract) plus flags.
 
 router.json is documented in docs/operator.md: `{deployment, model: {name, path}, backend,
-groups: [{name, address}], policy, ports: {http, grpc, admin}, apiKeyEnv}`; backend is
-worker-grpc or openai-http.
+groups: [{name, address}], policy, ports: {http, grpc, admin}, apiKeyEnv, controlTokenFile,
+protectMetrics}`; backend is worker-grpc or openai-http.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from gearshift.v1 import policy_pb2
+from gearshift.worker.server import auth
 
 # How the router reaches its groups: gearshift.v1.Worker over gRPC, or OpenAI HTTP (vLLM pods).
 BACKENDS = ("worker-grpc", "openai-http")
@@ -50,12 +51,17 @@ class RouterConfig:
     api_keys: tuple[str, ...] = ()
     # Requests in flight per group before the router answers 429.
     max_requests_per_group: int = 512
-    poll_interval_s: float = 1.0
+    poll_interval_s: float = 0.5  # a hung group must turn /ready 503 within 5 s
     rpc_timeout_s: float = 2.0
     drain_timeout_s: float = 30.0
     config_path: Path | None = None  # re-read for group changes (a mounted ConfigMap)
     reload_interval_s: float = 5.0
     backend: str = "worker-grpc"
+    # The deployment's control token (worker/server/auth.py): sent on every Worker call and
+    # required on every Admin call. None: neither (a router run by hand, for development).
+    control_token: str | None = None
+    # /metrics needs an API key too (Prometheus then scrapes with a bearer token).
+    protect_metrics: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def with_overrides(self, **changes: Any) -> RouterConfig:
@@ -116,6 +122,12 @@ def from_file(path: Path, env: Mapping[str, str] | None = None) -> RouterConfig:
     backend = str(data.get("backend") or "worker-grpc")
     if backend not in BACKENDS:
         raise ConfigError(f"{path}: backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    token_file = data.get("controlTokenFile") or env.get(auth.TOKEN_FILE_ENV)
+    try:
+        token = auth.read_token(token_file) if token_file else None
+    except auth.TokenError as exc:
+        raise ConfigError(f"{path}: controlTokenFile: {exc}") from exc
+    keys = read_api_keys(None, None, data.get("apiKeyEnv") or None, env)
     return RouterConfig(
         model_name=str(model.get("name") or data.get("deployment") or "model"),
         model_path=str(model.get("path") or ""),
@@ -124,7 +136,9 @@ def from_file(path: Path, env: Mapping[str, str] | None = None) -> RouterConfig:
         http_port=int(ports.get("http", 8000)),
         grpc_port=int(ports.get("grpc", 50050)),
         admin_port=int(ports.get("admin", 50060)),
-        api_keys=read_api_keys(None, None, data.get("apiKeyEnv") or None, env),
+        api_keys=keys,
         config_path=path,
         backend=backend,
+        control_token=token,
+        protect_metrics=bool(data.get("protectMetrics", False)),
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,8 @@ class Router:
     ignored_fields: request_params.IgnoredFields = field(
         default_factory=request_params.IgnoredFields
     )
+    # Requests not yet garbage: the drain cuts off those still running at its timeout.
+    runs: weakref.WeakSet[RequestRun] = field(default_factory=weakref.WeakSet)
 
     @property
     def model_name(self) -> str:
@@ -179,12 +182,29 @@ class Router:
         self.active_ids.add(rid)
 
     def run(self, request: PreparedRequest) -> RequestRun:
-        return RequestRun(self.pool, self.tokenizer, self.metrics, request)
+        run = RequestRun(self.pool, self.tokenizer, self.metrics, request)
+        self.runs.add(run)
+        return run
 
-    async def drain(self, timeout_s: float) -> int:
-        """Refuse new requests and wait (bounded) for those in flight; returns those left."""
+    async def drain(self, timeout_s: float, cut_off_wait_s: float = 5.0) -> int:
+        """Refuse new requests and wait (bounded) for those in flight; returns those left.
+
+        After `timeout_s` the requests still running are cut off (`RequestRun.cut`): streams end
+        with an error event and `[DONE]`, gRPC streams with UNAVAILABLE, other requests with a
+        503; `cut_off_wait_s` bounds the wait for them to say so.
+        """
         self.accepting = False
         deadline = time.monotonic() + timeout_s
         while self.pool.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        if self.pool.in_flight:
+            error = errors.unavailable(
+                "the server is shutting down and this request did not finish within the drain "
+                "timeout"
+            )
+            for run in list(self.runs):
+                run.cut(error)
+            deadline = time.monotonic() + cut_off_wait_s
+            while self.pool.in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
         return self.pool.in_flight

@@ -62,6 +62,17 @@ class APIError(Exception):
         return _GRPC_CODES.get(self.status, grpc.StatusCode.UNKNOWN)
 
 
+# Input echoed in an error message is cut to this many characters.
+ECHO_LIMIT = 100
+
+
+def clip(value: object, limit: int = ECHO_LIMIT) -> str:
+    """`value` as text, cut (with a note) when longer than `limit`: errors never echo a
+    megabyte back."""
+    text = str(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param, code)
 
@@ -69,7 +80,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def model_not_found(model: str) -> APIError:
     return APIError(
         404,
-        f"The model `{model}` does not exist.",
+        f"The model `{clip(model)}` does not exist.",
         "invalid_request_error",
         "model",
         "model_not_found",

@@ -7,6 +7,7 @@ with a clear error instead, since its output cannot be replayed elsewhere.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -40,6 +41,16 @@ _GROUP_FAILURES = {
     grpc.StatusCode.CANCELLED,
     grpc.StatusCode.ALREADY_EXISTS,
     grpc.StatusCode.UNIMPLEMENTED,
+}
+
+# What a client is told about a worker's status (its details stay in the router's log).
+_REASONS = {
+    grpc.StatusCode.UNAVAILABLE: "unavailable",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "timed out",
+    grpc.StatusCode.CANCELLED: "cancelled",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "full",
+    grpc.StatusCode.UNAUTHENTICATED: "refused the router's credentials",
+    grpc.StatusCode.PERMISSION_DENIED: "refused the router's credentials",
 }
 
 
@@ -98,6 +109,15 @@ class RequestRun:
         self._last_token: float | None = None
         self._queue_time: float | None = None
         self._recorded = False
+        self._call: grpc.aio.UnaryStreamCall | None = None
+        self._cut: errors.APIError | None = None  # set by `cut`: the error the run ends with
+
+    def cut(self, error: errors.APIError) -> None:
+        """End the run now with `error` (the drain timeout passed): its worker call is cancelled
+        (so the worker frees the request) and its consumer gets `error` instead of more tokens."""
+        self._cut = error
+        if self._call is not None and not self._call.done():
+            self._call.cancel()
 
     def _max_tokens(self) -> int:
         s = self.request.sampling
@@ -160,15 +180,26 @@ class RequestRun:
             prompt_token_ids=req.prompt_token_ids,
             sampling=req.sampling,
         )
-        call = lease.group.stub.Generate(wire)
+        if self._cut is not None:
+            lease.release()
+            raise self._cut
+        call = self._call = lease.group.stub.Generate(wire, metadata=lease.group.metadata)
         try:
             async for response in call:
                 for delta in self._on_response(lease, response):
                     yield delta
                     if delta.finish_reason is not None:
                         return
+                if self._cut is not None:
+                    raise self._cut
         except grpc.aio.AioRpcError as exc:
-            raise self._classify(lease, exc) from None
+            raise (self._cut or self._classify(lease, exc)) from None
+        except asyncio.CancelledError:
+            # `cut` cancelled the call (not this task, which would be cancelling): its error.
+            task = asyncio.current_task()
+            if self._cut is not None and (task is None or not task.cancelling()):
+                raise self._cut from None
+            raise
         finally:
             lease.release()
             if not call.done():
@@ -176,24 +207,37 @@ class RequestRun:
                 call.cancel()
 
     def _classify(self, lease: Lease, exc: grpc.aio.AioRpcError) -> Exception:
+        """The client's error for a failed worker call. The worker's own text (addresses, raw
+        transport errors) goes to the log and the Admin status, never to the client."""
         code, details = exc.code(), exc.details() or exc.code().name
         group = lease.group.name
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return errors.from_worker_invalid(exc)
+        log.warning(
+            "request %s: group %s at %s: %s: %s",
+            self.request.request_id,
+            group,
+            lease.group.spec.address,
+            code.name,
+            details,
+        )
         if self._first_token is not None:
             return errors.worker_failed(
-                f"worker group {group} failed after {self.result.completion_tokens} tokens: "
-                f"{code.name}: {details}"
+                f"worker group {group} failed after {self.result.completion_tokens} tokens "
+                f"({_REASONS.get(code, 'internal error')})"
             )
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return _Retry(errors.overloaded(f"every worker group is full ({details})"))
+            return _Retry(errors.overloaded("every worker group is full; retry later"))
         if code in _GROUP_FAILURES:
             if code == grpc.StatusCode.UNAVAILABLE:
                 lease.group.mark_failed(f"{code.name}: {details}")
             return _Retry(
-                errors.unavailable(f"no worker group could serve the request: {group}: {details}")
+                errors.unavailable(
+                    f"no worker group could serve the request (group {group}: "
+                    f"{_REASONS.get(code, 'internal error')})"
+                )
             )
-        return errors.internal(f"worker group {group}: {code.name}: {details}")
+        return errors.internal(f"worker group {group} failed ({_REASONS.get(code, code.name)})")
 
     def _on_response(
         self, lease: Lease, response: worker_pb2.WorkerGenerateResponse

@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gearshift.operator.router.config import GroupSpec
 from gearshift.v1 import worker_pb2, worker_pb2_grpc
+from gearshift.worker.server import auth
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +53,10 @@ class Group:
     `message` in `poll`.
     """
 
-    def __init__(self, spec: GroupSpec, rpc_timeout_s: float) -> None:
+    def __init__(self, spec: GroupSpec, rpc_timeout_s: float, token: str | None = None) -> None:
         self.spec = spec
         self.rpc_timeout_s = rpc_timeout_s
+        self.token = token  # the control token (worker/server/auth.py), for subclasses' calls
         self.load = GroupLoad()
         self.healthy = False
         self.draining = False
@@ -120,8 +122,10 @@ class Group:
 class WorkerGroup(Group):
     """A client of one group leader's Worker service, polled for health and stats."""
 
-    def __init__(self, spec: GroupSpec, rpc_timeout_s: float) -> None:
-        super().__init__(spec, rpc_timeout_s)
+    def __init__(self, spec: GroupSpec, rpc_timeout_s: float, token: str | None = None) -> None:
+        super().__init__(spec, rpc_timeout_s, token)
+        # The control token on every Worker call (health checks are open).
+        self.metadata = auth.call_metadata(token)
         self.channel = grpc.aio.insecure_channel(spec.address, options=CHANNEL_OPTIONS)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
@@ -136,7 +140,7 @@ class WorkerGroup(Group):
                 self._set_down("the worker reports NOT_SERVING (loading or stopping)")
                 return
             stats = await self.stub.GetStats(
-                worker_pb2.GetStatsRequest(), timeout=self.rpc_timeout_s
+                worker_pb2.GetStatsRequest(), timeout=self.rpc_timeout_s, metadata=self.metadata
             )
         except grpc.aio.AioRpcError as exc:
             self._set_down(f"{exc.code().name}: {exc.details()}")

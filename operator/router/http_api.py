@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -29,6 +30,7 @@ from gearshift.operator.router.protocol import (
 from gearshift.operator.router.structured_request import structured_spec
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 Chunks = AsyncIterator[dict[str, Any]]
@@ -45,12 +47,13 @@ class ApiKeyMiddleware:
     wrong key is always 401, never a 400 about the body.
     """
 
-    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...], protect_metrics: bool = False) -> None:
         self.app = app
         self.keys = [k.encode() for k in keys]
+        self.prefixes = PROTECTED_PREFIXES + (("/metrics",) if protect_metrics else ())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.keys and scope["path"].startswith(PROTECTED_PREFIXES):
+        if scope["type"] == "http" and self.keys and scope["path"].startswith(self.prefixes):
             header = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = header.partition(b" ")
             token = token.strip()
@@ -107,7 +110,7 @@ async def _start_stream(
         try:
             async for chunk in render(all_deltas()):
                 yield _sse(chunk)
-        except errors.APIError as exc:  # the group failed mid-stream: say so, then end
+        except errors.APIError as exc:  # failed or cut off mid-stream: say so, then end
             yield _sse(exc.body())
         finally:
             await deltas.aclose()  # type: ignore[attr-defined]
@@ -170,11 +173,18 @@ def build_app(router: Router) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
         error = errors.APIError(exc.status_code, str(exc.detail), "invalid_request_error")
-        return _error_response(error)
+        # Keeps e.g. the Allow header of a 405.
+        response = _error_response(error)
+        response.headers.update(exc.headers or {})
+        return response
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
-        return _error_response(errors.internal(f"{type(exc).__name__}: {exc}"))
+        # The details (a traceback, maybe internal addresses) go to the log only.
+        log.exception("unexpected error answering %s %s", request.method, request.url.path)
+        return _error_response(
+            errors.internal(f"internal error ({type(exc).__name__}); see the router log")
+        )
 
     # ---- probes and metadata ---------------------------------------------------------------
 

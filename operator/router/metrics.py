@@ -169,6 +169,13 @@ class RouterMetrics:
             m,
             registry=r,
         )
+        self.group_restarts = Counter(
+            "gearshift_group_restarts",
+            "Worker groups restarted after they died (gearshift serve; the operator reports "
+            "restarts in the InferenceDeployment's status).",
+            [*m, "group"],
+            registry=r,
+        )
         self.registry.register(GroupCollector(model_name, groups))
 
     def reject(self, status: int, reason: str) -> None:

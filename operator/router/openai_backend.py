@@ -38,8 +38,10 @@ def base_url(address: str) -> str:
 class OpenAIGroup(Group):
     """A client of one OpenAI-compatible server."""
 
-    def __init__(self, spec: GroupSpec, rpc_timeout_s: float) -> None:
-        super().__init__(spec, rpc_timeout_s)
+    def __init__(self, spec: GroupSpec, rpc_timeout_s: float, token: str | None = None) -> None:
+        # The control token authenticates gearshift workers only: stock vLLM pods take none
+        # (their port is reachable only from the router, by the deployment's NetworkPolicy).
+        super().__init__(spec, rpc_timeout_s, token)
         self.url = base_url(spec.address)
         self.models: list[str] = []  # ids from the last /v1/models answer
         # No read timeout: a generation streams for as long as it needs; a dead server is

@@ -31,10 +31,12 @@ class GroupPool:
         poll_interval_s: float,
         rpc_timeout_s: float,
         backend: str = "worker-grpc",
+        token: str | None = None,
     ) -> None:
         if backend not in GROUP_KINDS:
             raise ValueError(f"unknown backend {backend!r}; one of {', '.join(GROUP_KINDS)}")
         self.kind = GROUP_KINDS[backend]
+        self.token = token  # the control token, for every group's Worker calls
         self.max_requests_per_group = max_requests_per_group
         self.poll_interval_s = poll_interval_s
         self.rpc_timeout_s = rpc_timeout_s
@@ -52,7 +54,7 @@ class GroupPool:
                 await self._retire(group)
         for name, spec in wanted.items():
             if name not in self.groups:
-                group = self.kind(spec, self.rpc_timeout_s)
+                group = self.kind(spec, self.rpc_timeout_s, self.token)
                 self.groups[name] = group
                 self._pollers[name] = asyncio.create_task(
                     group.run_poller(self.poll_interval_s), name=f"poll-{name}"

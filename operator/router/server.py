@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from gearshift.operator.router.pool import GROUP_KINDS, GroupPool
 from gearshift.operator.router.rejections import RejectionCounter
 from gearshift.v1 import router_pb2_grpc
 from gearshift.worker.model.registry import resolve_model_path
+from gearshift.worker.server import auth
 from gearshift.worker.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,15 @@ class BoundPorts:
     http: int
     grpc: int | None
     admin: int | None
+
+    def as_ready(self) -> dict[str, object]:
+        """The ready file's fields (--ready-file)."""
+        return {
+            "http_port": self.http,
+            "grpc_port": self.grpc,
+            "admin_port": self.admin,
+            "pid": os.getpid(),
+        }
 
 
 def load_tokenizer(model_path: str) -> Tokenizer:
@@ -80,11 +91,19 @@ class RouterServer:
             raise config_mod.ConfigError(
                 f"backend {cfg.backend!r} is not one of {', '.join(GROUP_KINDS)}"
             )
+        if cfg.protect_metrics and not cfg.api_keys:
+            raise config_mod.ConfigError(
+                "protect metrics: /metrics can only be protected by an API key, and none is set"
+            )
         tokenizer = self._tokenizer
         if tokenizer is None:
             tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model_path)
         pool = GroupPool(
-            cfg.max_requests_per_group, cfg.poll_interval_s, cfg.rpc_timeout_s, cfg.backend
+            cfg.max_requests_per_group,
+            cfg.poll_interval_s,
+            cfg.rpc_timeout_s,
+            cfg.backend,
+            cfg.control_token,
         )
         metrics = RouterMetrics(cfg.model_name, lambda: list(pool.groups.values()))
         router = self.router = Router(cfg, tokenizer, pool, metrics)
@@ -93,7 +112,7 @@ class RouterServer:
         app = build_app(router)
         if cfg.backend == "openai-http":  # generation is the backend's; see openai_proxy.py
             app.add_middleware(OpenAIProxy, router=router)
-        app.add_middleware(ApiKeyMiddleware, keys=cfg.api_keys)
+        app.add_middleware(ApiKeyMiddleware, keys=cfg.api_keys, protect_metrics=cfg.protect_metrics)
         # Added last, so outermost: it also sees the API-key middleware's 401s.
         app.add_middleware(RejectionCounter, metrics=metrics)
         sock = _listen(cfg.host, cfg.http_port)
@@ -117,7 +136,7 @@ class RouterServer:
             await server.start()
             self._grpc.append(server)
         if cfg.admin_port is not None:
-            server = grpc.aio.server()
+            server = grpc.aio.server(interceptors=auth.interceptors(cfg.control_token, "admin"))
             router_pb2_grpc.add_AdminServicer_to_server(AdminService(router), server)
             admin_port = server.add_insecure_port(f"{cfg.admin_host}:{cfg.admin_port}")
             await server.start()
@@ -151,6 +170,12 @@ class RouterServer:
                 log.info("router.json changed: %d groups", len(groups))
                 await self.router.pool.configure(groups)
             last = groups
+
+    def stop_admission(self) -> None:
+        """New requests get 503 and /ready turns false; those in flight go on."""
+        if self.router is not None and self.router.accepting:
+            log.info("no longer admitting requests")
+            self.router.accepting = False
 
     async def stop(self, drain_timeout_s: float | None = None) -> None:
         """Drain (bounded), then stop every server; safe to call twice."""

@@ -56,11 +56,13 @@ def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
 def group_stats(serve: ServeProcess, name: str) -> worker_pb2.WorkerStats:
     """GetStats straight from a group's worker (not through the router)."""
     with grpc.insecure_channel(serve.group(name)["address"]) as channel:
-        return worker_pb2_grpc.WorkerStub(channel).GetStats(worker_pb2.GetStatsRequest(), timeout=5)
+        return worker_pb2_grpc.WorkerStub(channel).GetStats(
+            worker_pb2.GetStatsRequest(), timeout=5, metadata=serve.metadata
+        )
 
 
 def status(serve: ServeProcess) -> router_pb2.RouterStatus:
     with grpc.insecure_channel(serve.admin_address) as channel:
         return router_pb2_grpc.AdminStub(channel).GetStatus(
-            router_pb2.GetStatusRequest(), timeout=5
+            router_pb2.GetStatusRequest(), timeout=5, metadata=serve.metadata
         )

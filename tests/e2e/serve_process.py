@@ -116,6 +116,20 @@ class ServeProcess:
     def grpc_address(self) -> str:
         return f"127.0.0.1:{self.info['grpc_port']}"
 
+    @property
+    def control_token(self) -> str:
+        """The token `gearshift serve` generated for Admin and worker calls."""
+        return Path(self.info["control_token_file"]).read_text().strip()
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """Call metadata that authenticates a test as the operator (Admin) or the router."""
+        return (("authorization", f"Bearer {self.control_token}"),)
+
+    def refresh(self) -> None:
+        """Re-read the ready file (rewritten when a worker group restarts)."""
+        self.info = json.loads(self.ready_file.read_text())
+
     def group(self, name: str) -> dict[str, Any]:
         return next(g for g in self.info["groups"] if g["name"] == name)
 

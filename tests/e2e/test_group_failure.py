@@ -39,6 +39,9 @@ def serve2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
         "2048",
         "--kv-cache-bytes",
         str(64 << 20),
+        # Dead groups stay dead here (tests/e2e/test_recovery.py covers restarts).
+        "--max-group-restarts",
+        "0",
     )
     with proc:
         try:

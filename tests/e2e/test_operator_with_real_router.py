@@ -16,8 +16,10 @@ import psutil
 import pytest
 import yaml
 
-from gearshift.operator.reconcile import names
+from gearshift.operator.reconcile import names, render_security
+from gearshift.operator.reconcile.spec import parse as parse_spec
 from gearshift.v1 import router_pb2, router_pb2_grpc
+from gearshift.worker.server import auth
 from tests.e2e.serve_process import ServeProcess
 from tests.operator.kmock_harness import Api, KmockApi, OperatorProcess, condition, wait_for
 
@@ -48,9 +50,18 @@ def _resource() -> dict[str, Any]:
 
 def _router_threshold(serve: ServeProcess) -> int | None:
     with grpc.insecure_channel(serve.admin_address) as channel:
-        st = router_pb2_grpc.AdminStub(channel).GetStatus(router_pb2.GetStatusRequest(), timeout=5)
+        st = router_pb2_grpc.AdminStub(channel).GetStatus(
+            router_pb2.GetStatusRequest(), timeout=5, metadata=serve.metadata
+        )
     group = next((g for g in st.groups if g.name == f"{NAME}-g0"), None)
     return group.policy.shift.threshold if group is not None and group.serving else None
+
+
+TOKEN = auth.generate_token()
+
+
+def _token_file(tmp: Path) -> Path:
+    return auth.write_token(tmp / "control.token", TOKEN)
 
 
 @pytest.mark.slow
@@ -77,9 +88,19 @@ def test_operator_applies_a_live_threshold_through_the_real_router(tmp_path: Pat
         "1024",
         "--kv-cache-bytes",
         str(32 << 20),
+        "--control-token-file",
+        str(_token_file(tmp_path)),
     )
     with serve, KmockApi() as kmock:
         api = Api(kmock.url)
+        # The deployment's control token Secret exists already (as if created by an earlier
+        # pass), holding the token this router requires: the operator must present it.
+        code, data = api.call(
+            "POST",
+            f"/api/v1/namespaces/{NS}/secrets",
+            render_security.control_secret(parse_spec(_resource()), TOKEN),
+        )
+        assert code in (200, 201), data
         kubeconfig = kmock.kubeconfig(tmp_path / "kubeconfig")
         with OperatorProcess(kubeconfig, serve.admin_address, tmp_path / "kopf.log") as op:
             try:

@@ -36,7 +36,7 @@ def _apply(serve: ServeProcess, threshold: int) -> router_pb2.AdminApplyPolicyRe
     policy = policy_pb2.Policy(shift=policy_pb2.ShiftPolicy(threshold=threshold))
     with grpc.insecure_channel(serve.admin_address) as channel:
         return router_pb2_grpc.AdminStub(channel).ApplyPolicy(
-            router_pb2.AdminApplyPolicyRequest(policy=policy), timeout=10
+            router_pb2.AdminApplyPolicyRequest(policy=policy), timeout=10, metadata=serve.metadata
         )
 
 
@@ -101,7 +101,7 @@ def test_apply_policy_refuses_a_layout_change_naming_the_field(serve: ServeProce
     policy = policy_pb2.Policy(shift=policy_pb2.ShiftPolicy(sp=2))
     with grpc.insecure_channel(serve.admin_address) as channel:
         response = router_pb2_grpc.AdminStub(channel).ApplyPolicy(
-            router_pb2.AdminApplyPolicyRequest(policy=policy), timeout=10
+            router_pb2.AdminApplyPolicyRequest(policy=policy), timeout=10, metadata=serve.metadata
         )
     assert not response.applied
     assert all("shift.sp" in r.message and not r.applied for r in response.results)

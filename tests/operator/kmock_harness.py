@@ -175,6 +175,7 @@ class StandInAdmin(router_pb2_grpc.AdminServicer):
         self.groups: dict[str, router_pb2.GroupStatus] = {}
         self.applied: list[policy_pb2.Policy] = []
         self.drained: list[str] = []
+        self.authorization: list[str] = []
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         router_pb2_grpc.add_AdminServicer_to_server(self, self._server)
         self.port = self._server.add_insecure_port("127.0.0.1:0")
@@ -211,6 +212,8 @@ class StandInAdmin(router_pb2_grpc.AdminServicer):
 
     def GetStatus(self, request: Any, context: Any) -> router_pb2.RouterStatus:
         with self._lock:
+            # The credential the operator presented (its deployment's control token).
+            self.authorization.append(dict(context.invocation_metadata()).get("authorization", ""))
             return router_pb2.RouterStatus(groups=list(self.groups.values()), model="stand-in")
 
     def ApplyPolicy(self, request: Any, context: Any) -> router_pb2.AdminApplyPolicyResponse:

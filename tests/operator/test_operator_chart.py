@@ -145,3 +145,20 @@ def test_chart_crd_is_the_crds_folder_file() -> None:
     assert (CHART / "crds" / "inferencedeployments.gearshift.dev.yaml").read_bytes() == (
         REPO / "crds" / "inferencedeployments.gearshift.dev.yaml"
     ).read_bytes()
+
+
+def test_operator_may_create_and_read_secrets_but_not_list_them(helm: Path) -> None:
+    """The control token Secrets: by name only (no list, no watch); NetworkPolicies managed."""
+    role = next(d for d in _render(helm) if d["kind"] == "Role")
+    verbs = {r: set(rule["verbs"]) for rule in role["rules"] for r in rule["resources"]}
+    assert verbs["secrets"] == {"get", "create", "patch", "delete"}
+    assert {"create", "patch", "delete"} <= verbs["networkpolicies"]
+    deploy = next(d for d in _render(helm) if d["kind"] == "Deployment")
+    env = {e["name"]: e for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["GEARSHIFT_OPERATOR_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.namespace"
+    )
+    selector = deploy["spec"]["selector"]["matchLabels"]
+    assert env["GEARSHIFT_OPERATOR_LABELS"]["value"] == ",".join(
+        f"{k}={v}" for k, v in selector.items()
+    )

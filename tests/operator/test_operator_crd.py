@@ -113,6 +113,8 @@ INVALID = [
     ("tetris", "spec.policy.tetris.improvementRate", 1.5, "spec.policy.tetris.improvementRate"),
     ("shift", "metadata.name", "x" * 41, "metadata.name: at most 40"),
     ("shift", "spec.restartPolicy", {"backoffSeconds": 600}, "maxBackoffSeconds must be at least"),
+    ("static", "spec.router", {"protectMetrics": True}, "router.protectMetrics: needs"),
+    ("static", "spec.router.drainTimeoutSeconds", -1, "spec.router.drainTimeoutSeconds"),
 ]
 
 

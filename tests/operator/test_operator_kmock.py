@@ -13,7 +13,7 @@ import yaml
 from google.protobuf import json_format
 from kmock_harness import Api, OperatorProcess, StandInAdmin, condition, wait_for
 
-from gearshift.operator.reconcile import names
+from gearshift.operator.reconcile import names, render_security
 from gearshift.v1 import policy_fields, policy_pb2
 
 NS = "ml"
@@ -102,7 +102,7 @@ def test_example_creates_owned_children_and_is_ready_only_once_the_router_serves
     }
     assert sts["spec"]["podManagementPolicy"] == "Parallel"
     container = sts["spec"]["template"]["spec"]["containers"][0]
-    assert container["args"] == ["worker", "--config", "/etc/gearshift/engine.json"]
+    assert container["args"][:3] == ["worker", "--config", "/etc/gearshift/engine.json"]
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
     assert env["GEARSHIFT_GROUP_ADDR"] == "llama-g1-0.llama-g1.ml.svc.cluster.local"
     assert env["GEARSHIFT_GROUP_SIZE"] == "8" and env["GEARSHIFT_RANKS_PER_NODE"] == "8"
@@ -121,6 +121,15 @@ def test_example_creates_owned_children_and_is_ready_only_once_the_router_serves
         child = api.get(path)
         assert child is not None, path
         assert child["metadata"]["ownerReferences"][0]["uid"] == "uid-llama"
+
+    # The control token: a Secret owned by the deployment, mounted into pods, presented to Admin.
+    secret = api.get(f"/api/v1/namespaces/{NS}/secrets/{names.control_secret(name)}")
+    assert secret is not None and secret["metadata"]["ownerReferences"][0]["uid"] == "uid-llama"
+    token = render_security.token_from_secret(secret)
+    assert len(token) >= 32
+    wait_for(lambda: f"Bearer {token}" in admin.authorization, what="Admin called with the token")
+    policies = api.names(f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies")
+    assert {"llama-g0", "llama-g1", "llama-router"} <= policies
 
     # Pods could be Running here; only the router's report makes the deployment Ready.
     assert condition(api.cr(NS, name), "Ready")["status"] == "False"
@@ -143,7 +152,9 @@ def test_replicas_add_and_remove_whole_groups(
     )
     assert {"scale-g1", "scale-g2"} <= api.names(SVC)
     api.patch_spec(NS, name, {"replicas": 1})
-    wait_for(lambda: _groups(api, name) == {"scale-g0"}, what="back to one group")
+    # kopf re-handles a spec change until its own annotation patch sticks, which against kmock
+    # with a 0.5 s resync timer can take several passes on a loaded machine: bounded, not 20 s.
+    wait_for(lambda: _groups(api, name) == {"scale-g0"}, 60, "back to one group")
     assert not {"scale-g1", "scale-g2"} & api.names(SVC)
     wait_for(lambda: _status(api, name).get("replicas") == 1, what="status.replicas")
 
@@ -292,4 +303,4 @@ def _one_deployment_at_a_time(api: Api, operator_process: OperatorProcess) -> It
     yield
     for obj in api.items(CR_PATH):
         api.call("DELETE", f"{CR_PATH}/{obj['metadata']['name']}")
-    wait_for(lambda: not api.items(CR_PATH), what="test deployments deleted")
+    wait_for(lambda: not api.items(CR_PATH), 60, "test deployments deleted")

@@ -10,6 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gearshift.v1 import common_pb2, policy_pb2, worker_pb2, worker_pb2_grpc
+from gearshift.worker.server import auth
 
 
 @dataclass
@@ -25,8 +26,9 @@ class Script:
 
 
 class FakeWorker(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, name: str, max_model_len: int = 512) -> None:
+    def __init__(self, name: str, max_model_len: int = 512, token: str | None = None) -> None:
         self.name = name
+        self.token = token  # required on Worker calls, like a real worker (auth.py)
         self.script = Script()
         self.max_model_len = max_model_len
         self.requests: list[worker_pb2.WorkerGenerateRequest] = []
@@ -36,7 +38,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.port = 0
 
     async def start(self) -> FakeWorker:
-        self.server = grpc.aio.server()
+        self.server = grpc.aio.server(interceptors=auth.interceptors(self.token, self.name))
         worker_pb2_grpc.add_WorkerServicer_to_server(self, self.server)
         self.health = health.aio.HealthServicer()
         await self.health.set("gearshift.v1.Worker", health_pb2.HealthCheckResponse.SERVING)

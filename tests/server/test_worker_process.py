@@ -11,11 +11,12 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gearshift.operator.reconcile import render_config, spec
-from gearshift.v1 import worker_pb2, worker_pb2_grpc
+from gearshift.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -33,9 +34,25 @@ def _engine_json(tmp: Path) -> Path:
     return path
 
 
+TOKEN = "worker-test-token"
+
+
+def _refused(call: grpc.RpcError) -> bool:
+    return isinstance(call, grpc.Call) and call.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
 def test_worker_serves_health_stats_with_revision_and_stops_on_sigterm(tmp_path: Path) -> None:
+    """Also: every Worker call needs the control token (health stays open), SIGUSR1 stops
+    admission (preStop), SIGTERM then exits 0."""
     ready = tmp_path / "ready.json"
-    env = {**os.environ, "GEARSHIFT_REVISION": "9219d0c3ca3e", "GEARSHIFT_GROUP_NAME": "demo-g0"}
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    env = {
+        **os.environ,
+        "GEARSHIFT_REVISION": "9219d0c3ca3e",
+        "GEARSHIFT_GROUP_NAME": "demo-g0",
+        "GEARSHIFT_CONTROL_TOKEN_FILE": str(token_file),
+    }
     cmd = [
         sys.executable,
         "-m",
@@ -69,9 +86,56 @@ def test_worker_serves_health_stats_with_revision_and_stops_on_sigterm(tmp_path:
                 health_pb2.HealthCheckRequest(service="gearshift.v1.Worker"), timeout=5
             )
             assert health.status == health_pb2.HealthCheckResponse.SERVING
-            stats = worker_pb2_grpc.WorkerStub(channel).GetStats(
-                worker_pb2.GetStatsRequest(), timeout=5
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            good = (("authorization", f"Bearer {TOKEN}"),)
+            bad = (("authorization", "Bearer not-the-token"),)
+            calls = [
+                lambda md: stub.GetStats(worker_pb2.GetStatsRequest(), timeout=5, metadata=md),
+                lambda md: stub.Abort(
+                    worker_pb2.AbortRequest(request_id="x"), timeout=5, metadata=md
+                ),
+                lambda md: stub.ApplyPolicy(
+                    worker_pb2.ApplyPolicyRequest(), timeout=5, metadata=md
+                ),
+                lambda md: list(
+                    stub.Generate(
+                        worker_pb2.WorkerGenerateRequest(request_id="r", prompt_token_ids=[1, 2]),
+                        timeout=5,
+                        metadata=md,
+                    )
+                ),
+            ]
+            for call in calls:
+                for md in (None, bad):
+                    with pytest.raises(grpc.RpcError) as refused:
+                        call(md)
+                    assert _refused(refused.value), refused.value
+            stats = stub.GetStats(worker_pb2.GetStatsRequest(), timeout=5, metadata=good)
+            out = list(
+                stub.Generate(
+                    worker_pb2.WorkerGenerateRequest(
+                        request_id="ok",
+                        prompt_token_ids=[1, 2, 3],
+                        sampling=common_pb2.SamplingParams(max_tokens=2),
+                    ),
+                    timeout=60,
+                    metadata=good,
+                )
             )
+            assert sum(len(r.token_ids) for r in out) == 2
+            # preStop: SIGUSR1 stops admission; health turns NOT_SERVING, Generate UNAVAILABLE.
+            proc.send_signal(signal.SIGUSR1)
+            health_stub = health_pb2_grpc.HealthStub(channel)
+            request = health_pb2.HealthCheckRequest(service="gearshift.v1.Worker")
+            deadline = time.monotonic() + 10
+            while health_stub.Check(request, timeout=5).status == (
+                health_pb2.HealthCheckResponse.SERVING
+            ):
+                assert time.monotonic() < deadline, "SIGUSR1 did not stop admission"
+                time.sleep(0.05)
+            with pytest.raises(grpc.RpcError) as refused:
+                calls[3](good)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
         assert stats.revision == "9219d0c3ca3e"
         assert stats.model == "demo-model" and stats.max_model_len == 512 and stats.ranks == 1
         assert stats.policy.shift.threshold == 100 and stats.policy.shift.sp == 1

@@ -116,12 +116,14 @@ def join_group(
         world,
         group.heartbeat_interval_s,
         group.heartbeat_timeout_s,
+        startup_timeout=group.timeout_s,
     ).start()
     try:
         state = setup_rank(config, policy, rank, device, timeout)
     except Exception as exc:
         watchdog.record_exit(f"{type(exc).__name__}: {exc}")
         raise
+    watchdog.mark_ready()
     state.watchdog = watchdog
     state.channel = ControlChannel(control, keepalive_interval=min(5.0, group.timeout_s / 4))
     return state

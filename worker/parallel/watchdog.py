@@ -1,10 +1,11 @@
 """Liveness of a worker group's ranks through heartbeats in the rendezvous store.
 
 Every rank bumps its own counter each ``interval``; a rank whose counter stops moving for
-``timeout`` is dead, and so is the store's host (rank 0) when the store stops answering. A rank
-that fails on purpose records why (``exit/<rank>``) so its peers can say it. On a verdict the
-watchdog reports the dead rank by number and ends this process: a rank blocked in a collective
-cannot be woken any other way, and no rank may hang.
+``timeout`` is dead (``startup_timeout`` while it still loads: a loading rank starved of CPU may
+miss a few beats, a serving one may not), and so is the store's host (rank 0) when the store
+stops answering. A rank that fails on purpose records why (``exit/<rank>``) so its peers can
+say it. On a verdict the watchdog reports the dead rank by number and ends this process: a rank
+blocked in a collective cannot be woken any other way, and no rank may hang.
 """
 
 from __future__ import annotations
@@ -42,14 +43,19 @@ class Watchdog:
         interval: float = 1.0,
         timeout: float = 15.0,
         on_failure: Callable[[str], None] = _default_on_failure,
+        startup_timeout: float | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.interval = interval
         self.timeout = timeout
+        self.startup_timeout = max(timeout, startup_timeout or timeout)
         self.on_failure = on_failure
+        self._ready: set[int] = set()  # peers known to have finished loading
         # A client connection of its own: the process group's store is used by another thread.
-        self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+        # Store calls may wait longer than a heartbeat timeout: a busy store host is not dead.
+        store_timeout = timedelta(seconds=max(timeout, 15.0))
+        self.store = dist.TCPStore(host, port, is_master=False, timeout=store_timeout)
         self.store.add(self._hb(rank), 1)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"watchdog-{rank}", daemon=True)
@@ -58,6 +64,19 @@ class Watchdog:
     @staticmethod
     def _hb(rank: int) -> str:
         return f"gearshift/hb/{rank}"
+
+    @staticmethod
+    def _ready_key(rank: int) -> str:
+        return f"gearshift/ready/{rank}"
+
+    def mark_ready(self) -> None:
+        """This rank has loaded: from now on its peers hold it to ``timeout``."""
+        self.store.set(self._ready_key(self.rank), "1")
+
+    def _timeout_for(self, peer: int, timeout: float) -> float:
+        if peer not in self._ready and self.store.check([self._ready_key(peer)]):
+            self._ready.add(peer)
+        return timeout if peer in self._ready else self.startup_timeout
 
     @staticmethod
     def _exit_key(rank: int) -> str:
@@ -92,7 +111,7 @@ class Watchdog:
             last = self._seen.get(peer)
             if last is None or last[0] != count:
                 self._seen[peer] = (count, now)
-            elif now - last[1] > timeout:
+            elif now - last[1] > self._timeout_for(peer, timeout):
                 return f"rank {peer} stopped responding (no heartbeat for {now - last[1]:.0f} s)"
         return None
 

@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gearshift.v1 import worker_pb2, worker_pb2_grpc
+from gearshift.worker.server import auth
 from gearshift.worker.server.engine_process import EngineStartError, ProcessEngine
 from gearshift.worker.server.handle import EngineHandle
 from gearshift.worker.server.service import WorkerInfo, WorkerService
@@ -54,12 +55,34 @@ class WorkerProcess:
         self.exit_code = 0
         self.health = health.aio.HealthServicer()
         self.service = WorkerService()
-        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        self.server = grpc.aio.server(
+            options=GRPC_OPTIONS,
+            interceptors=auth.interceptors(settings.control_token, f"worker {settings.group_name}"),
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if settings.is_leader:
             worker_pb2_grpc.add_WorkerServicer_to_server(self.service, self.server)
         self.port = 0
         self._parent_watch: asyncio.Task[None] | None = None
+        self._admission_task: asyncio.Future[None] | None = None
+
+    def _on_stop_admission(self) -> None:
+        self._admission_task = asyncio.ensure_future(self._stop_admission())
+
+    async def _stop_admission(self) -> None:
+        if self.service.admitting:
+            log.info("worker %s: no longer admitting requests", self.settings.group_name)
+        self.service.admitting = False
+        await self._set_health(False)
+
+    async def _drain(self, engine: EngineHandle) -> None:
+        """Wait (bounded) for running requests; the router drains first when it stops a group."""
+        await self._stop_admission()
+        deadline = time.monotonic() + self.settings.drain_timeout_s
+        while self.service.active and engine.dead is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if self.service.active:
+            log.warning("stopping with %d requests still running", len(self.service.active))
 
     async def _set_health(self, serving: bool) -> None:
         status = (
@@ -75,6 +98,10 @@ class WorkerProcess:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop.set)
+        # preStop: stop admission first (the router sees NOT_SERVING and routes elsewhere).
+        loop.add_signal_handler(
+            signal.SIGUSR1, lambda: asyncio.ensure_future(self._stop_admission())
+        )
         if s.exit_with_parent:
             self._parent_watch = loop.create_task(self._watch_parent(os.getppid()))
         self.port = self.server.add_insecure_port(f"{s.host}:{s.port}")
@@ -123,11 +150,11 @@ class WorkerProcess:
         watch = asyncio.ensure_future(self._watch_engine(engine))
         try:
             await self.stop.wait()
+            await self._drain(engine)
         finally:
             watch.cancel()
             await self._set_health(False)
-            # In-flight streams end with FINISH_REASON_ABORT; the router has drained already
-            # when `gearshift serve` or the operator stops a group on purpose.
+            # Streams still running end with FINISH_REASON_ABORT.
             await engine.stop()
 
     async def _serve_follower(self) -> None:
@@ -147,7 +174,7 @@ class WorkerProcess:
     async def _watch_engine(self, engine: EngineHandle) -> None:
         """A dead group makes the process exit non-zero, so the operator restarts the group."""
         while True:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.2)  # part of the 5 s in which a hung rank turns /ready 503
             if engine.dead is not None or not engine.alive:
                 log.error("worker group failed: %s", engine.dead or "the engine stopped")
                 await self._set_health(False)

@@ -21,6 +21,7 @@ import multiprocessing as mp
 import signal
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -192,6 +193,10 @@ class ProcessEngine:
         self._ready: asyncio.Future[None] | None = None
         self._closed = False
         self._watcher: asyncio.Future[None] | None = None
+        # The child reports stats every STATS_INTERVAL_S; silence this long means it hangs
+        # (e.g. SIGSTOP): the group's leader rank, which its watchdog cannot judge itself.
+        self._hung_after_s = max(settings.heartbeat_timeout_s, 4 * STATS_INTERVAL_S)
+        self._last_heard = time.monotonic()
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
@@ -213,7 +218,15 @@ class ProcessEngine:
 
     async def _watch_exit(self) -> None:
         while self._proc.is_alive():
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.2)
+            silent = time.monotonic() - self._last_heard
+            loaded = self._ready is not None and self._ready.done()
+            if loaded and not self._closed and silent > self._hung_after_s:
+                reason = f"the engine process (rank 0) stopped responding for {silent:.1f} s"
+                log.error("%s; killing it", reason)
+                self._proc.kill()
+                self._close(reason)
+                return
         self._close(self._leader_gone())
 
     def _leader_gone(self) -> str:
@@ -228,6 +241,7 @@ class ProcessEngine:
         return f"rank 0 (the group leader's engine process, pid {self._proc.pid}) {how}"
 
     def _on_readable(self) -> None:
+        self._last_heard = time.monotonic()
         try:
             while self._conn.poll():
                 self._handle(self._conn.recv())

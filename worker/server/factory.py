@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from gearshift.worker.config import EngineConfig
 from gearshift.worker.engine.llm_engine import LLMEngine
@@ -19,11 +19,21 @@ from gearshift.worker.policies.registry import make_policy
 from gearshift.worker.server.settings import WorkerSettings
 
 
-def group_config(policy: Policy, env: Mapping[str, str] | None = None) -> GroupConfig:
+def group_config(
+    policy: Policy,
+    env: Mapping[str, str] | None = None,
+    heartbeat_timeout_s: float | None = None,
+) -> GroupConfig:
     """The rendezvous for ``policy``'s ranks, from the pod's environment."""
-    return GroupConfig().with_environment(
-        policy.world_size, dict(os.environ if env is None else env)
-    )
+    group = GroupConfig()
+    if heartbeat_timeout_s is not None:
+        # Heartbeats several times per timeout, so one late beat is not a verdict.
+        group = replace(
+            group,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            heartbeat_interval_s=min(group.heartbeat_interval_s, heartbeat_timeout_s / 5),
+        )
+    return group.with_environment(policy.world_size, dict(os.environ if env is None else env))
 
 
 def engine_config(settings: WorkerSettings) -> EngineConfig:
@@ -34,10 +44,12 @@ def engine_config(settings: WorkerSettings) -> EngineConfig:
 def build_engine(settings: WorkerSettings) -> LLMEngine:
     """The leader's engine: model, KV cache and policy, every rank of the group joined."""
     policy = make_policy(settings.policy, settings.ranks)
-    return start_engine(engine_config(settings), policy, group_config(policy))
+    group = group_config(policy, heartbeat_timeout_s=settings.heartbeat_timeout_s)
+    return start_engine(engine_config(settings), policy, group)
 
 
 def run_follower_node(settings: WorkerSettings) -> int:
     """A non-leader pod: run its ranks until the group ends; returns the exit code."""
     policy = make_policy(settings.policy, settings.ranks)
-    return run_node(engine_config(settings), policy, group_config(policy))
+    group = group_config(policy, heartbeat_timeout_s=settings.heartbeat_timeout_s)
+    return run_node(engine_config(settings), policy, group)

@@ -48,6 +48,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._info: WorkerInfo | None = None
         self.clock = convert.Clock.now()
         self.active: set[str] = set()
+        self.admitting = True  # False once the pod is stopping (preStop's SIGUSR1, SIGTERM)
         # Abort calls in flight (referenced until done: a bare task may be collected).
         self._aborts: set[asyncio.Future[bool]] = set()
 
@@ -75,6 +76,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         rid = request.request_id
         if self.engine.dead is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.engine.dead)
+        if not self.admitting:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
         if not rid:
             await _invalid(context, "request_id", "request_id is empty")
         if rid in self.active:

@@ -19,8 +19,12 @@ from gearshift.v1 import policy_fields, policy_pb2
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.model.registry import default_served_name
 from gearshift.worker.policies.support import check_runnable
+from gearshift.worker.server import auth
 
 DEFAULT_WORKER_PORT = 50051
+# Low enough that a hung (e.g. SIGSTOPped) rank turns the group not ready within 5 s: the
+# leader's verdict (this), its exit noticed (0.5 s) and the router's next poll (1 s).
+DEFAULT_HEARTBEAT_TIMEOUT_S = 2.5
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,12 @@ class WorkerSettings:
     max_waiting: int = 256
     ready_file: Path | None = None
     exit_with_parent: bool = False
+    # Required as `authorization: Bearer` on every Worker call (auth.py); None: not checked.
+    control_token: str | None = None
+    # A rank without a heartbeat for this long is dead: the group stops and restarts.
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    # On SIGTERM, seconds running requests may finish before the engine stops (and aborts them).
+    drain_timeout_s: float = 30.0
 
     @property
     def is_leader(self) -> bool:
@@ -108,6 +118,24 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=None, help="0 lets the OS pick")
     p.add_argument("--ready-file", type=Path, default=None, help="write {port, pid} when ready")
     p.add_argument("--exit-with-parent", action="store_true", help="stop when the parent dies")
+    p.add_argument(
+        "--control-token-file",
+        default=None,
+        help=f"require this token on Worker calls (default: ${auth.TOKEN_FILE_ENV})",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds running requests may finish (SIGUSR1 only stops admission)",
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=None,
+        help=f"seconds without a rank's heartbeat before the group stops "
+        f"(default {DEFAULT_HEARTBEAT_TIMEOUT_S}, or $GEARSHIFT_HEARTBEAT_TIMEOUT)",
+    )
 
 
 def _read_config(path: str | None) -> dict[str, Any]:
@@ -147,6 +175,16 @@ def load_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None
     if port is None:
         port = int(env.get("GEARSHIFT_WORKER_PORT") or (cfg.get("ports") or {}).get("worker") or 0)
         port = port or DEFAULT_WORKER_PORT
+    token_file = args.control_token_file or env.get(auth.TOKEN_FILE_ENV)
+    try:
+        token = auth.read_token(token_file) if token_file else None
+    except auth.TokenError as exc:
+        raise InvalidRequestError("control_token_file", str(exc)) from exc
+    heartbeat = args.heartbeat_timeout
+    if heartbeat is None:
+        heartbeat = float(env.get("GEARSHIFT_HEARTBEAT_TIMEOUT") or DEFAULT_HEARTBEAT_TIMEOUT_S)
+    if heartbeat <= 0:
+        raise InvalidRequestError("heartbeat_timeout", f"must be > 0, got {heartbeat}")
     engine = EngineKnobs(
         dtype=args.dtype or model_cfg.get("dtype") or "auto",
         device=args.device,
@@ -175,4 +213,7 @@ def load_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None
         max_waiting=args.max_waiting if args.max_waiting is not None else args.max_num_seqs,
         ready_file=args.ready_file,
         exit_with_parent=args.exit_with_parent,
+        control_token=token,
+        heartbeat_timeout_s=heartbeat,
+        drain_timeout_s=max(0.0, args.drain_timeout),
     )

@@ -20,6 +20,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: operator
 {{- end -}}
 
+{{/* The operator's pod labels as k=v,k=v: each router's Admin NetworkPolicy admits them. */}}
+{{- define "gearshift.selectorString" -}}
+app.kubernetes.io/name={{ .Chart.Name }},app.kubernetes.io/instance={{ .Release.Name }},app.kubernetes.io/component=operator
+{{- end -}}
+
 {{- define "gearshift.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "gearshift.fullname" .) .Values.serviceAccount.name -}}
@@ -56,6 +61,15 @@ app.kubernetes.io/component: operator
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# The per-deployment control token: the operator creates the Secret and reads it back (to call
+# each router's Admin API), and deletes it with the deployment. No list or watch: it only ever
+# touches the Secrets it names.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
