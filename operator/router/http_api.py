@@ -66,7 +66,7 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Await `work`, cancelling it if the client disconnects first (vLLM's with_cancellation)."""
     task = asyncio.ensure_future(work)
 
@@ -95,7 +95,7 @@ async def _start_stream(
 ) -> Response:
     """Wait for the first token (errors before it are plain HTTP errors), then stream SSE."""
     try:
-        first = await _until_disconnect(request, anext(deltas, None))
+        first = await until_disconnect(request, anext(deltas, None))
     except BaseException:
         await deltas.aclose()  # type: ignore[attr-defined]
         raise
@@ -133,7 +133,7 @@ async def _answer_whole(
     request: Request, choices: Choices, work: Awaitable[dict[str, Any]]
 ) -> Response:
     try:
-        return JSONResponse(await _until_disconnect(request, work))
+        return JSONResponse(await until_disconnect(request, work))
     finally:
         choices.close()
 

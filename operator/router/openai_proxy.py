@@ -10,7 +10,6 @@ draining, and the same request metrics (openai_accounting.py).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -24,6 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gearshift.operator.router import errors
 from gearshift.operator.router.core import Router
 from gearshift.operator.router.group import Lease
+from gearshift.operator.router.http_api import ClientDisconnected, until_disconnect
 from gearshift.operator.router.openai_accounting import (
     ProxyAccount,
     estimate_prompt_tokens,
@@ -241,19 +241,7 @@ def _sse(chunk: dict[str, Any]) -> str:
 
 async def _until_disconnect(request: Request, work: Any) -> Any:
     """Await `work`; if the client disconnects first, cancel it and answer 499."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise errors.APIError(499, "the client disconnected", "client_closed_request")
-    return task.result()
+        return await until_disconnect(request, work)
+    except ClientDisconnected as exc:
+        raise errors.APIError(499, "the client disconnected", "client_closed_request") from exc

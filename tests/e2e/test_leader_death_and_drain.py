@@ -80,7 +80,7 @@ def _status(serve: ServeProcess) -> dict[str, router_pb2.GroupStatus]:
     with grpc.insecure_channel(serve.admin_address) as channel:
         groups = (
             router_pb2_grpc.AdminStub(channel)
-            .GetStatus(router_pb2.GetStatusRequest(), timeout=10)
+            .GetStatus(router_pb2.GetStatusRequest(), timeout=10, metadata=serve.metadata)
             .groups
         )
     return {g.name: g for g in groups}

@@ -176,7 +176,9 @@ def _generate(serve: ServeProcess, tokens: int) -> router_pb2.GenerateResponse:
 def _drain(serve: ServeProcess, group: str, resume: bool = False) -> router_pb2.DrainResponse:
     with grpc.insecure_channel(serve.admin_address) as channel:
         return router_pb2_grpc.AdminStub(channel).Drain(
-            router_pb2.DrainRequest(group=group, resume=resume), timeout=10
+            router_pb2.DrainRequest(group=group, resume=resume),
+            timeout=10,
+            metadata=serve.metadata,
         )
 
 

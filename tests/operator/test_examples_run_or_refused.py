@@ -247,7 +247,7 @@ def test_shift_example_runs_as_make_serve_shift_with_one_ranks_greedy_tokens(
     with grpc.insecure_channel(shift_server.admin_address) as channel:
         groups = (
             router_pb2_grpc.AdminStub(channel)
-            .GetStatus(router_pb2.GetStatusRequest(), timeout=10)
+            .GetStatus(router_pb2.GetStatusRequest(), timeout=10, metadata=shift_server.metadata)
             .groups
         )
     steps = {g.name: g.steps for g in groups[0].stats.gears}
@@ -269,14 +269,15 @@ def test_an_edit_to_an_unrunnable_policy_is_refused_and_leaves_the_groups_alone(
         what="the shift groups",
     )
     before = {g: (api.get(f"{STS}/{g}") or {})["metadata"]["labels"] for g in (f"{name}-g0",)}
-    api.patch_spec(NS, name, {"policy": {"shift": None, "static": {"tp": 4, "pp": 2}}})
+    # 8 GPUs as static TP 2 x DP 4: the schema accepts dp, the gearshift engine runs none.
+    api.patch_spec(NS, name, {"policy": {"shift": None, "static": {"tp": 2, "dp": 4}}})
     wait_for(
         lambda: condition(api.cr(NS, name), "InvalidSpec").get("status") == "True",
         60,
         what="InvalidSpec after the edit",
     )
     invalid = condition(api.cr(NS, name), "InvalidSpec")
-    assert invalid["reason"] == "SpecPolicyStaticPp" and invalid["observedGeneration"] == 2
+    assert invalid["reason"] == "SpecPolicyStaticDp" and invalid["observedGeneration"] == 2
     # Nothing is rolled or deleted for a spec that cannot run: the old groups keep serving.
     assert api.names(STS, {names.LABEL_DEPLOYMENT: name}) == {f"{name}-g0", f"{name}-g1"}
     after = (api.get(f"{STS}/{name}-g0") or {})["metadata"]["labels"]
