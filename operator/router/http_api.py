@@ -276,6 +276,13 @@ def build_app(router: Router) -> FastAPI:
         router.check_accepting()
         router.check_model(body.model)
         _, tools = structured_spec(body)  # 400s about tools before the template sees them
+        if body.stream and body.prompt_logprobs is not None:
+            # Whole chat responses carry them (on the response, as vLLM does); streams do not.
+            raise errors.bad_request(
+                "prompt_logprobs: not available on streamed chat completions; drop stream or "
+                "prompt_logprobs",
+                "prompt_logprobs",
+            )
         ids = router.chat_prompt(body)
         rid, choices = router.start(
             body, [ids], body.output_limit, body.num_logprobs, "messages", "chatcmpl"

@@ -61,6 +61,7 @@ _VLLM_UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "vllm_xargs": (None,),
     "guided_whitespace_pattern": (None,),
     "echo_prompt": (False, None),
+    "reasoning_effort": (None,),
 }
 
 

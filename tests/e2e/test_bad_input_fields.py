@@ -83,6 +83,7 @@ def test_completion_bad_fields_are_400_naming_the_field(
             "tool_choice",
         ),
         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # whole responses only
     ],
 )
 def test_chat_bad_fields_are_400_naming_the_field(
