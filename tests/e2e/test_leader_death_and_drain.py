@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import httpx
@@ -29,16 +30,15 @@ LONG = {
 }
 
 
-@pytest.fixture(scope="module")
-def serve3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    proc = ServeProcess(
-        tmp_path_factory.mktemp("serve-tp3"),
+def _serve3(tmp: Path, groups: int) -> ServeProcess:
+    return ServeProcess(
+        tmp,
         "--model",
         "smollm2",
         "--tp",
         "3",  # SmolLM2's 3 KV heads: the smallest multi-rank group
         "--groups",
-        "2",
+        str(groups),
         "--dtype",
         "bfloat16",
         "--max-num-seqs",
@@ -51,6 +51,11 @@ def serve3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
         "240",
         start_timeout=480,
     )
+
+
+@pytest.fixture(scope="module")
+def serve3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    proc = _serve3(tmp_path_factory.mktemp("serve-tp3"), 2)
     with proc:
         try:
             yield proc
@@ -135,7 +140,14 @@ def test_killing_rank_0_ends_its_group_within_10s_naming_it_and_the_router_fails
 
 
 @pytest.mark.slow
-def test_sigterm_finishes_the_requests_in_flight_then_exits_0(serve3: ServeProcess) -> None:
+def test_sigterm_finishes_the_requests_in_flight_then_exits_0(tmp_path: Path) -> None:
+    # A group of its own: the module's pair had its leader killed (and restarted) above.
+    serve3 = _serve3(tmp_path, 1)
+    with serve3:
+        _drain_on_sigterm(serve3)
+
+
+def _drain_on_sigterm(serve3: ServeProcess) -> None:
     assert serve3.proc is not None
     body = {"model": "smollm2", "prompt": "Count:", "max_tokens": 48, "ignore_eos": True}
 
@@ -144,7 +156,7 @@ def test_sigterm_finishes_the_requests_in_flight_then_exits_0(serve3: ServeProce
             tasks = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(2)]
 
             def running() -> bool:
-                return _status(serve3)["gearshift-g1"].stats.running == 2
+                return _status(serve3)["gearshift-g0"].stats.running == 2
 
             await asyncio.to_thread(wait_for, running, 120, "two requests running")
             await asyncio.sleep(1.0)  # decoding, not just admitted
