@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import grpc
@@ -45,7 +46,7 @@ class GroupLoad:
     others: int = 0
 
 
-class Group:
+class Group(ABC):
     """One backend group as the router sees it: health, last stats and load.
 
     Subclasses own the transport (WorkerGroup: gearshift.v1.Worker over gRPC; OpenAIGroup in
@@ -79,8 +80,9 @@ class Group:
     def score(self) -> int:
         return self.load.outstanding_tokens + self.load.others
 
+    @abstractmethod
     async def poll(self) -> None:
-        raise NotImplementedError
+        """Refresh `healthy`, `stats` and `message` from the backend."""
 
     async def close(self) -> None:
         self.removed = True
