@@ -79,7 +79,11 @@ class Router:
             )
         out = []
         for p in batch:
-            ids = self.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p]
+            ids = (
+                self.tokenizer.encode(p, add_special_tokens=req.add_special_tokens)
+                if isinstance(p, str)
+                else [int(t) for t in p]
+            )
             if not ids:
                 raise errors.bad_request("the prompt is empty", "prompt")
             request_params.check_token_ids(ids, self.tokenizer.vocab_size, "prompt")
@@ -90,12 +94,13 @@ class Router:
         if not req.messages:
             raise errors.bad_request("messages must not be empty", "messages")
         try:
-            return self.tokenizer.apply_chat_template(
+            text = self.tokenizer.apply_chat_template_text(
                 req.messages,
                 add_generation_prompt=req.add_generation_prompt,
                 tools=req.tools,
                 **(req.chat_template_kwargs or {}),
             )
+            return self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
         except ChatTemplateError as exc:
             raise errors.bad_request(str(exc), "messages") from exc
         except TypeError as exc:  # a chat_template_kwargs key clashing with a parameter

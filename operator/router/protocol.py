@@ -152,6 +152,8 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    # vLLM: add the tokenizer's special tokens (e.g. BOS) to a text prompt; default on.
+    add_special_tokens: bool = True
 
 
 ToolChoice = Literal["none", "auto", "required"] | dict[str, Any]
@@ -168,6 +170,8 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM: off for chat, since the chat template writes BOS itself; on adds them once more.
+    add_special_tokens: bool = False
 
     @field_validator("top_logprobs")
     @classmethod

@@ -134,6 +134,17 @@ class Api:
     def cr(self, ns: str, name: str) -> dict[str, Any] | None:
         return self.get(f"{CR_PATH.format(ns=ns)}/{name}")
 
+    def delete_all_crs(self, ns: str, timeout: float = 60) -> None:
+        """Delete every InferenceDeployment in ``ns`` and wait until the operator let them go.
+
+        A module's operator resyncs every resource it knows each pass: resources left over from
+        earlier tests only slow the later ones down.
+        """
+        path = CR_PATH.format(ns=ns)
+        for obj in self.items(path):
+            self.call("DELETE", f"{path}/{obj['metadata']['name']}")
+        wait_for(lambda: not self.items(path), timeout, "test deployments deleted")
+
     def patch_spec(self, ns: str, name: str, spec_patch: dict[str, Any]) -> None:
         """Patch the spec and bump metadata.generation, as the API server would."""
         current = self.cr(ns, name)

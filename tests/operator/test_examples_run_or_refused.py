@@ -123,11 +123,23 @@ def test_each_example_is_on_its_side_of_the_table(example: str) -> None:
             assert side.serve_args[:2] == ("--policy", kind), "the adaptation must keep the policy"
 
 
+@pytest.fixture()
+def one_at_a_time(api: Api, operator_process: OperatorProcess) -> Iterator[None]:
+    """Each operator test's resources are deleted after it, so later tests do not wait on the
+    operator's resync of earlier ones."""
+    yield
+    api.delete_all_crs(NS)
+
+
 @pytest.mark.parametrize(
     "example", sorted(e for e, s in EXAMPLES.items() if not isinstance(s, Runs))
 )
 def test_refused_examples_get_invalid_spec_and_no_children(
-    example: str, api: Api, admin: StandInAdmin, operator_process: OperatorProcess
+    example: str,
+    api: Api,
+    admin: StandInAdmin,
+    operator_process: OperatorProcess,
+    one_at_a_time: None,
 ) -> None:
     side = EXAMPLES[example]
     name = "ex-" + example.removesuffix(".yaml")
@@ -154,7 +166,47 @@ def test_refused_examples_get_invalid_spec_and_no_children(
     assert api.get(f"/apis/apps/v1/namespaces/{NS}/deployments/{name}-router") is None
 
 
+# ---- a running resource edited into one the engine cannot run ---------------------------------
+
+
+def test_an_edit_to_an_unrunnable_policy_is_refused_and_leaves_the_groups_alone(
+    api: Api, admin: StandInAdmin, operator_process: OperatorProcess, one_at_a_time: None
+) -> None:
+    name = "edited"
+    api.create_cr(NS, _body("shift.yaml", name))
+    wait_for(
+        lambda: api.names(STS, {names.LABEL_DEPLOYMENT: name}) == {f"{name}-g0", f"{name}-g1"},
+        60,  # the operator also resyncs this module's other resources
+        what="the shift groups",
+    )
+    before = {g: (api.get(f"{STS}/{g}") or {})["metadata"]["labels"] for g in (f"{name}-g0",)}
+    # 8 GPUs as static TP 2 x DP 4: the schema accepts dp, the gearshift engine runs none.
+    api.patch_spec(NS, name, {"policy": {"shift": None, "static": {"tp": 2, "dp": 4}}})
+    wait_for(
+        lambda: condition(api.cr(NS, name), "InvalidSpec").get("status") == "True",
+        60,
+        what="InvalidSpec after the edit",
+    )
+    invalid = condition(api.cr(NS, name), "InvalidSpec")
+    assert invalid["reason"] == "SpecPolicyStaticDp" and invalid["observedGeneration"] == 2
+    # Nothing is rolled or deleted for a spec that cannot run: the old groups keep serving.
+    assert api.names(STS, {names.LABEL_DEPLOYMENT: name}) == {f"{name}-g0", f"{name}-g1"}
+    after = (api.get(f"{STS}/{name}-g0") or {})["metadata"]["labels"]
+    assert after[names.LABEL_REVISION] == before[f"{name}-g0"][names.LABEL_REVISION]
+    api.patch_spec(NS, name, {"policy": {"static": None, "shift": {"sp": 4, "tp": 2}}})
+    wait_for(
+        lambda: condition(api.cr(NS, name), "InvalidSpec").get("status") == "False",
+        60,
+        what="InvalidSpec cleared",
+    )
+
+
 # ---- the Runs side: real `gearshift serve` on SmolLM2 -----------------------------------------
+
+
+# Decode steps per prompt: enough for the shift gear to run several steps on every prompt; each
+# one is a 3-process all-reduce round on a 2-core CI machine.
+TOKENS = 10
 
 
 def makefile_args(variable: str) -> tuple[str, ...]:
@@ -213,7 +265,7 @@ def _generate(address: str, ids: list[int]) -> list[int]:
         response = router_pb2_grpc.GenerationStub(channel).Generate(
             router_pb2.GenerateRequest(
                 prompt_token_ids=ids,
-                sampling=common_pb2.SamplingParams(max_tokens=24, temperature=0.0),
+                sampling=common_pb2.SamplingParams(max_tokens=TOKENS, temperature=0.0),
             ),
             timeout=300,
         )
@@ -239,7 +291,7 @@ def test_shift_example_runs_as_make_serve_shift_with_one_ranks_greedy_tokens(
 
     engine = build_local_engine(EngineConfig(model="smollm2", dtype="float32", max_model_len=1024))
     try:
-        reference = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
+        reference = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=TOKENS))
     finally:
         engine.shutdown()
     assert served == [r.token_ids for r in reference]
@@ -253,38 +305,3 @@ def test_shift_example_runs_as_make_serve_shift_with_one_ranks_greedy_tokens(
     steps = {g.name: g.steps for g in groups[0].stats.gears}
     assert steps["base"] >= 1 and steps["shift"] >= 1, steps
     assert groups[0].policy.shift.sp == 3
-
-
-# ---- a running resource edited into one the engine cannot run ---------------------------------
-
-
-def test_an_edit_to_an_unrunnable_policy_is_refused_and_leaves_the_groups_alone(
-    api: Api, admin: StandInAdmin, operator_process: OperatorProcess
-) -> None:
-    name = "edited"
-    api.create_cr(NS, _body("shift.yaml", name))
-    wait_for(
-        lambda: api.names(STS, {names.LABEL_DEPLOYMENT: name}) == {f"{name}-g0", f"{name}-g1"},
-        60,  # the operator also resyncs this module's other resources
-        what="the shift groups",
-    )
-    before = {g: (api.get(f"{STS}/{g}") or {})["metadata"]["labels"] for g in (f"{name}-g0",)}
-    # 8 GPUs as static TP 2 x DP 4: the schema accepts dp, the gearshift engine runs none.
-    api.patch_spec(NS, name, {"policy": {"shift": None, "static": {"tp": 2, "dp": 4}}})
-    wait_for(
-        lambda: condition(api.cr(NS, name), "InvalidSpec").get("status") == "True",
-        60,
-        what="InvalidSpec after the edit",
-    )
-    invalid = condition(api.cr(NS, name), "InvalidSpec")
-    assert invalid["reason"] == "SpecPolicyStaticDp" and invalid["observedGeneration"] == 2
-    # Nothing is rolled or deleted for a spec that cannot run: the old groups keep serving.
-    assert api.names(STS, {names.LABEL_DEPLOYMENT: name}) == {f"{name}-g0", f"{name}-g1"}
-    after = (api.get(f"{STS}/{name}-g0") or {})["metadata"]["labels"]
-    assert after[names.LABEL_REVISION] == before[f"{name}-g0"][names.LABEL_REVISION]
-    api.patch_spec(NS, name, {"policy": {"static": None, "shift": {"sp": 4, "tp": 2}}})
-    wait_for(
-        lambda: condition(api.cr(NS, name), "InvalidSpec").get("status") == "False",
-        60,
-        what="InvalidSpec cleared",
-    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import json
 import subprocess
@@ -340,3 +341,39 @@ def test_router_json_changes_add_and_retire_groups(tokenizer: Tokenizer, tmp_pat
                 await w.stop()
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_add_special_tokens_is_honoured_with_vllms_defaults(tokenizer: Tokenizer) -> None:
+    """Completions add the tokenizer's special tokens unless told not to; chat adds none unless
+    told to (its template writes them). SmolLM2 adds none itself, so this tokenizer adds BOS."""
+    from tokenizers import processors
+
+    with_bos = copy.deepcopy(tokenizer)
+    bos = with_bos.backend.token_to_id("<|endoftext|>")
+    with_bos.backend.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)]
+    )
+    plain = tokenizer.encode("Hello there", False)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+
+    async def scenario(s: Setup) -> None:
+        bodies: list[tuple[str, dict]] = [
+            ("/v1/completions", {"prompt": "Hello there", "max_tokens": 1}),
+            ("/v1/completions", {"prompt": "Hello there", "add_special_tokens": False}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+            (
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "Hi"}], "add_special_tokens": True},
+            ),
+        ]
+        seen = []
+        for path, body in bodies:
+            r = await s.http.post(path, json={"model": "fake", "max_tokens": 1, **body})
+            assert r.status_code == 200, r.text
+            sent = [req for w in s.workers for req in w.requests]
+            seen.append(list(sent[-1].prompt_token_ids))
+            for w in s.workers:
+                w.requests.clear()
+        assert seen == [[bos, *plain], plain, chat, [bos, *chat]]
+
+    run(with_bos, scenario)

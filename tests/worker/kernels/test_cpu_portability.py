@@ -137,11 +137,12 @@ def test_an_unknown_isa_falls_back_to_torch_with_a_warning(tmp_path):
 
 
 # The kernel tests, plus the fused decoder layer over plain and packed weights: each compares the
-# C++ kernels with the torch reference (or the Python layer, bit for bit).
+# C++ kernels with the torch reference (or the Python layer, bit for bit). Every kernel the
+# library exports is covered here; the SmolLM2 end-to-end backend test (test_backends_agree) adds
+# no kernel and runs once, with the native build, in the main suite.
 KERNEL_TESTS = [
     "tests/worker/kernels/test_elementwise.py",
     "tests/worker/kernels/test_paged_attention.py",
-    "tests/worker/kernels/test_backends_agree.py",
     "tests/worker/model/test_fused_decode.py",
 ]
 
