@@ -1,4 +1,4 @@
-"""Two 3-rank groups under `gearshift serve`: rank 0 of one is killed (the group ends within
+"""Two 2-rank groups (pipeline stages) under `gearshift serve`: rank 0 of one is killed (the group ends within
 10 s with an error naming rank 0, the router fails over), then SIGTERM drains the requests in
 flight on the other before serve exits."""
 
@@ -30,13 +30,16 @@ LONG = {
 }
 
 
+RANKS = 2
+
+
 def _serve3(tmp: Path, groups: int) -> ServeProcess:
     return ServeProcess(
         tmp,
         "--model",
         "smollm2",
-        "--tp",
-        "3",  # SmolLM2's 3 KV heads: the smallest multi-rank group
+        "--pp",
+        "2",  # the cheapest multi-rank group for SmolLM2 (TP must divide its 3 KV heads)
         "--groups",
         str(groups),
         "--dtype",
@@ -68,9 +71,9 @@ def _rank0(worker_pid: int) -> tuple[psutil.Process, list[psutil.Process]]:
     """The group leader's engine process (rank 0) and its follower ranks."""
     for child in psutil.Process(worker_pid).children():
         followers = child.children()
-        if len(followers) == 2:
+        if len(followers) == RANKS - 1:
             return child, followers
-    raise AssertionError(f"no rank 0 with two followers under worker {worker_pid}")
+    raise AssertionError(f"no rank 0 with {RANKS - 1} followers under worker {worker_pid}")
 
 
 async def _stream(client: httpx.AsyncClient, events: list[dict]) -> None:
