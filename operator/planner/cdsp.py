@@ -16,7 +16,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gearshift.operator.planner.instance_pool import Pool, get_group
+from gearshift.operator.planner.instance_pool import Pool
 from gearshift.operator.planner.latency_model import LatencyModel
 
 
@@ -119,10 +119,10 @@ def single_chunk(
     """
     options = []
     for s in sizes:
-        group = get_group(pool, initial, s)
-        if group is None:
+        found = pool.group(initial, s)
+        if found is None:
             continue
-        wait = pool.wait(group)
+        group, wait = found
         seconds = models[s].seconds(history, length)
         options.append((group, wait, seconds, wait + seconds))
     if not options:
@@ -179,16 +179,20 @@ class _Search:
         inner = pool.restrict(group0)  # lines 10-11: the chunk's groups come from instance_group
         granularity = self.granularity
         for k, s_cur in enumerate(cdsp[:-1]):
-            current = get_group(inner, initial, s_cur)  # Algorithm 3 line 6
-            if current is None:
+            found = inner.group(initial, s_cur)  # Algorithm 3 line 6
+            if found is None:
                 continue
-            wait_cur = inner.wait(current)
+            current, wait_cur = found
             model = models[s_cur]
+            # No next group waits longer than instance_group itself: if even that budget cannot
+            # hold a legal chunk on s_current, no pair with it can (exact, saves the GetGroups).
+            if model.max_length(wait0 - wait_cur, history) < max(granularity, s_cur):
+                continue
             for s_next in cdsp[k + 1 :]:  # line 7: pairs s_current < s_next
-                following = get_group(inner, current, s_next)  # Algorithm 3 line 7
+                following = inner.group(current, s_next)  # Algorithm 3 line 7
                 if following is None:
                     continue
-                budget = inner.wait(following) - wait_cur  # lines 9-11
+                budget = following[1] - wait_cur  # lines 9-11
                 fit = model.max_length(budget, history)
                 # Line 13, rounded down to the chunk granularity (so it stays within budget).
                 n = length if fit >= length else int(fit // granularity) * granularity

@@ -21,7 +21,7 @@ class Pool:
     them in that order; a queue update keeps the order (it is monotone), so it is not re-sorted.
     """
 
-    __slots__ = ("_kth", "_whole", "by_node", "largest", "node_of", "queue")
+    __slots__ = ("_groups", "_kth", "_whole", "by_node", "largest", "node_of", "queue")
 
     def __init__(
         self,
@@ -32,20 +32,35 @@ class Pool:
         self.queue = queue
         self.node_of = node_of  # node of every instance id of the whole pool
         if by_node is None:
+            # One sort of the whole pool (in C), dealt out to the nodes in that order.
             by_node = {}
-            for i, t in queue.items():
-                by_node.setdefault(node_of[i], []).append((t, i))
-            for entries in by_node.values():
-                entries.sort()
+            for t, i in sorted(zip(queue.values(), queue, strict=True)):
+                n = node_of[i]
+                if n in by_node:
+                    by_node[n].append((t, i))
+                else:
+                    by_node[n] = [(t, i)]
         self.by_node = by_node
         self.largest = max(map(len, by_node.values()), default=0)  # instances of the fullest node
         self._kth: dict[int, list[tuple[float, int]]] = {}
         self._whole: list[int] | None = None
+        self._groups: dict[tuple[tuple[int, ...], int], tuple[tuple[int, ...], float] | None] = {}
 
     @staticmethod
     def uniform(queue: Sequence[float], per_node: int) -> Pool:
         """Instances 0..n-1 with these queueing times, ``per_node`` consecutive ids per node."""
         return Pool(dict(enumerate(queue)), tuple(i // per_node for i in range(len(queue))))
+
+    def group(self, initial: tuple[int, ...], size: int) -> tuple[tuple[int, ...], float] | None:
+        """``get_group`` and the group's wait, remembered: Algorithms 2 and 3 ask the same pool
+        for the same extension several times in one search."""
+        key = (initial, size)
+        if key in self._groups:
+            return self._groups[key]
+        group = get_group(self, initial, size)
+        found = None if group is None else (group, self.wait(group))
+        self._groups[key] = found
+        return found
 
     def wait(self, group: Iterable[int]) -> float:
         """A group's queueing time: a ring starts when its last member is free."""
@@ -135,15 +150,14 @@ def _fresh(pool: Pool, excluded: set[int], need: int) -> list[int] | None:
     by_node = pool.by_node
     picked: list[int] = []
     taken = set(excluded)
+    wholes = iter(pool.whole_order())  # taken in this order, so one pass suffices
     while True:
         if need <= pool.largest:
             for _, n in pool.kth_order(need):
                 if n not in taken:
                     return picked + [i for _, i in by_node[n][:need]]
-        for n in pool.whole_order():
-            if n not in taken:
-                break
-        else:
+        n = next((n for n in wholes if n not in taken), -1)
+        if n < 0:
             return None
         taken.add(n)
         picked += [i for _, i in by_node[n]]
