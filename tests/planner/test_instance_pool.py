@@ -45,13 +45,13 @@ def test_eq_2_advances_every_queue_and_frees_instances_at_zero():
     assert dict(later.queue) == {0: 0.0, 1: 1.5, 2: 0.0, 3: 2.5}
     assert pool.queue[1] == 3.0, "the old pool is unchanged"
     # Each node's instances stay sorted shortest-wait first; newly free ones by id.
-    assert later.by_node == {0: [(0.0, 0), (1.5, 1)], 1: [(0.0, 2), (2.5, 3)]}
+    assert later.by_node == {0: [(0, 0.0, 0), (0, 1.5, 1)], 1: [(1, 0.0, 2), (1, 2.5, 3)]}
     # Restricting keeps only the group's instances, with their queues.
     inner = pool.restrict((1, 3))
     assert dict(inner.queue) == {1: 3.0, 3: 4.0} and get_group(inner, (), 3) is None
     # Instances that become free together are taken in id order, as in a fresh pool.
     tied = Pool.uniform([1.0, 0.5], per_node=2)
-    assert tied.by_node == {0: [(0.5, 1), (1.0, 0)]}
+    assert tied.by_node == {0: [(0, 0.5, 1), (0, 1.0, 0)]}
     assert tied.advance(2.0).by_node == Pool.uniform([0.0, 0.0], 2).by_node
 
 
