@@ -22,7 +22,7 @@ D = 8
 @dataclass(frozen=True)
 class Case:
     name: str
-    members: tuple[int, ...]  # group ranks in ring order
+    members: tuple[int, ...]  # group ranks in ring order (of the pool group, see run_rank)
     length: int  # chunk tokens
     history: int  # earlier chunks' tokens, spread evenly over the ring
     hq: int
@@ -43,7 +43,13 @@ def cases(world: int) -> list[Case]:
             Case("subset_0_2", (0, 2), 11, 0, 8, 2),
             Case("subset_2_0_history", (2, 0), 13, 7, 8, 2),
         ]
+    if world == 4:  # a pool group of global ranks 1..3: group rank r is global rank r + 1
+        out += [Case("pool_group_2_0", (2, 0), 17, 5, 8, 2)]
     return out
+
+
+def pool_case(case: Case) -> bool:
+    return case.name.startswith("pool_group")
 
 
 def reference(case: Case, seed: int) -> tuple[torch.Tensor, ...]:
@@ -101,10 +107,16 @@ def run_rank(rank: int, world: int, store_path: str, out_dir: str) -> None:
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
     )
-    comm = CommGroup(world, rank, tuple(range(world)), dist.group.WORLD)
+    world_comm = CommGroup(world, rank, tuple(range(world)), dist.group.WORLD)
+    pool_comm = None
+    if world == 4:  # new_group is collective: every rank creates it
+        pg = dist.new_group([1, 2, 3])
+        if rank >= 1:
+            pool_comm = CommGroup(3, rank - 1, (1, 2, 3), pg)
     results: dict[str, dict[str, float]] = {}
     for seed, case in enumerate(cases(world)):
-        if rank in case.members:
+        comm = pool_comm if pool_case(case) else world_comm
+        if comm is not None and comm.rank in case.members:
             results[case.name] = run_case(case, comm, seed)
         dist.barrier()
     dist.destroy_process_group()

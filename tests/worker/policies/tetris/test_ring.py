@@ -55,7 +55,7 @@ def ring_results(tmp_path_factory: pytest.TempPathFactory):
 def test_ring_attention_equals_single_process_attention(world, ring_results):
     results = ring_results(world)
     for case in ring_driver.cases(world):
-        if case.name.startswith("subset"):
+        if case.name.startswith("subset") or ring_driver.pool_case(case):
             continue
         for rank in case.members:
             got = results[rank][case.name]
@@ -73,6 +73,17 @@ def test_a_ring_over_a_subset_of_the_group_needs_no_new_group(ring_results):
         for rank in case.members:
             got = results[rank][case.name]
             assert got["out_err"] < TOL and got["lse_err"] < TOL, (case, rank, got)
+
+
+def test_a_ring_in_a_pool_group_maps_group_ranks_to_global_ranks(ring_results):
+    # Pool group = global ranks 1, 2, 3; ring members are group ranks 2 and 0 = global 3 and 1.
+    results = ring_results(4)
+    case = next(c for c in ring_driver.cases(4) if ring_driver.pool_case(c))
+    assert case.name not in results[0] and case.name not in results[2], "not ring members"
+    for rank in (1, 3):
+        got = results[rank][case.name]
+        assert got["out_err"] < TOL and got["lse_err"] < TOL, (rank, got)
+    assert results[1][case.name]["rows"] + results[3][case.name]["rows"] == case.length
 
 
 def test_a_one_member_ring_is_plain_causal_attention_with_history():
