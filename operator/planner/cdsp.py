@@ -149,9 +149,10 @@ class _Search:
 
     def lower_bound(self, length: int, history: int, sizes: tuple[int, ...]) -> float:
         """A floor under any plan of ``length`` tokens after ``history`` on these sizes: one
-        constant term, and every token's linear and history terms at the cheapest size."""
+        constant term, and every token's linear and history terms at the cheapest size. A model
+        with a negative coefficient (a fit outside its data) gives no bound: nothing is cut."""
         if not self.bounded:
-            return 0.0
+            return -math.inf
         models = self.models
         return self.min_a + length * min(models[s].b + models[s].c * history for s in sizes)
 
