@@ -51,7 +51,10 @@ def ring_results(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+# Two ranks in the quick loop; 3 and 4 (each a set of spawned gloo processes) in the full suite.
+@pytest.mark.parametrize(
+    "world", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)]
+)
 def test_ring_attention_equals_single_process_attention(world, ring_results):
     results = ring_results(world)
     for case in ring_driver.cases(world):
@@ -64,6 +67,7 @@ def test_ring_attention_equals_single_process_attention(world, ring_results):
         assert sum(results[r][case.name]["rows"] for r in case.members) == case.length
 
 
+@pytest.mark.slow
 def test_a_ring_over_a_subset_of_the_group_needs_no_new_group(ring_results):
     results = ring_results(3)
     for case in ring_driver.cases(3):
@@ -75,6 +79,7 @@ def test_a_ring_over_a_subset_of_the_group_needs_no_new_group(ring_results):
             assert got["out_err"] < TOL and got["lse_err"] < TOL, (case, rank, got)
 
 
+@pytest.mark.slow
 def test_a_ring_in_a_pool_group_maps_group_ranks_to_global_ranks(ring_results):
     # Pool group = global ranks 1, 2, 3; ring members are group ranks 2 and 0 = global 3 and 1.
     results = ring_results(4)
