@@ -5,6 +5,8 @@ prefill chunks and the paged KV cache, writing this step's keys and values first
 also returns each query row's log-sum-exp of its scaled scores, so attention computed over
 disjoint pieces of a context can be merged exactly (ring attention, Tetris §2.3):
 ``out = Σ exp(lse_i − lse) · out_i`` with ``lse = logsumexp_i(lse_i)``.
+``attention_lse`` is the cache-free piece such a merge is made of: query rows over one block of
+keys, all visible or causally aligned to the block's end.
 """
 
 from __future__ import annotations
@@ -57,3 +59,35 @@ def merge_partials(
         start=torch.zeros_like(outs[0], dtype=torch.float32),
     )
     return out.to(outs[0].dtype), lse
+
+
+def attention_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query rows q [n, Hq, D] over one block of keys/values [L, Hkv, D], no cache, fp32 math.
+
+    ``causal`` places the n queries at the block's last n positions (query i sees keys up to
+    L - n + i, flash-attention's bottom-right alignment); otherwise every key is visible. GQA
+    groups consecutive query heads on one KV head. Returns (out [n, Hq, D] in q's dtype,
+    lse [n, Hq] fp32); a row that sees no key gets out 0 and lse -inf.
+    """
+    n, hq, dim = q.shape
+    length, hkv = k.shape[0], k.shape[1]
+    if n == 0 or length == 0:
+        return q.new_zeros(q.shape), q.new_full((n, hq), float("-inf"), dtype=torch.float32)
+    group = hq // hkv
+    # Grouped query heads as rows of one matmul per KV head: no repeated KV.
+    qg = q.float().view(n, hkv, group, dim).permute(1, 2, 0, 3).reshape(hkv, group * n, dim)
+    keys = k.float().transpose(0, 1)  # [Hkv, L, D]
+    values = v.float().transpose(0, 1)
+    scores = torch.matmul(qg, keys.transpose(1, 2)).mul_(scale).view(hkv, group, n, length)
+    if causal:
+        pos = torch.arange(length - n, length, device=q.device)
+        hidden = torch.arange(length, device=q.device)[None, :] > pos[:, None]  # [n, L]
+        scores.masked_fill_(hidden, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [Hkv, group, n]
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    probs = torch.exp(scores - safe.unsqueeze(-1)).view(hkv, group * n, length)
+    out = torch.matmul(probs, values).view(hkv, group, n, dim)
+    out = out.permute(2, 0, 1, 3).reshape(n, hq, dim)
+    return out.to(q.dtype), lse.permute(2, 0, 1).reshape(n, hq)

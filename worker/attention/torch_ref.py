@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gearshift.worker.attention.core import attention_lse
 from gearshift.worker.attention.metadata import AttentionMetadata, PaddedPrefill
 from gearshift.worker.kv.cache import LayerKV
 
@@ -94,25 +95,11 @@ class TorchAttention:
             keys = gather_context(kv[0], table, seq_len)  # [Hkv, L, D]
             values = gather_context(kv[1], table, seq_len)
             rows = slice(start, start + qlen)
-            out[rows], lse[rows] = self._explicit(q[rows], keys, values, seq_len)
+            # The piece's queries are the context's last qlen positions: bottom-right causal.
+            out[rows], lse[rows] = attention_lse(
+                q[rows], keys.transpose(0, 1), values.transpose(0, 1), self.scale, causal=True
+            )
         return out, lse
-
-    def _explicit(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [n, Hq, D] at the last n positions of a context of ``seq_len`` cached keys."""
-        n, hq, _ = q.shape
-        group = hq // keys.shape[0]
-        keys = keys.repeat_interleave(group, dim=0).float()  # [Hq, L, D]
-        values = values.repeat_interleave(group, dim=0).float()
-        scores = torch.matmul(q.transpose(0, 1).float(), keys.transpose(1, 2)) * self.scale
-        pos = torch.arange(seq_len - n, seq_len, device=q.device)
-        hidden = torch.arange(seq_len, device=q.device)[None, :] > pos[:, None]  # [n, L]
-        scores.masked_fill_(hidden, float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1)  # [Hq, n]
-        probs = torch.exp(scores - lse.unsqueeze(-1))
-        out = torch.matmul(probs, values)  # [Hq, n, D]
-        return out.transpose(0, 1).to(q.dtype), lse.transpose(0, 1)
 
     def prefill(
         self,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from gearshift.worker.attention.core import merge_partials
+from gearshift.worker.attention.core import attention_lse, merge_partials
 from gearshift.worker.attention.metadata import AttentionMetadata
 from gearshift.worker.attention.torch_ref import TorchAttention
 
@@ -78,3 +78,28 @@ def test_attention_over_two_halves_of_a_context_merges_into_the_whole():
     out2, lse2 = merge_partials([whole_out, empty[0]], [whole_lse, empty[1]])
     torch.testing.assert_close(out2, whole_out)
     torch.testing.assert_close(lse2, whole_lse)
+
+
+def test_attention_lse_aligns_causal_queries_to_the_block_end_with_gqa():
+    g = torch.Generator().manual_seed(2)
+    n, length = 3, 7
+    q = torch.randn(n, HQ, D, generator=g, dtype=torch.float64)
+    k = torch.randn(length, HKV, D, generator=g, dtype=torch.float64)
+    v = torch.randn(length, HKV, D, generator=g, dtype=torch.float64)
+    keys = k.repeat_interleave(HQ // HKV, dim=1)  # query head h reads KV head h // group
+    values = v.repeat_interleave(HQ // HKV, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q, keys) * D**-0.5
+    for causal in (False, True):
+        s = scores.clone()
+        if causal:  # query i sits at position length - n + i
+            s.masked_fill_(
+                torch.arange(length)[None] > (length - n + torch.arange(n))[:, None], float("-inf")
+            )
+        want_lse = torch.logsumexp(s, -1).transpose(0, 1)
+        want = torch.einsum("hnl,lhd->nhd", torch.softmax(s, -1), values)
+        out, lse = attention_lse(q.float(), k.float(), v.float(), D**-0.5, causal)
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+    # An empty block: zeros and -inf, never NaN.
+    out, lse = attention_lse(q.float(), k[:0].float(), v[:0].float(), D**-0.5, False)
+    assert not out.any() and bool(torch.isinf(lse).all())

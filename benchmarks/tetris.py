@@ -1,0 +1,163 @@
+"""Tetris planner latency (issue 15, Measure (a)); part (b), CDSP prefill timing, is not built.
+
+Paper Table 2 (C++ scheduler): average 22.8–30.6 µs and at most 86.8 µs per request for max SP
+8 … 128, over 1000 random requests and queue states each. This script times our pure-Python
+Algorithm 1 (``operator/planner/cdsp.py``) the same way: for each max SP N, a pool of N prefill
+instances (8 per node, like the paper's A100 nodes), power-of-two SP sizes, max_chunks 4,
+chunk_granularity 1024, improvement rate 0.3; per request a prompt length uniform in 4k–190k
+tokens (the paper's Long trace range) and every instance's queue idle with probability 0.3, else
+uniform in 0–10 s. Eq. (1) models are shaped after the paper's Table 1 (LLaMA3-8B on A100):
+T_s = 0.023·s + (6.5e-5·L + 2.4e-9·C·L + 1.2e-9·L²) / s seconds.
+
+Timings per request, garbage collector on, after 100 warm-up requests: "plan" = building the
+pool's sorted per-node view from the raw queue list plus Algorithm 1 (what a router pays per
+request), wall clock (perf_counter_ns); "search" = Algorithm 1 alone on a built pool, wall clock;
+"plan CPU" = the plan's thread CPU time, which leaves out the time slices other processes took
+(on a shared 2-core machine those make the wall-clock tail). The load average is recorded.
+
+    .venv/bin/python benchmarks/tetris.py              # writes tetris.{json,png} next to this file
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from gearshift.operator.planner.cdsp import PlannerRules, plan_request, sp_sizes
+from gearshift.operator.planner.instance_pool import Pool
+from gearshift.operator.planner.latency_model import LatencyModel
+
+HERE = Path(__file__).resolve().parent
+MAX_SP = (8, 16, 32, 64, 128)
+PAPER_US = {
+    8: (22.8, 52.5),
+    16: (25.8, 86.8),
+    32: (22.9, 53.4),
+    64: (24.9, 45.1),
+    128: (30.6, 73.7),
+}
+PER_NODE = 8
+
+
+def table1_model(sp: int) -> LatencyModel:
+    """Eq. (1) for SP ``sp``, shaped after the paper's Table 1 (see the module docstring)."""
+    return LatencyModel(sp, 0.023 * sp, 6.5e-5 / sp, 2.4e-9 / sp, 1.2e-9 / sp)
+
+
+def measure(max_sp: int, requests: int, seed: int) -> dict[str, Any]:
+    rules = PlannerRules({s: table1_model(s) for s in sp_sizes(max_sp, True)}, 1024, 4)
+    rng = random.Random(seed)
+    node_of = tuple(i // PER_NODE for i in range(max_sp))
+    cases = [
+        (
+            [0.0 if rng.random() < 0.3 else rng.uniform(0.0, 10.0) for _ in range(max_sp)],
+            rng.randint(4096, 190_000),
+        )
+        for _ in range(requests + 100)
+    ]
+    plan_ns: list[int] = []
+    cpu_ns: list[int] = []
+    search_ns: list[int] = []
+    chunks: list[int] = []
+    for k, (queue, length) in enumerate(cases):
+        c0 = time.thread_time_ns()
+        t0 = time.perf_counter_ns()
+        pool = Pool(dict(enumerate(queue)), node_of)
+        t1 = time.perf_counter_ns()
+        plan = plan_request(length, pool, rules, 0.3)
+        t2 = time.perf_counter_ns()
+        c1 = time.thread_time_ns()
+        if k >= 100:  # warm-up done
+            plan_ns.append(t2 - t0)
+            cpu_ns.append(c1 - c0)
+            search_ns.append(t2 - t1)
+            chunks.append(len(plan.chunks))
+
+    def us(xs: list[int]) -> dict[str, float]:
+        xs = sorted(xs)
+        return {
+            "avg": round(statistics.fmean(xs) / 1e3, 1),
+            "p50": round(xs[len(xs) // 2] / 1e3, 1),
+            "p99": round(xs[int(len(xs) * 0.99)] / 1e3, 1),
+            "max": round(xs[-1] / 1e3, 1),
+        }
+
+    return {
+        "max_sp": max_sp,
+        "plan_us": us(plan_ns),
+        "plan_cpu_us": us(cpu_ns),
+        "search_us": us(search_ns),
+        "paper_us": {"avg": PAPER_US[max_sp][0], "max": PAPER_US[max_sp][1]},
+        "chunks_per_request": round(statistics.fmean(chunks), 3),
+        "multi_chunk_share": round(sum(c > 1 for c in chunks) / len(chunks), 3),
+    }
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [str(r["max_sp"]) for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(xs, [r["plan_us"]["avg"] for r in rows], "o-", label="Python plan, avg")
+    ax.plot(xs, [r["plan_us"]["p99"] for r in rows], "o--", label="Python plan, p99")
+    ax.plot(xs, [r["search_us"]["avg"] for r in rows], "s-", label="Python search only, avg")
+    ax.plot(xs, [r["paper_us"]["avg"] for r in rows], "^-", label="paper C++, avg")
+    ax.plot(xs, [r["paper_us"]["max"] for r in rows], "^--", label="paper C++, max")
+    ax.set_yscale("log")
+    ax.set_xlabel("max SP size (= prefill instances)")
+    ax.set_ylabel("µs per request")
+    ax.set_title("Tetris CDSP planner latency (Algorithm 1)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=HERE / "tetris.json")
+    args = ap.parse_args()
+    load_before = os.getloadavg()
+    rows = [measure(n, args.requests, args.seed + n) for n in MAX_SP]
+    result = {
+        "command": f"python benchmarks/tetris.py --requests {args.requests} --seed {args.seed}",
+        "machine": {
+            "python": platform.python_version(),
+            "cpu_count": os.cpu_count(),
+            "load_average_before": [round(x, 2) for x in load_before],
+            "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        },
+        "planner_latency": rows,
+    }
+    print(
+        f"{'max SP':>6} | {'plan avg':>8} {'p50':>7} {'p99':>7} {'max':>8} | {'CPU avg':>7} "
+        f"{'p99':>6} | "
+        f"{'search avg':>10} {'max':>8} | {'paper avg/max':>13} | chunks/req"
+    )
+    for r in rows:
+        p, s, c, u = r["plan_us"], r["search_us"], r["paper_us"], r["plan_cpu_us"]
+        print(
+            f"{r['max_sp']:>6} | {p['avg']:>8} {p['p50']:>7} {p['p99']:>7} {p['max']:>8} | "
+            f"{u['avg']:>7} {u['p99']:>6} | "
+            f"{s['avg']:>10} {s['max']:>8} | {c['avg']:>6}/{c['max']:<6} | "
+            f"{r['chunks_per_request']}"
+        )
+    print("µs per request; load average before/after:", load_before, os.getloadavg())
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(rows, args.out.with_suffix(".png"))
+    print("wrote", args.out, "and", args.out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
