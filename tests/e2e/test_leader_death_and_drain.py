@@ -1,6 +1,6 @@
-"""Two 2-rank groups (pipeline stages) under `gearshift serve`: rank 0 of one is killed (the group ends within
-10 s with an error naming rank 0, the router fails over), then SIGTERM drains the requests in
-flight on the other before serve exits."""
+"""Two 2-rank groups (pipeline stages) under `gearshift serve`: rank 0 of one is killed (the
+group ends within 10 s with an error naming rank 0, the router fails over), then SIGTERM drains
+the requests in flight on the other before serve exits."""
 
 from __future__ import annotations
 

@@ -18,8 +18,9 @@ GROUP = "gearshift-g0"
 
 
 @pytest.fixture(scope="module")
-def serve_tp3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    """One group of three ranks (tp=3: SmolLM2 has 9 heads), so a follower rank can hang."""
+def serve_pp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    """One group of two ranks (pipeline stages: the cheapest multi-rank SmolLM2 group), so a
+    follower rank can hang."""
     proc = ServeProcess(
         tmp_path_factory.mktemp("serve-recovery"),
         "--model",
@@ -28,8 +29,8 @@ def serve_tp3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess
         "bfloat16",
         "--groups",
         "1",
-        "--tp",
-        "3",
+        "--pp",
+        "2",
         "--max-num-seqs",
         "4",
         "--max-model-len",
@@ -106,36 +107,36 @@ def _wait_back(serve: ServeProcess, old_pid: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["follower", "leader"])
 def test_a_hung_rank_turns_ready_503_within_5s_then_the_group_restarts(
-    serve_tp3: ServeProcess, which: str
+    serve_pp2: ServeProcess, which: str
 ) -> None:
-    serve_tp3.refresh()
-    wait_for(lambda: _ready(serve_tp3) == 200, 240, "ready before the hang", 0.5)
-    assert _serves(serve_tp3)
-    before = _restarts(serve_tp3)
-    old_pid = serve_tp3.worker_pid(GROUP)
-    ranks = _ranks(serve_tp3)
+    serve_pp2.refresh()
+    wait_for(lambda: _ready(serve_pp2) == 200, 240, "ready before the hang", 0.5)
+    assert _serves(serve_pp2)
+    before = _restarts(serve_pp2)
+    old_pid = serve_pp2.worker_pid(GROUP)
+    ranks = _ranks(serve_pp2)
     rank = ranks[1] if which == "follower" else ranks[0]
     rank.send_signal(signal.SIGSTOP)
     try:
         # A follower: the leader's watchdog (2.5 s heartbeat timeout). The leader: the worker
         # process, which hears from it every 0.25 s. Then the router's 0.5 s poll.
-        wait_for(lambda: _ready(serve_tp3) == 503, 5.0, f"/ready 503 after SIGSTOP ({which})", 0.1)
+        wait_for(lambda: _ready(serve_pp2) == 503, 5.0, f"/ready 503 after SIGSTOP ({which})", 0.1)
     finally:
         if rank.is_running():
             rank.send_signal(signal.SIGCONT)
-    _wait_back(serve_tp3, old_pid)
+    _wait_back(serve_pp2, old_pid)
     assert not rank.is_running() or rank.status() == psutil.STATUS_ZOMBIE
-    assert _restarts(serve_tp3) == before + 1
-    assert f"restart {int(before) + 1}" in serve_tp3.tail(100_000)
+    assert _restarts(serve_pp2) == before + 1
+    assert f"restart {int(before) + 1}" in serve_pp2.tail(100_000)
 
 
 @pytest.mark.slow
-def test_a_killed_group_comes_back_and_serves_again(serve_tp3: ServeProcess) -> None:
-    serve_tp3.refresh()
-    wait_for(lambda: _ready(serve_tp3) == 200, 240, "ready before the kill", 0.5)
-    before = _restarts(serve_tp3)
-    old_pid = serve_tp3.worker_pid(GROUP)
+def test_a_killed_group_comes_back_and_serves_again(serve_pp2: ServeProcess) -> None:
+    serve_pp2.refresh()
+    wait_for(lambda: _ready(serve_pp2) == 200, 240, "ready before the kill", 0.5)
+    before = _restarts(serve_pp2)
+    old_pid = serve_pp2.worker_pid(GROUP)
     os.killpg(old_pid, signal.SIGKILL)  # the worker and every rank of the group
-    wait_for(lambda: _ready(serve_tp3) == 503, 30, "/ready 503 after the kill", 0.2)
-    _wait_back(serve_tp3, old_pid)
-    assert _restarts(serve_tp3) == before + 1
+    wait_for(lambda: _ready(serve_pp2) == 503, 30, "/ready 503 after the kill", 0.2)
+    _wait_back(serve_pp2, old_pid)
+    assert _restarts(serve_pp2) == before + 1
