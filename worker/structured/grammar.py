@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Literal
 
 from llguidance import LLMatcher
@@ -39,8 +40,13 @@ class GrammarSpec:
     choices: tuple[str, ...] = ()
 
 
+@lru_cache(maxsize=256)
 def compile_grammar(spec: GrammarSpec) -> str:
-    """The llguidance grammar of `spec`; raises InvalidGrammar with the compiler's message."""
+    """The llguidance grammar of `spec`; raises InvalidGrammar with the compiler's message.
+
+    Remembered per spec (a failure is not): the n choices of one request, and clients that send
+    the same schema on every request, translate and validate it once.
+    """
     try:
         if spec.kind == "json_object":
             grammar = LLMatcher.grammar_from_json_schema(_ANY_OBJECT, _JSON_OPTIONS)
