@@ -47,11 +47,19 @@ class ReplicaExecutor:
 
     runner: ModelRunner
     sync: ReplicaSync | None
+    rank: int = 0
 
     def submit(self, plan: StepPlan) -> StepHandle:
-        if self.sync is not None:
-            self.sync.before_step(plan.num_tokens)
-        logits = self.runner.execute(plan)
+        try:
+            if self.sync is not None:
+                self.sync.before_step(plan.num_tokens)
+            logits = self.runner.execute(plan)
+        except RuntimeError as exc:
+            if self.sync is None or "gloo" not in str(exc):
+                raise
+            # A peer is gone mid-step: the group is one failure domain.
+            first = str(exc).splitlines()[0][-200:]
+            raise GroupFailure(f"replica {self.rank}: a peer replica failed ({first})") from exc
         assert logits is not None
         return Done(logits)
 
@@ -123,7 +131,7 @@ def replica_main(
         store = dist.TCPStore(group.group_addr, port, world, is_master=False, timeout=timeout)
         state = join_group(config, policy, group, rank, store, port)
         sync = policy.replica_sync(store)
-        engine = _engine(config, policy, state, ReplicaExecutor(state.runner, sync))
+        engine = _engine(config, policy, state, ReplicaExecutor(state.runner, sync, rank))
         conn.send(("ready", {"num_blocks": state.num_blocks}))
         _serve(engine, sync, policy, conn)
         leaked = engine.blocks.leaked_blocks()
@@ -212,6 +220,9 @@ class ReplicaGroup:
             for conn in self.conns:
                 conn.send(("stop",))
             reports = [self._recv(r, "closed")[1] for r in range(self.replicas)]
+        except (OSError, GroupFailure):
+            self.kill()  # a replica is gone: nothing to stop in order
+            raise
         finally:
             self._closed = True
             stop_processes(self.procs, timeout=10)

@@ -113,6 +113,7 @@ class CasExchange:
                 work.wait()
         return out[0]
 
+    @torch.inference_mode()
     def dummy_step(self) -> None:
         """An idle replica's step: serve the layers it owns, send nothing for the others."""
         empty = torch.empty(0, self.layout.hidden, dtype=self.dtype)

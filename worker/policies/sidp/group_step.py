@@ -39,6 +39,16 @@ def request_mode(store: Any, mode: Mode) -> int:
     return epoch
 
 
+def applied_epochs(store: Any, replicas: int) -> list[int]:
+    """The newest epoch each replica has switched to (0 before any): the controller's way to
+    see a requested switch take effect."""
+    out = []
+    for r in range(replicas):
+        key = f"sidp/applied/{r}"
+        out.append(int(store.get(key)) if store.check([key]) else 0)
+    return out
+
+
 @dataclass
 class GroupStep:
     """One replica's view of the group's step boundaries (the launcher's ReplicaSync)."""
@@ -70,6 +80,7 @@ class GroupStep:
     def _apply(self, epoch: int) -> None:
         mode = self.initial if epoch == 0 else Mode(int(self.store.get(_mode_key(epoch))))
         self.epoch = epoch
+        self.store.set(f"sidp/applied/{self.world.rank}", str(epoch))
         if mode != self.service.mode:
             self.switches += 1
             self.service.mode = mode

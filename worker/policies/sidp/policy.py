@@ -68,6 +68,7 @@ class SidpPolicy(Policy):
         self._world: CommGroup | None = None
         self._sync: GroupStep | None = None
         self.bytes: WeightBytes | None = None
+        self.resident_bytes = 0
 
     @property
     def initial_mode(self) -> Mode:
@@ -161,8 +162,12 @@ class SidpPolicy(Policy):
             for seg in segments:
                 seg.close()
 
+        gear = Gear("sidp", model, ctx.make_core(), CommGroup.single())
+        # What this rank really holds: its parameters (owned FFN layers included, in shared
+        # memory) and its WaS slots; the tests hold it to WeightBytes.resident.
+        self.resident_bytes = gear.weight_bytes() + housekeeper.slot_bytes
         return RankModel(
-            gears=[Gear("sidp", model, ctx.make_core(), CommGroup.single())],
+            gears=[gear],
             kv_layers=cfg.num_layers,
             kv_heads=cfg.num_kv_heads,
             kv_extra_bytes=max(0, self.bytes.freed(cfg.num_layers)),
@@ -185,6 +190,7 @@ class SidpPolicy(Policy):
         was, cas = service.housekeeper.stats, service.cas
         out = {
             "sidp_mode": float(service.mode),
+            "sidp_resident_weight_bytes": float(self.resident_bytes),
             "sidp_fetched_weight_bytes": float(was.fetched_bytes),
             "sidp_slot_waits": float(was.slot_waits),
         }
