@@ -238,14 +238,15 @@ def test_stale_segments_of_dead_processes_are_cleaned_at_start(tmp_path: Path) -
 @pytest.mark.slow
 def test_smollm2_three_replicas_match_the_reference(smollm2_path, replica_factory) -> None:
     prompts = _prompts(3, vocab=49152)
-    ref_engine = {**ENGINE, "kv_cache_bytes": 16 << 20}
+    ref_engine = {**ENGINE, "kv_cache_bytes": 16 << 20, "max_model_len": 256}
     engine = start_engine(EngineConfig(model=str(smollm2_path), **ref_engine))
     try:
         want_list = [o.token_ids for o in engine.generate(prompts, _greedy(6))]
     finally:
         engine.shutdown()
     want = dict(zip(map(tuple, prompts), want_list, strict=True))
-    group = replica_factory(smollm2_path, {"dp": 3}, kv_cache_bytes=16 << 20)
+    group = replica_factory(
+        smollm2_path, {"dp": 3}, kv_cache_bytes=16 << 20, max_model_len=256
+    )
     work = _work(3, prompts, 6)
     _assert_all_equal(group.generate(work), work, want)
-    time.sleep(0)
