@@ -3,6 +3,8 @@ pins and live parameters."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from gearshift.operator.router.sidp_controller import (
@@ -52,7 +54,7 @@ def test_an_oscillating_trace_switches_no_more_than_the_dwell_time_allows(dwell:
     if dwell >= 5:
         assert ctl.switches >= steps // (dwell + 6) - 1  # it does switch, once per dwell or so
     # Alternating decisions only: the group is never told the mode it is already in.
-    assert all(a != b for a, b in zip(applied, applied[1:], strict=False))
+    assert all(a != b for a, b in itertools.pairwise(applied))
 
 
 def test_pinned_modes_switch_at_once_and_auto_resumes_live():
