@@ -245,8 +245,6 @@ def test_smollm2_three_replicas_match_the_reference(smollm2_path, replica_factor
     finally:
         engine.shutdown()
     want = dict(zip(map(tuple, prompts), want_list, strict=True))
-    group = replica_factory(
-        smollm2_path, {"dp": 3}, kv_cache_bytes=16 << 20, max_model_len=256
-    )
+    group = replica_factory(smollm2_path, {"dp": 3}, kv_cache_bytes=16 << 20, max_model_len=256)
     work = _work(3, prompts, 6)
     _assert_all_equal(group.generate(work), work, want)
