@@ -39,6 +39,8 @@ from gearshift.worker.sampling.params import SamplingParams
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.005  # an idle replica's pause between polls of its pipe and its peers
+Pending = dict[int, set[str]]  # request ids not yet finished, per replica
+Results = dict[str, tuple[list[int], str]]  # request id -> (tokens, finish reason or error)
 
 
 @dataclass
@@ -185,26 +187,34 @@ class ReplicaGroup:
             self._check()
         raise GroupFailure(f"replica {r} did not answer {kind!r} in {self.timeout_s} s")
 
-    def generate(
-        self, work: dict[int, list[tuple[str, list[int], SamplingParams]]]
-    ) -> dict[str, tuple[list[int], str]]:
-        """Queue each replica's requests at once; wait for all: request id -> (tokens, reason)."""
-        pending: dict[int, set[str]] = {}
+    def submit(self, work: dict[int, list[tuple[str, list[int], SamplingParams]]]) -> Pending:
+        """Queue each replica's requests; ``poll`` collects them as they finish."""
+        pending: Pending = {}
         for r, reqs in work.items():
             for rid, ids, params in reqs:
                 self.conns[r].send(("add", rid, ids, params))
             pending[r] = {rid for rid, _, _ in reqs}
-        results: dict[str, tuple[list[int], str]] = {}
+        return pending
+
+    def poll(self, pending: Pending, results: Results, wait_s: float = 0.01) -> None:
+        """Move finished requests from ``pending`` into ``results`` (request id -> (tokens,
+        finish reason or error)); raises GroupFailure if a replica died."""
+        for r, left in pending.items():
+            while left and self.conns[r].poll(wait_s):
+                _, rid, tokens, reason = self.conns[r].recv()
+                results[rid] = (tokens, reason)
+                left.discard(rid)
+        self._check()
+
+    def generate(self, work: dict[int, list[tuple[str, list[int], SamplingParams]]]) -> Results:
+        """Queue each replica's requests at once; wait for all: request id -> (tokens, reason)."""
+        pending = self.submit(work)
+        results: Results = {}
         deadline = time.monotonic() + self.timeout_s
         while any(pending.values()):
             if time.monotonic() > deadline:
                 raise GroupFailure(f"replica requests unfinished after {self.timeout_s} s")
-            for r, left in pending.items():
-                while left and self.conns[r].poll(0.01):
-                    _, rid, tokens, reason = self.conns[r].recv()
-                    results[rid] = (tokens, reason)
-                    left.discard(rid)
-            self._check()
+            self.poll(pending, results)
         return results
 
     def stats(self, r: int) -> dict[str, Any]:
