@@ -163,6 +163,8 @@ class ReplicaGroup:
     timeout_s: float
     ready: list[dict[str, Any]] = field(default_factory=list)
     _closed: bool = False
+    # "finished" messages that arrived while waiting for another answer, per replica.
+    _early: dict[int, list[Any]] = field(default_factory=dict)
 
     @property
     def replicas(self) -> int:
@@ -183,7 +185,9 @@ class ReplicaGroup:
                 msg = self.conns[r].recv()
                 if msg[0] == kind:
                     return msg
-                raise RuntimeError(f"replica {r}: expected {kind}, got {msg[0]}")
+                if msg[0] != "finished":
+                    raise RuntimeError(f"replica {r}: expected {kind}, got {msg[0]}")
+                self._early.setdefault(r, []).append(msg)
             self._check()
         raise GroupFailure(f"replica {r} did not answer {kind!r} in {self.timeout_s} s")
 
@@ -200,10 +204,13 @@ class ReplicaGroup:
         """Move finished requests from ``pending`` into ``results`` (request id -> (tokens,
         finish reason or error)); raises GroupFailure if a replica died."""
         for r, left in pending.items():
-            while left and self.conns[r].poll(wait_s):
-                _, rid, tokens, reason = self.conns[r].recv()
+            early = self._early.pop(r, [])
+            while left and (early or self.conns[r].poll(wait_s)):
+                _, rid, tokens, reason = early.pop(0) if early else self.conns[r].recv()
                 results[rid] = (tokens, reason)
                 left.discard(rid)
+            if early:
+                self._early[r] = early
         self._check()
 
     def generate(self, work: dict[int, list[tuple[str, list[int], SamplingParams]]]) -> Results:
