@@ -248,3 +248,48 @@ def test_smollm2_three_replicas_match_the_reference(smollm2_path, replica_factor
     group = replica_factory(smollm2_path, {"dp": 3}, kv_cache_bytes=16 << 20, max_model_len=256)
     work = _work(3, prompts, 6)
     _assert_all_equal(group.generate(work), work, want)
+
+
+def test_the_routers_controller_switches_a_live_group_by_batch_size(
+    tiny_checkpoint, replica_factory
+):
+    from gearshift.operator.router.sidp_controller import ControllerParameters, ModeController
+
+    folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=4)
+    prompts = _prompts(5)
+    lengths = [2, 4, 8, 30, 40]  # the batch drains from 5 to 1: a heavy tail
+    want_all = {
+        (tuple(p), n): _reference(folder, [p], n)[0] for p, n in zip(prompts, lengths, strict=True)
+    }
+    group = replica_factory(folder, {"dp": 2, "mode": "AUTO"})
+    store = group.store
+    epochs: list[int] = []
+    ctl = ModeController(
+        ControllerParameters(
+            cas_enter_batch_size=2, was_enter_batch_size=4, window_steps=2, min_dwell_steps=2
+        ),
+        lambda mode: epochs.append(request_mode(store, Mode(mode))),
+    )
+    work = {
+        r: [
+            (f"r{r}-{i}", p, _greedy(n))
+            for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+        ]
+        for r in range(2)
+    }
+    pending = group.submit(work)
+    results: dict[str, tuple[list[int], str]] = {}
+    deadline = time.monotonic() + 120
+    while any(pending.values()):
+        assert time.monotonic() < deadline
+        group.poll(pending, results, wait_s=0.002)
+        ctl.observe([group.stats(r)["engine"].num_running for r in range(2)])
+    for reqs in work.values():
+        for rid, ids, params in reqs:
+            assert results[rid][0] == want_all[(tuple(ids), params.max_tokens)], rid
+    assert ctl.switches >= 1 and epochs
+    # Every replica applies the controller's last decision (idle ones at their next poll).
+    while min(applied_epochs(store, 2)) < epochs[-1]:
+        assert time.monotonic() < deadline, "the group never applied the controller's switch"
+        time.sleep(0.01)
+    assert all(group.stats(r)["sync"]["mode"] == ctl.mode for r in range(2))
