@@ -293,3 +293,19 @@ def test_the_routers_controller_switches_a_live_group_by_batch_size(
         assert time.monotonic() < deadline, "the group never applied the controller's switch"
         time.sleep(0.01)
     assert all(group.stats(r)["sync"]["mode"] == ctl.mode for r in range(2))
+
+
+@pytest.mark.parametrize("mode", ["WAS", "CAS"])
+def test_one_replica_is_a_plain_engine_that_owns_every_layer(tiny_checkpoint, mode: str):
+    folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=4)
+    prompts = _prompts(2)
+    want = _reference(folder, prompts, 6)
+    engine = start_engine(EngineConfig(model=str(folder), **ENGINE), {"sidp": {"mode": mode}})
+    try:
+        got = [o.token_ids for o in engine.generate(prompts, _greedy(6))]
+        stats = engine.policy.stats()
+    finally:
+        engine.shutdown()
+    assert got == want
+    assert stats["sidp_fetched_weight_bytes"] == 0  # nothing is remote
+    assert segments() == []
