@@ -174,8 +174,8 @@ class ReplicaGroup:
         for r, proc in enumerate(self.procs):
             if not proc.is_alive() and not self._closed:
                 raise GroupFailure(
-                    f"SiDP group: replica {r} (rank {r}) exited with code {proc.exitcode}; "
-                    "shared weights make the group one failure domain"
+                    f"replica group: replica {r} (rank {r}) exited with code {proc.exitcode}; "
+                    "the group's replicas fail together"
                 )
 
     def _recv(self, r: int, kind: str) -> Any:
