@@ -67,7 +67,8 @@ EXAMPLES: dict[str, Side] = {
     ),
     "static-vllm.yaml": RenderedForVllm(),
     "seesaw.yaml": Refused("spec.policy.seesaw"),
-    "sidp.yaml": Refused("spec.policy.sidp"),
+    # SiDP runs as an in-process replica group with tp 1 only; the example asks for tp 2.
+    "sidp.yaml": Refused("spec.policy.sidp.tp"),
     "tetris.yaml": Refused("spec.policy.tetris"),
 }
 

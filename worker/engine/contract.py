@@ -42,6 +42,29 @@ class QueueView:
     in_flight: int  # micro-batches submitted and not yet finished
 
 
+class ReplicaSync(Protocol):
+    """How one engine replica of a multi-replica group meets its peers at step boundaries (a
+    policy's, e.g. a group-wide mode that must change at the same step everywhere)."""
+
+    def before_step(self, num_tokens: int) -> None:
+        """Called before each step this replica runs (``num_tokens``: its scheduled tokens)."""
+        ...
+
+    def idle(self, stopping: bool) -> IdleResult:
+        """Called while the replica has nothing to run (``stopping``: it was asked to end)."""
+        ...
+
+    def stats(self) -> dict[str, object]: ...
+
+
+class IdleResult(enum.Enum):
+    """What an idle replica's call to ``ReplicaSync.idle`` found."""
+
+    BUSY = "busy"  # the group is stepping (this replica ran a dummy step): call again at once
+    WAIT = "wait"  # nothing to do: wait a little (or for work) before calling again
+    STOP = "stop"  # every replica is stopping: leave the loop now
+
+
 class LeaderPolicy(Protocol):
     """The leader-side half of a policy."""
 

@@ -15,7 +15,7 @@ from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.kernels.cpu_features import choose_packing
 from gearshift.worker.kv.cache import KVCacheSpec
 from gearshift.worker.model.config import ModelConfig
-from gearshift.worker.model.llama import LlamaForCausalLM
+from gearshift.worker.model.llama import LlamaForCausalLM, MlpFactory
 from gearshift.worker.model.loader import build_model
 from gearshift.worker.model.registry import resolve_model_path
 from gearshift.worker.model.weights import GGUFSource, WeightSource, open_weight_source
@@ -77,8 +77,10 @@ def load_model(
     tp: CommGroup | None = None,
     show_progress: bool = False,
     layers: range | None = None,
+    mlp_factory: MlpFactory | None = None,
 ) -> LlamaForCausalLM:
-    """This rank's shard of the model: ``tp``'s slice of ``layers`` (a pipeline stage)."""
+    """This rank's shard of the model: ``tp``'s slice of ``layers`` (a pipeline stage), with a
+    policy's FFN modules when it gives ``mlp_factory``."""
     try:
         return build_model(
             spec.config,
@@ -90,20 +92,26 @@ def load_model(
             show_progress,
             packing=spec.packing,
             layers=layers,
+            mlp_factory=mlp_factory,
         )
     finally:
         source.close()
 
 
 def kv_cache_blocks(
-    config: EngineConfig, kv: KVCacheSpec, device: torch.device, max_model_len: int
+    config: EngineConfig,
+    kv: KVCacheSpec,
+    device: torch.device,
+    max_model_len: int,
+    extra_bytes: int = 0,
 ) -> int:
-    """Number of KV blocks this rank allocates (identical on every rank of a group)."""
+    """Number of KV blocks this rank allocates (identical on every rank of a group);
+    ``extra_bytes``: weight memory a policy freed on this rank, added to the KV budget."""
     if device.type == "cuda" and config.kv_cache_bytes is None:
         blocks = kv.blocks_for_device_fraction(config.gpu_memory_utilization, device)
     else:
         wanted = -(-config.max_num_seqs * max_model_len // kv.block_size)
-        nbytes = config.kv_cache_bytes or DEFAULT_CPU_KV_BYTES
+        nbytes = (config.kv_cache_bytes or DEFAULT_CPU_KV_BYTES) + extra_bytes
         blocks = kv.blocks_for_bytes(nbytes)
         if config.kv_cache_bytes is None:
             blocks = min(blocks, wanted)  # the default never allocates more than can be used

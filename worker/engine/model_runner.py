@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TextIO
 
@@ -124,6 +125,7 @@ class ModelRunner:
         # start|end <CLOCK_MONOTONIC ns>", one file per rank; the clock is the host's, so the
         # files of one host's ranks merge into one order of events.
         self.trace: TextIO | None = None
+        self.closers: list[Callable[[], None]] = []  # the policy's per-rank resources
 
     def _event(self, plan: StepPlan, what: str) -> None:
         if self.trace is not None:
@@ -202,6 +204,9 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         self.kv_caches = []
+        closers, self.closers = self.closers, []
+        for close in closers:
+            close()
         if self.trace is not None:
             self.trace.close()
             self.trace = None

@@ -87,6 +87,12 @@ def start_engine(
     """The leader's engine for ``policy`` (a Policy, the proto, or the CRD's ``spec.policy``
     object; default static on one rank); spawns this host's other ranks."""
     policy = _policy(policy)
+    if policy.engine_replicas() > 1:
+        raise InvalidRequestError(
+            f"policy.{policy.kind}",
+            f"policy {policy.kind!r} forms {policy.engine_replicas()} engine replicas: start it "
+            "with launch.replicas.start_replicas",
+        )
     group = group or GroupConfig()
     if config.num_threads:
         torch.set_num_threads(config.num_threads)

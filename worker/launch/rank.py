@@ -78,7 +78,7 @@ def setup_rank(
     kv_spec = KVCacheSpec(
         held.kv_layers, held.kv_heads, cfg.head_dim, config.block_size, spec.dtype
     )
-    blocks = kv_cache_blocks(config, kv_spec, device, spec.max_model_len)
+    blocks = kv_cache_blocks(config, kv_spec, device, spec.max_model_len, held.kv_extra_bytes)
     if policy.world_size > 1:
         agreed = torch.tensor([blocks], dtype=torch.int64, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
@@ -88,6 +88,7 @@ def setup_rank(
     if device.type == "cpu" and config.prefill_threads is not None:
         threads = StepThreads(config.prefill_threads)
     runner = ModelRunner(held.gears, kv, device, threads)
+    runner.closers = list(held.closers)
     trace_dir = os.environ.get(STEP_TRACE_ENV)
     if trace_dir:
         runner.trace = open(Path(trace_dir) / f"rank-{rank}.log", "a", buffering=1)  # noqa: SIM115

@@ -7,6 +7,7 @@ injected (``AttentionCore``) so parallel layouts can wrap it without forking the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -33,6 +34,9 @@ from gearshift.worker.model.layers.norm import RMSNorm
 from gearshift.worker.model.layers.rotary import RotaryEmbedding, rotate
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin for this step's positions
+# A policy's FFN for a global layer index, used instead of the layer's own weights (e.g. FFN
+# weights that live on another rank); the module maps [T, hidden] to [T, hidden].
+MlpFactory = Callable[[int], nn.Module]
 
 
 class LlamaAttention(nn.Module):
@@ -116,11 +120,16 @@ class FusedDecodeArgs:
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, tp: CommGroup, dtype: torch.dtype, device: torch.device
+        self,
+        cfg: ModelConfig,
+        tp: CommGroup,
+        dtype: torch.dtype,
+        device: torch.device,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, tp, dtype, device)
-        self.mlp = LlamaMLP(cfg, tp, dtype, device)
+        self.mlp = mlp if mlp is not None else LlamaMLP(cfg, tp, dtype, device)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.fused: FusedDecodeArgs | None = None  # set by prepare_fused_decode()
@@ -130,6 +139,9 @@ class LlamaDecoderLayer(nn.Module):
         run it: one rank (no collective inside the layer), no q/k norm, CPU weights of one dtype.
         """
         attn, mlp = self.self_attn, self.mlp
+        self.fused = None
+        if not isinstance(mlp, LlamaMLP):  # a policy's FFN runs outside the fused op
+            return
         norms = (self.input_layernorm, self.post_attention_layernorm)
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         dtype = norms[0].weight.dtype
@@ -226,6 +238,7 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         layers: range,
+        mlp_factory: MlpFactory | None = None,
     ) -> None:
         super().__init__()
         self.layer_range = layers
@@ -235,7 +248,12 @@ class LlamaModel(nn.Module):
             else None
         )
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, dtype, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, dtype, device) for _ in layers)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(
+                cfg, tp, dtype, device, mlp_factory(i) if mlp_factory is not None else None
+            )
+            for i in layers
+        )
         self.norm = (
             RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
             if layers.stop == cfg.num_layers
@@ -263,8 +281,10 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         layers: range | None = None,
+        mlp_factory: MlpFactory | None = None,
     ) -> None:
-        """``layers``: the global decoder layers this rank holds (a pipeline stage; default all)."""
+        """``layers``: the global decoder layers this rank holds (a pipeline stage; default all);
+        ``mlp_factory``: the FFN of each layer when a policy supplies it (default LlamaMLP)."""
         super().__init__()
         self.config = cfg
         self.tp = tp
@@ -273,7 +293,7 @@ class LlamaForCausalLM(nn.Module):
         self.is_last_stage = layers.stop == cfg.num_layers
         # Every layer when all of them can run as the fused decode op (pack_weights decides).
         self.fused_layers: list[LlamaDecoderLayer] = []
-        self.model = LlamaModel(cfg, max_positions, tp, dtype, device, layers)
+        self.model = LlamaModel(cfg, max_positions, tp, dtype, device, layers, mlp_factory)
         self.lm_head = (
             ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
             if self.is_last_stage

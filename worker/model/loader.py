@@ -12,7 +12,7 @@ from torch import nn
 from gearshift.worker.comm import CommGroup
 from gearshift.worker.errors import ModelLoadError
 from gearshift.worker.model.config import ModelConfig
-from gearshift.worker.model.llama import LlamaForCausalLM
+from gearshift.worker.model.llama import LlamaForCausalLM, MlpFactory
 from gearshift.worker.model.weights import WeightSource
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -114,12 +114,15 @@ def build_model(
     show_progress: bool = False,
     packing: str = "auto",
     layers: range | None = None,
+    mlp_factory: MlpFactory | None = None,
 ) -> LlamaForCausalLM:
     """Allocate the model (uninitialised) and load its shard of the weights; ``packing`` is
-    cpu_features.choose_packing's choice (``auto``: make it here)."""
+    cpu_features.choose_packing's choice (``auto``: make it here). A policy's ``mlp_factory``
+    FFN modules load the checkpoint tensors they declare parameters for; the policy hides the
+    others from ``source``."""
     with torch.device(device):
         model = LlamaForCausalLM(
-            cfg, max_positions, tp or CommGroup.single(), dtype, device, layers
+            cfg, max_positions, tp or CommGroup.single(), dtype, device, layers, mlp_factory
         )
     progress = None
     if show_progress:

@@ -28,7 +28,13 @@ from google.protobuf.message import Message
 
 from gearshift.v1 import policy_fields, policy_pb2
 from gearshift.worker.attention.core import AttentionCore
-from gearshift.worker.engine.contract import LiveValue, QueueView, StepKind, StepRequest
+from gearshift.worker.engine.contract import (
+    LiveValue,
+    QueueView,
+    ReplicaSync,
+    StepKind,
+    StepRequest,
+)
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.model.config import ModelConfig
 
@@ -73,6 +79,11 @@ class RankModel:
     logits_rank: int = 0  # global rank where the full logits appear (a pipeline's last stage)
     p2p_group: Any = None  # the group the leader receives those logits over, if elsewhere
     extra: dict[str, Any] = field(default_factory=dict)
+    # Weight bytes the policy freed on this rank (e.g. FFN layers held by another rank); the KV
+    # cache gets them on top of its budget.
+    kv_extra_bytes: int = 0
+    # Called once when the rank's runner shuts down: threads and shared memory the gears hold.
+    closers: list[Callable[[], None]] = field(default_factory=list)
 
 
 class Policy(ABC):
@@ -115,6 +126,17 @@ class Policy(ABC):
     def micro_batches(self) -> int:
         """Steps the engine keeps in flight (pipeline stages); 1 runs one step at a time."""
         return 1
+
+    def engine_replicas(self) -> int:
+        """Independent engines (scheduler, KV cache, sampler each) the group's ranks form; 1: the
+        group is one engine led by rank 0. Ranks ``r * (world / n)`` lead replica ``r``."""
+        return 1
+
+    def replica_sync(self, store: Any) -> ReplicaSync | None:
+        """After ``build_rank``, on a replica's leading rank: how it meets its peers at step
+        boundaries (``store``: the group's rendezvous store); None: replicas never meet."""
+        del store
+        return None
 
     def step_request(self, queues: QueueView) -> StepRequest:
         """The policy's say in the next step, before the scheduler builds it."""

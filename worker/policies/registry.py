@@ -19,6 +19,7 @@ from gearshift.v1 import policy_fields, policy_pb2
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.policies.base import Policy
 from gearshift.worker.policies.shift import ShiftPolicy
+from gearshift.worker.policies.sidp import SidpPolicy
 from gearshift.worker.policies.static import StaticPolicy
 
 _POLICIES: dict[str, type[Policy]] = {}
@@ -36,7 +37,7 @@ def unregister(kind: str) -> None:
     _POLICIES.pop(kind, None)
 
 
-for _builtin in (StaticPolicy, ShiftPolicy):
+for _builtin in (StaticPolicy, ShiftPolicy, SidpPolicy):
     register(_builtin)
 
 

@@ -28,7 +28,16 @@ def check_runnable(policy: policy_pb2.Policy, world_size: int | None = None) -> 
     from gearshift.worker.policies.registry import make_policy
 
     try:
-        return make_policy(policy, world_size)
+        running = make_policy(policy, world_size)
+        if running.engine_replicas() > 1:
+            # Replica groups run through launch/replicas.py (tests, benchmarks); the worker
+            # server and the router do not host them yet.
+            raise InvalidRequestError(
+                f"policy.{running.kind}",
+                f"policy {running.kind!r} (one group of {running.engine_replicas()} engine "
+                "replicas) cannot be served by gearshift serve / gearshift worker yet",
+            )
+        return running
     except InvalidRequestError as exc:
         field = exc.field if exc.field.startswith("spec.") else f"spec.{exc.field}"
         if not field.startswith("spec.policy"):

@@ -1,0 +1,93 @@
+"""The SiDP mode controller (SiDP §4.3): hysteresis on the mean batch per replica, dwell time,
+pins and live parameters."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from gearshift.operator.router.sidp_controller import (
+    AUTO,
+    CAS,
+    WAS,
+    ControllerParameters,
+    InvalidControllerParameters,
+    ModeController,
+)
+from gearshift.v1 import policy_pb2
+
+
+def _controller(**kw: int) -> tuple[ModeController, list[int]]:
+    applied: list[int] = []
+    params = ControllerParameters(
+        **{"cas_enter_batch_size": 8, "was_enter_batch_size": 16, "window_steps": 4, **kw}
+    )
+    return ModeController(params, applied.append), applied
+
+
+def test_auto_enters_cas_when_the_mean_batch_per_replica_stays_low_and_leaves_when_high():
+    ctl, applied = _controller(min_dwell_steps=0)
+    for _ in range(3):
+        assert ctl.observe([2, 4]) is None  # the window is not full yet
+    assert ctl.observe([2, 4]) == CAS
+    assert ctl.observe([30, 30]) is None  # window (3, 3, 3, 30): mean 9.75 < 16
+    assert ctl.observe([30, 30]) == WAS  # window (3, 3, 30, 30): mean 16.5 ≥ 16
+    assert applied == [CAS, WAS]
+
+
+def test_between_the_thresholds_nothing_switches():
+    ctl, applied = _controller(min_dwell_steps=0)
+    for _ in range(50):
+        ctl.observe([10, 12])  # mean 11: below WaS entry, above CaS entry
+    assert applied == [] and ctl.mode == WAS
+
+
+@pytest.mark.parametrize("dwell", [0, 5, 20, 64])
+def test_an_oscillating_trace_switches_no_more_than_the_dwell_time_allows(dwell: int):
+    ctl, applied = _controller(min_dwell_steps=dwell, window_steps=2)
+    steps = 400
+    for step in range(steps):
+        ctl.observe([1, 1] if (step // 3) % 2 == 0 else [100, 100])
+    assert len(applied) == ctl.switches
+    assert ctl.switches <= steps // max(1, dwell) + 1
+    if dwell >= 5:
+        assert ctl.switches >= steps // (dwell + 6) - 1  # it does switch, once per dwell or so
+    # Alternating decisions only: the group is never told the mode it is already in.
+    assert all(a != b for a, b in itertools.pairwise(applied))
+
+
+def test_pinned_modes_switch_at_once_and_auto_resumes_live():
+    ctl, applied = _controller(min_dwell_steps=1000)
+    ctl.update(ControllerParameters(mode=CAS, cas_enter_batch_size=8, was_enter_batch_size=16))
+    assert ctl.observe([100]) == CAS
+    assert ctl.observe([100]) is None
+    ctl.update(
+        ControllerParameters(
+            mode=AUTO,
+            cas_enter_batch_size=8,
+            was_enter_batch_size=16,
+            window_steps=1,
+            min_dwell_steps=0,
+        )
+    )
+    assert ctl.observe([100]) == WAS
+    assert applied == [CAS, WAS]
+
+
+def test_parameters_come_from_the_proto_and_bad_ones_are_refused_naming_the_field():
+    msg = policy_pb2.SidpPolicy(
+        mode=policy_pb2.SidpPolicy.CAS,
+        cas_enter_batch_size=4,
+        was_enter_batch_size=12,
+        window_steps=3,
+        min_dwell_steps=7,
+    )
+    params = ControllerParameters.from_proto(msg)
+    assert (params.mode, params.cas_enter_batch_size, params.min_dwell_steps) == (CAS, 4, 7)
+    ctl = ModeController(params, lambda _: None)
+    assert ctl.mode == CAS
+    with pytest.raises(InvalidControllerParameters) as info:
+        ctl.update(ControllerParameters(cas_enter_batch_size=16, was_enter_batch_size=16))
+    assert info.value.field == "sidp.was_enter_batch_size"
+    assert ctl.params == params  # unchanged

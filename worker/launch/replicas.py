@@ -1,0 +1,302 @@
+"""A worker group of several engine replicas (``Policy.engine_replicas() > 1``), on one host.
+
+Every replica is a process with its own engine (scheduler, block manager, KV cache, sampler);
+together they form one torch.distributed group, whose rendezvous store this (the calling)
+process hosts. A replica meets its peers only through the policy's ``ReplicaSync`` at step
+boundaries. The caller drives replicas over pipes: queue requests on a replica, collect the
+finished ones, read stats, stop the group. A replica that dies ends the group (its peers'
+watchdogs stop them) and the next call here raises ``GroupFailure`` naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from gearshift.worker.config import EngineConfig
+from gearshift.worker.engine.contract import IdleResult, ReplicaSync
+from gearshift.worker.engine.model_runner import Done, ModelRunner, StepHandle
+from gearshift.worker.engine.plan import StepPlan
+from gearshift.worker.errors import GroupFailure, InvalidRequestError
+from gearshift.worker.launch.group_config import GroupConfig
+from gearshift.worker.launch.host import bind_rank_cores, die_with_parent, set_threads, usable_cores
+from gearshift.worker.launch.leader import _engine
+from gearshift.worker.launch.processes import stop_processes
+from gearshift.worker.launch.rank import join_group
+from gearshift.worker.parallel.watchdog import EXIT_PEER_FAILED
+from gearshift.worker.policies.base import Policy
+from gearshift.worker.sampling.params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.005  # an idle replica's pause between polls of its pipe and its peers
+Pending = dict[int, set[str]]  # request ids not yet finished, per replica
+Results = dict[str, tuple[list[int], str]]  # request id -> (tokens, finish reason or error)
+
+
+@dataclass
+class ReplicaExecutor:
+    """A replica's executor: its peers agree on the step (``sync``), then its rank runs it."""
+
+    runner: ModelRunner
+    sync: ReplicaSync | None
+    rank: int = 0
+
+    def submit(self, plan: StepPlan) -> StepHandle:
+        try:
+            if self.sync is not None:
+                self.sync.before_step(plan.num_tokens)
+            logits = self.runner.execute(plan)
+        except RuntimeError as exc:
+            if self.sync is None or "gloo" not in str(exc):
+                raise
+            # A peer is gone mid-step: the group is one failure domain.
+            first = str(exc).splitlines()[0][-200:]
+            raise GroupFailure(f"replica {self.rank}: a peer replica failed ({first})") from exc
+        assert logits is not None
+        return Done(logits)
+
+    def keepalive(self) -> None:
+        """Replicas keep no follower waiting."""
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()
+
+
+def _serve(engine: Any, sync: ReplicaSync | None, policy: Policy, conn: Any) -> None:
+    """The replica's loop: commands from the pipe, steps, and idle boundaries."""
+    stopping = False
+    tokens: dict[str, list[int]] = {}  # generated so far, per running request
+    while True:
+        busy = engine.has_unfinished_requests()
+        while conn.poll(0 if busy or sync is not None else IDLE_WAIT_S):
+            cmd = conn.recv()
+            if cmd[0] == "add":
+                _, rid, ids, params = cmd
+                try:
+                    engine.add_request(rid, ids, params)
+                except InvalidRequestError as exc:
+                    conn.send(("finished", rid, [], f"error: {exc}"))
+            elif cmd[0] == "stats":
+                extra = sync.stats() if sync is not None else {}
+                stats = engine.stats()
+                conn.send(("stats", {"policy": policy.stats(), "sync": extra, "engine": stats}))
+            elif cmd[0] == "stop":
+                stopping = True
+            busy = engine.has_unfinished_requests()
+        if busy:
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.finished:
+                    reason = out.error or (out.finish_reason.value if out.finish_reason else "")
+                    conn.send(("finished", out.request_id, tokens.pop(out.request_id), reason))
+            continue
+        if sync is None:
+            if stopping:
+                return
+            continue
+        result = sync.idle(stopping)
+        if result is IdleResult.STOP:
+            return
+        if result is IdleResult.WAIT:
+            time.sleep(IDLE_WAIT_S)
+
+
+def replica_main(
+    config: EngineConfig,
+    policy: Policy,
+    group: GroupConfig,
+    rank: int,
+    port: int,
+    conn: Any,
+    cores: Sequence[int],
+) -> None:
+    """One replica's process (tp = 1: the replica is this rank)."""
+    die_with_parent()
+    logging.basicConfig(
+        level=logging.WARNING, format=f"replica {rank} %(levelname)s %(name)s: %(message)s"
+    )
+    world = policy.world_size
+    set_threads(config, group, world)
+    bind_rank_cores(config, group, world, rank, cores)
+    timeout = timedelta(seconds=group.timeout_s)
+    try:
+        store = dist.TCPStore(group.group_addr, port, world, is_master=False, timeout=timeout)
+        state = join_group(config, policy, group, rank, store, port)
+        sync = policy.replica_sync(store)
+        engine = _engine(config, policy, state, ReplicaExecutor(state.runner, sync, rank))
+        conn.send(("ready", {"num_blocks": state.num_blocks}))
+        _serve(engine, sync, policy, conn)
+        leaked = engine.blocks.leaked_blocks()
+        free = engine.blocks.num_free_blocks == engine.blocks.num_blocks
+        engine.shutdown()
+        assert state.watchdog is not None
+        state.watchdog.stop()
+        dist.destroy_process_group()
+        conn.send(("closed", {"leaked_blocks": len(leaked), "all_free": free}))
+    except GroupFailure as exc:
+        print(f"gearshift replica group: {exc}", file=sys.stderr, flush=True)
+        os._exit(EXIT_PEER_FAILED)
+    except Exception as exc:  # any failure ends this replica, loudly
+        log.exception("replica %d failed", rank)
+        print(f"gearshift replica group: replica {rank} failed: {exc}", file=sys.stderr)
+        os._exit(1)
+
+
+@dataclass
+class ReplicaGroup:
+    """The calling process's handle on a running replica group."""
+
+    policy: Policy
+    procs: list[Any]
+    conns: list[Any]
+    store: Any
+    timeout_s: float
+    ready: list[dict[str, Any]] = field(default_factory=list)
+    _closed: bool = False
+    # "finished" messages that arrived while waiting for another answer, per replica.
+    _early: dict[int, list[Any]] = field(default_factory=dict)
+
+    @property
+    def replicas(self) -> int:
+        return len(self.conns)
+
+    def _check(self) -> None:
+        for r, proc in enumerate(self.procs):
+            if not proc.is_alive() and not self._closed:
+                raise GroupFailure(
+                    f"replica group: replica {r} (rank {r}) exited with code {proc.exitcode}; "
+                    "the group's replicas fail together"
+                )
+
+    def _recv(self, r: int, kind: str) -> Any:
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if self.conns[r].poll(0.05):
+                msg = self.conns[r].recv()
+                if msg[0] == kind:
+                    return msg
+                if msg[0] != "finished":
+                    raise RuntimeError(f"replica {r}: expected {kind}, got {msg[0]}")
+                self._early.setdefault(r, []).append(msg)
+            self._check()
+        raise GroupFailure(f"replica {r} did not answer {kind!r} in {self.timeout_s} s")
+
+    def submit(self, work: dict[int, list[tuple[str, list[int], SamplingParams]]]) -> Pending:
+        """Queue each replica's requests; ``poll`` collects them as they finish."""
+        pending: Pending = {}
+        for r, reqs in work.items():
+            for rid, ids, params in reqs:
+                self.conns[r].send(("add", rid, ids, params))
+            pending[r] = {rid for rid, _, _ in reqs}
+        return pending
+
+    def poll(self, pending: Pending, results: Results, wait_s: float = 0.01) -> None:
+        """Move finished requests from ``pending`` into ``results`` (request id -> (tokens,
+        finish reason or error)); raises GroupFailure if a replica died."""
+        for r, left in pending.items():
+            early = self._early.pop(r, [])
+            while left and (early or self.conns[r].poll(wait_s)):
+                _, rid, tokens, reason = early.pop(0) if early else self.conns[r].recv()
+                results[rid] = (tokens, reason)
+                left.discard(rid)
+            if early:
+                self._early[r] = early
+        self._check()
+
+    def generate(self, work: dict[int, list[tuple[str, list[int], SamplingParams]]]) -> Results:
+        """Queue each replica's requests at once; wait for all: request id -> (tokens, reason)."""
+        pending = self.submit(work)
+        results: Results = {}
+        deadline = time.monotonic() + self.timeout_s
+        while any(pending.values()):
+            if time.monotonic() > deadline:
+                raise GroupFailure(f"replica requests unfinished after {self.timeout_s} s")
+            self.poll(pending, results)
+        return results
+
+    def stats(self, r: int) -> dict[str, Any]:
+        self.conns[r].send(("stats",))
+        return self._recv(r, "stats")[1]
+
+    def shutdown(self) -> list[dict[str, Any]]:
+        """Stop every replica together; what each reported about its KV blocks."""
+        if self._closed:
+            return []
+        reports = []
+        try:
+            for conn in self.conns:
+                conn.send(("stop",))
+            reports = [self._recv(r, "closed")[1] for r in range(self.replicas)]
+        except (OSError, GroupFailure):
+            self.kill()  # a replica is gone: nothing to stop in order
+            raise
+        finally:
+            self._closed = True
+            stop_processes(self.procs, timeout=10)
+            for conn in self.conns:
+                conn.close()
+            self.store = None
+        return reports
+
+    def kill(self) -> None:
+        """Tear the group down without asking (after a failure)."""
+        self._closed = True
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        stop_processes(self.procs, timeout=10)
+        self.store = None
+
+
+def start_replicas(
+    config: EngineConfig, policy: Policy, group: GroupConfig | None = None
+) -> ReplicaGroup:
+    """Spawn the group's replicas on this host and wait until each has loaded."""
+    group = group or GroupConfig()
+    world = policy.world_size
+    if policy.engine_replicas() != world:
+        raise InvalidRequestError(
+            "policy", "a replica group needs one rank per replica (tp = 1) on this host"
+        )
+    timeout = timedelta(seconds=group.timeout_s)
+    store = dist.TCPStore(
+        group.group_addr,
+        group.group_port,
+        world,
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
+    port = int(store.port)
+    ctx = mp.get_context("spawn")
+    cores = usable_cores()
+    procs, conns = [], []
+    for rank in range(world):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(
+            target=replica_main,
+            args=(config, policy, group, rank, port, child, cores),
+            name=f"gearshift-replica-{rank}",
+            daemon=True,
+        )
+        proc.start()
+        child.close()
+        procs.append(proc)
+        conns.append(parent)
+    handle = ReplicaGroup(policy, procs, conns, store, group.timeout_s)
+    try:
+        handle.ready = [handle._recv(r, "ready")[1] for r in range(world)]
+    except BaseException:
+        handle.kill()
+        raise
+    return handle

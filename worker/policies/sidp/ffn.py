@@ -1,0 +1,111 @@
+"""The FFN of a SiDP layer: computed with the owner's weights, wherever they are (SiDP §4.1–§4.3).
+
+Every decoder layer's ``mlp`` is a ``SidpFFN`` (the model's ``mlp_factory`` hook). An owned layer
+declares the checkpoint's gate/up/down parameters, backed by its shared-memory segment, so the
+loader writes them straight there; a remote layer declares none and holds no copy. Each call goes
+to the rank's ``FfnService``, which runs it in the step's mode: WaS from a cache slot, or CaS at
+the owner.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gearshift.worker.model.layers.activation import silu_and_mul
+from gearshift.worker.model.weights import LazyWeight
+from gearshift.worker.policies.sidp.housekeeper import Housekeeper
+from gearshift.worker.policies.sidp.shared_weights import FfnWeights
+
+
+class Mode(enum.IntEnum):
+    """How non-owners reach a remote layer in one step (numbers of SidpPolicy.Mode)."""
+
+    WAS = 2
+    CAS = 3
+
+
+def run_ffn(x: torch.Tensor, w: FfnWeights) -> torch.Tensor:
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    return F.linear(silu_and_mul(F.linear(x, w.gate_up, w.gate_up_bias)), w.down, w.down_bias)
+
+
+class _Matrix(nn.Module):
+    """A checkpoint matrix (and bias) whose storage is given: the owner's shared segment."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: list[int]) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.rows = rows  # row counts of the matrices stacked in ``weight`` (gate, up)
+
+    def _dst(self, name: str) -> torch.Tensor:
+        dst = self.weight if name == "weight" else self.bias
+        assert dst is not None
+        return dst
+
+    def _copy(self, dst: torch.Tensor, w: LazyWeight) -> None:
+        from gearshift.worker.errors import ModelLoadError
+
+        if tuple(dst.shape) != w.shape:
+            raise ModelLoadError(f"{w.name}: checkpoint {w.shape} != parameter {tuple(dst.shape)}")
+        dst.copy_(w.load())
+
+    def load_weight(self, name: str, w: LazyWeight) -> None:
+        self._copy(self._dst(name), w)
+
+    def load_shard(self, name: str, index: int, w: LazyWeight) -> None:
+        start = sum(self.rows[:index])
+        self._copy(self._dst(name).narrow(0, start, self.rows[index]), w)
+
+
+class CasRunner(Protocol):
+    """Compute-as-a-Service for one layer (cas.py): every rank calls it in layer order."""
+
+    def run(self, layer: int, x: torch.Tensor, owned: FfnWeights | None) -> torch.Tensor: ...
+
+
+@dataclass
+class FfnService:
+    """One rank's way to a layer's FFN in the current step's mode."""
+
+    owned: dict[int, FfnWeights]
+    housekeeper: Housekeeper
+    cas: CasRunner | None = None
+    mode: Mode = Mode.WAS
+
+    def run(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == Mode.CAS:
+            assert self.cas is not None
+            return self.cas.run(layer, x, self.owned.get(layer))
+        hk = self.housekeeper
+        hk.begin_layer(layer)
+        mine = self.owned.get(layer)
+        if mine is not None:
+            return run_ffn(x, mine)
+        weights = hk.acquire(layer)
+        try:
+            return run_ffn(x, weights)
+        finally:
+            hk.release(layer)
+
+
+class SidpFFN(nn.Module):
+    """Layer ``layer``'s FFN slot in the model; owned layers carry the shared-memory weights."""
+
+    def __init__(self, layer: int, service: FfnService, owned: FfnWeights | None) -> None:
+        super().__init__()
+        self.layer = layer
+        self.service = service
+        if owned is not None:
+            inter = owned.down.shape[1]
+            self.gate_up_proj = _Matrix(owned.gate_up, owned.gate_up_bias, [inter, inter])
+            self.down_proj = _Matrix(owned.down, owned.down_bias, [owned.down.shape[0]])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.service.run(self.layer, x)

@@ -1,0 +1,202 @@
+"""SiDP: dp engine replicas that share FFN weights (SiDP §4).
+
+Each rank is an independent engine replica (own scheduler, block manager, KV cache, sampler).
+Attention, norms, embeddings and the LM head are replicated; layer ℓ's FFN lives only on replica
+ℓ mod dp (§4.1), in shared memory the other replicas of the host read (§4.2). The KV cache gets
+the FFN bytes a replica does not hold. A step runs in one of two modes, the same on every replica:
+WaS (prefetch remote weights into cache slots, compute locally) or CaS (ship activations to the
+owner, §4.3); ``mode`` pins one, AUTO leaves it to the router's controller.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gearshift.v1 import policy_pb2
+from gearshift.worker.comm import CommGroup
+from gearshift.worker.engine.loading import load_model
+from gearshift.worker.engine.model_runner import Gear
+from gearshift.worker.errors import InvalidRequestError
+from gearshift.worker.model.config import ModelConfig
+from gearshift.worker.policies.base import Policy, RankContext, RankModel
+from gearshift.worker.policies.sidp.cas import CasExchange
+from gearshift.worker.policies.sidp.ffn import FfnService, Mode, SidpFFN
+from gearshift.worker.policies.sidp.group_step import GroupStep
+from gearshift.worker.policies.sidp.housekeeper import Housekeeper
+from gearshift.worker.policies.sidp.ownership import Ownership, WeightBytes, weight_bytes
+from gearshift.worker.policies.sidp.shared_weights import (
+    FfnLayout,
+    Segment,
+    clean_stale,
+    new_segment_name,
+)
+from gearshift.worker.policies.sidp.source import HideRemoteFfn
+
+log = logging.getLogger(__name__)
+
+GROUP_NAME_ENV = "GEARSHIFT_GROUP_NAME"  # set by the operator on every worker pod
+
+
+class SidpPolicy(Policy):
+    """dp replicas (tp = 1 each) sharing FFN weights; ``mode`` and thresholds are live."""
+
+    kind = "sidp"
+
+    def __init__(self, policy: policy_pb2.Policy, world_size: int) -> None:
+        super().__init__(policy, world_size)
+        msg = self.message
+        if msg.tp != 1:
+            raise InvalidRequestError(
+                "policy.sidp.tp", "policy.sidp.tp > 1 is not implemented yet (use tp: 1)"
+            )
+        self.dp = int(msg.dp)
+        self.gear_names = ("sidp",)
+        if msg.peak_shifting and msg.was_cache_slots < self.dp - 1:
+            # A peak-shifted cycle is fetched out of layer order: all dp - 1 remote layers of a
+            # cycle must fit, or compute waits for a layer that no free slot can take (§4.4).
+            raise InvalidRequestError(
+                "policy.sidp.was_cache_slots",
+                f"policy.sidp.was_cache_slots must be at least dp - 1 = {self.dp - 1} with "
+                "peak_shifting",
+            )
+        self._service: FfnService | None = None
+        self._world: CommGroup | None = None
+        self._sync: GroupStep | None = None
+        self.bytes: WeightBytes | None = None
+        self.resident_bytes = 0
+
+    @property
+    def initial_mode(self) -> Mode:
+        return Mode.CAS if self.message.mode == policy_pb2.SidpPolicy.CAS else Mode.WAS
+
+    def engine_replicas(self) -> int:
+        return self.dp
+
+    def check_model(self, cfg: ModelConfig) -> None:
+        if cfg.num_layers < self.dp:
+            raise InvalidRequestError(
+                "policy.sidp.dp",
+                f"policy.sidp.dp ({self.dp}) exceeds the model's {cfg.num_layers} layers",
+            )
+
+    def build_rank(self, ctx: RankContext) -> RankModel:
+        cfg = ctx.spec.config
+        self.check_model(cfg)
+        msg = self.message
+        own = Ownership(self.dp, cfg.num_layers)
+        layout = FfnLayout.of(cfg)
+        dtype = ctx.spec.dtype
+        nbytes = layout.numel * torch.tensor([], dtype=dtype).element_size()
+        clean_stale()
+        key = os.environ.get(GROUP_NAME_ENV) or "local"
+        mine = {
+            layer: Segment(new_segment_name(key, layer), nbytes, create=True)
+            for layer in own.owned(ctx.rank)
+        }
+        segments = list(mine.values())
+        try:
+            names = {layer: seg.name for layer, seg in mine.items()}
+            if self.world_size > 1:
+                everyone: list[Any] = [None] * self.world_size
+                dist.all_gather_object(everyone, names)
+                for part in everyone:
+                    names.update(part)
+            remote = {
+                layer: Segment(names[layer], nbytes, create=False) for layer in own.remote(ctx.rank)
+            }
+            segments += list(remote.values())
+            owned = {layer: layout.views(seg.tensor(dtype)) for layer, seg in mine.items()}
+            housekeeper = Housekeeper(
+                layout=layout,
+                num_layers=cfg.num_layers,
+                order=own.fetch_order(ctx.rank, msg.peak_shifting),
+                cycle_start={layer: c.start for c in own.cycles() for layer in c},
+                sources={layer: seg.tensor(dtype) for layer, seg in remote.items()},
+                slots=int(msg.was_cache_slots) if self.dp > 1 else 0,
+                prefetch_depth=int(msg.prefetch_depth),
+                peak_shifting=msg.peak_shifting,
+                dtype=dtype,
+            )
+            world = CommGroup(
+                self.world_size, ctx.rank, tuple(range(self.world_size)), dist.group.WORLD
+            )
+            cas = CasExchange(
+                own, ctx.rank, world, int(msg.cas_slots), layout, dtype, msg.dummy_skipping, owned
+            )
+            service = FfnService(owned, housekeeper, cas, self.initial_mode)
+            model = load_model(
+                ctx.spec,
+                HideRemoteFfn(ctx.open_source(), set(own.remote(ctx.rank))),
+                ctx.device,
+                show_progress=ctx.show_progress,
+                mlp_factory=lambda layer: SidpFFN(layer, service, owned.get(layer)),
+            )
+            if self.world_size > 1:
+                dist.barrier()  # every owner's segments are written before anyone reads them
+        except BaseException:
+            for seg in segments:
+                seg.close()
+            raise
+        if service.mode == Mode.WAS:
+            housekeeper.start()
+        self._service, self._world = service, world
+        self.bytes = weight_bytes(cfg, own, ctx.rank, housekeeper.slots, dtype.itemsize)
+        log.info(
+            "sidp replica %d: owns FFN of layers %s; weights %.1f MiB resident (%d slots), "
+            "%.1f MiB freed for KV",
+            ctx.rank,
+            own.owned(ctx.rank),
+            self.bytes.resident / 2**20,
+            housekeeper.slots,
+            self.bytes.freed(cfg.num_layers) / 2**20,
+        )
+
+        def close() -> None:
+            housekeeper.close()
+            cas.close()
+            for seg in segments:
+                seg.close()
+
+        gear = Gear("sidp", model, ctx.make_core(), CommGroup.single())
+        # What this rank really holds: its parameters (owned FFN layers included, in shared
+        # memory) and its WaS slots; the tests hold it to WeightBytes.resident.
+        self.resident_bytes = gear.weight_bytes() + housekeeper.slot_bytes
+        return RankModel(
+            gears=[gear],
+            kv_layers=cfg.num_layers,
+            kv_heads=cfg.num_kv_heads,
+            kv_extra_bytes=max(0, self.bytes.freed(cfg.num_layers)),
+            closers=[close],
+            extra={"service": service, "weight_bytes": self.bytes},
+        )
+
+    def replica_sync(self, store: Any) -> GroupStep | None:
+        if self._service is None or self._world is None:
+            return None
+        cas = self._service.cas
+        assert isinstance(cas, CasExchange)
+        self._sync = GroupStep(self._service, cas, self._world, store, self.initial_mode)
+        return self._sync
+
+    def stats(self) -> dict[str, float]:
+        service = self._service
+        if service is None:
+            return {}
+        was, cas = service.housekeeper.stats, service.cas
+        out = {
+            "sidp_mode": float(service.mode),
+            "sidp_resident_weight_bytes": float(self.resident_bytes),
+            "sidp_fetched_weight_bytes": float(was.fetched_bytes),
+            "sidp_slot_waits": float(was.slot_waits),
+        }
+        if isinstance(cas, CasExchange):
+            out["sidp_cas_fused_rows"] = float(cas.stats.fused_rows)
+            out["sidp_skipped_dummies"] = float(cas.stats.skipped_dummies)
+        if self._sync is not None:
+            out["sidp_switches"] = float(self._sync.switches)
+        return out

@@ -1,0 +1,139 @@
+"""FFN weights in named POSIX shared memory: the owner writes them once, other ranks of the host
+read them one-sided (SiDP §4.2 on CPU; on GPUs the same role falls to CUDA IPC).
+
+One segment per owned layer, named ``gearshift-sidp-<group>-<pid>-<random>-l<layer>``: the group
+key keeps two deployments apart, the random part two starts of one group, and the creator's pid
+lets the next start unlink segments whose creator died without cleaning up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gearshift.worker.model.config import ModelConfig
+
+SHM_DIR = Path("/dev/shm")
+PREFIX = "gearshift-sidp-"
+_NAME = re.compile(r"^gearshift-sidp-[A-Za-z0-9_.]+-(\d+)-[0-9a-f]+-l\d+$")
+
+
+def group_key(text: str) -> str:
+    """A segment-name-safe form of a deployment/group identity (address, port, name)."""
+    return re.sub(r"[^A-Za-z0-9_.]", "_", text)[:60] or "group"
+
+
+def new_segment_name(key: str, layer: int) -> str:
+    return f"{PREFIX}{group_key(key)}-{os.getpid()}-{secrets.token_hex(6)}-l{layer}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale(shm_dir: Path = SHM_DIR) -> list[str]:
+    """Unlink SiDP segments whose creating process is gone; returns their names."""
+    removed: list[str] = []
+    if not shm_dir.is_dir():
+        return removed
+    for entry in shm_dir.iterdir():
+        m = _NAME.match(entry.name)
+        if m and not _alive(int(m.group(1))):
+            entry.unlink(missing_ok=True)
+            removed.append(entry.name)
+    return removed
+
+
+def segments(key: str | None = None, shm_dir: Path = SHM_DIR) -> list[str]:
+    """Names of live SiDP segments (of one group key, or all)."""
+    start = PREFIX + (group_key(key) + "-" if key is not None else "")
+    if not shm_dir.is_dir():
+        return []
+    return sorted(e.name for e in shm_dir.iterdir() if e.name.startswith(start))
+
+
+@dataclass(frozen=True)
+class FfnLayout:
+    """Where gate|up, down and their biases sit in one layer's flat buffer (tp = 1)."""
+
+    hidden: int
+    inter: int
+    bias: bool
+
+    @staticmethod
+    def of(cfg: ModelConfig) -> FfnLayout:
+        return FfnLayout(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+    @property
+    def numel(self) -> int:
+        h, i = self.hidden, self.inter
+        return 3 * h * i + ((2 * i + h) if self.bias else 0)
+
+    def views(self, flat: torch.Tensor) -> FfnWeights:
+        h, i = self.hidden, self.inter
+        gate_up = flat[: 2 * i * h].view(2 * i, h)
+        down = flat[2 * i * h : 3 * i * h].view(h, i)
+        gate_up_bias = down_bias = None
+        if self.bias:
+            gate_up_bias = flat[3 * i * h : 3 * i * h + 2 * i]
+            down_bias = flat[3 * i * h + 2 * i : self.numel]
+        return FfnWeights(gate_up, gate_up_bias, down, down_bias)
+
+
+@dataclass(frozen=True)
+class FfnWeights:
+    """One layer's FFN tensors (views into a segment or a cache slot)."""
+
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+class Segment:
+    """One mapped segment: created (owner) or attached (a reader)."""
+
+    def __init__(self, name: str, nbytes: int, create: bool) -> None:
+        self.name = name
+        self.owner = create
+        path = SHM_DIR / name
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, nbytes)
+            self._map: mmap.mmap | None = mmap.mmap(fd, nbytes)
+        except BaseException:
+            if create:
+                path.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
+        self.nbytes = nbytes
+
+    def tensor(self, dtype: torch.dtype) -> torch.Tensor:
+        assert self._map is not None
+        return torch.frombuffer(self._map, dtype=dtype)
+
+    def close(self) -> None:
+        """Drop the mapping; the owner also unlinks the name (readers keep their mappings)."""
+        if self.owner:
+            (SHM_DIR / self.name).unlink(missing_ok=True)
+        if self._map is not None:
+            # A tensor may still view the buffer; the mapping then goes with the last view.
+            with contextlib.suppress(BufferError):
+                self._map.close()
+            self._map = None
