@@ -18,6 +18,7 @@ from google.protobuf import json_format
 from gearshift.v1 import policy_fields, policy_pb2
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.policies.base import Policy
+from gearshift.worker.policies.seesaw import SeesawPolicy
 from gearshift.worker.policies.shift import ShiftPolicy
 from gearshift.worker.policies.static import StaticPolicy
 
@@ -36,7 +37,7 @@ def unregister(kind: str) -> None:
     _POLICIES.pop(kind, None)
 
 
-for _builtin in (StaticPolicy, ShiftPolicy):
+for _builtin in (StaticPolicy, ShiftPolicy, SeesawPolicy):
     register(_builtin)
 
 
