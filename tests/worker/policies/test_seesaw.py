@@ -85,3 +85,60 @@ def test_greedy_text_equals_one_process_through_the_host_tier(
     stats = policy.stats()
     assert stats["seesaw_swap_out_bytes"] > 0 and stats["seesaw_swap_in_bytes"] > 0
     assert stats["seesaw_transitions"] == len(log)
+
+
+def _load(spec, path: Path, tp: int, tp_rank: int, layers: range | None):
+    from gearshift.worker.comm import CommGroup
+    from gearshift.worker.engine.loading import load_model
+    from gearshift.worker.model.weights import open_weight_source
+
+    group = CommGroup(tp, tp_rank, tuple(range(tp)))
+    return load_model(spec, open_weight_source(path), torch.device("cpu"), tp=group, layers=layers)
+
+
+def test_weights_after_each_reshard_equal_the_checkpoint_shard_of_that_layout(tiny_checkpoint):
+    from gearshift.worker.config import EngineConfig
+    from gearshift.worker.engine.loading import inspect_model
+    from gearshift.worker.parallel.pipeline import stage_layers
+    from gearshift.worker.policies.seesaw.weights import WeightSet, checksums
+
+    folder = _model(tiny_checkpoint)
+    spec, source = inspect_model(EngineConfig(model=str(folder), dtype="float32"), torch.device("cpu"))
+    source.close()
+    for rank in (0, 1):
+        # P2 prefill: this rank's stage, all heads; T2 decode: all layers, its TP shard.
+        layouts = [(1, 0, stage_layers(4, 2, rank)), (2, rank, None)]
+        models = [_load(spec, folder, tp, r, layers) for tp, r, layers in layouts]
+        want = [checksums(_load(spec, folder, tp, r, layers)) for tp, r, layers in layouts]
+        weights = WeightSet(models, torch.device("cpu"), spec.packing)
+        assert weights.working.numel() == max(weights.gear_bytes)  # one gear's size, not two
+        for gear in (0, 1, 0, 1):
+            record = weights.activate(gear)
+            assert record.bytes == weights.gear_bytes[gear] and record.seconds >= 0
+            assert checksums(models[gear]) == want[gear]
+            # The other gear holds nothing on the device while this one is active.
+            assert all(p.numel() == 0 for p in models[1 - gear].parameters())
+            ptr = weights.working.data_ptr()
+            span = range(ptr, ptr + weights.working.numel())
+            assert all(p.data_ptr() in span for p in models[gear].parameters())
+
+
+def test_a_layout_the_model_cannot_split_is_refused_naming_the_field(tiny_checkpoint):
+    from gearshift.worker.errors import InvalidRequestError
+    from gearshift.worker.model.config import ModelConfig
+    from gearshift.worker.policies.registry import make_policy, parse_policy
+    from gearshift.worker.policies.support import check_runnable
+
+    folder = _model(tiny_checkpoint)
+    cfg = ModelConfig.from_hf_folder(folder)
+    policy = make_policy(_seesaw({"tp": 1, "pp": 2}, {"tp": 2, "pp": 1}))
+    policy.check_model(cfg)  # 8 heads, 2 KV heads, 4 layers split both ways
+    bad = make_policy({"seesaw": {"prefill": {"tp": 1, "pp": 8}, "decode": {"tp": 8, "pp": 1}}})
+    with pytest.raises(InvalidRequestError) as err:
+        bad.check_model(cfg)
+    assert err.value.field == "policy.seesaw.prefill.pp"
+    with pytest.raises(InvalidRequestError) as err:
+        check_runnable(
+            parse_policy({"seesaw": {"prefill": {"tp": 1, "pp": 4}, "decode": {"tp": 2, "pp": 2}}})
+        )
+    assert err.value.field == "spec.policy.seesaw.decode"
