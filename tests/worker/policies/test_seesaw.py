@@ -103,7 +103,9 @@ def test_weights_after_each_reshard_equal_the_checkpoint_shard_of_that_layout(ti
     from gearshift.worker.policies.seesaw.weights import WeightSet, checksums
 
     folder = _model(tiny_checkpoint)
-    spec, source = inspect_model(EngineConfig(model=str(folder), dtype="float32"), torch.device("cpu"))
+    spec, source = inspect_model(
+        EngineConfig(model=str(folder), dtype="float32"), torch.device("cpu")
+    )
     source.close()
     for rank in (0, 1):
         # P2 prefill: this rank's stage, all heads; T2 decode: all layers, its TP shard.
