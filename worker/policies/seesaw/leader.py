@@ -9,8 +9,10 @@ waits; partial prefills finish first (no new admissions) and no step may be in f
 Decode phase: decode steps with continuous batching (on the decode gear); sequences are
 on-boarded from the host store as device blocks free (up to ``prefetch_max_sequences`` a
 step). The phase ends when the host usage has fallen to ``switch_to_prefill_at_host_usage`` and
-prompts wait: the sequences still decoding move to the host store (they resume in the next decode
-phase), so the device holds no KV when the gear changes.
+prompts wait, and parking the sequences still decoding in the host store keeps its usage below
+``switch_to_decode_at_host_usage`` (else the next prefill phase would end at once): those
+sequences move to the host store (they resume in the next decode phase), so the device holds no
+KV when the gear changes.
 
 Host usage counts the pages of sequences whose KV lives only on the host. A swapped-in sequence
 keeps its pages until its first decode step has come back (then every rank has read them).
@@ -159,10 +161,9 @@ class SeesawLeader:
         self._to_free.append(seq)
         return True
 
-    def _switch(self, to: Phase, reason: str) -> None:
-        self.transitions.append(
-            Transition(self.launches, to, self.host_usage, reason, time.monotonic())
-        )
+    def _switch(self, to: Phase, usage: float, reason: str) -> None:
+        """Log the decision with the host usage it was made at (before this switch's swaps)."""
+        self.transitions.append(Transition(self.launches, to, usage, reason, time.monotonic()))
         self.phase = to
         self._switched = True
 
@@ -196,7 +197,7 @@ class SeesawLeader:
         for seq in self._resident():
             if seq.num_tokens - seq.num_computed_tokens == 1:
                 self.scheduler.preempt(seq)  # no room on the host: recompute it later
-        self._switch(Phase.DECODE, reason)
+        self._switch(Phase.DECODE, usage, reason)
         return self._decode_step(queues)
 
     def _decode_step(self, queues: QueueView) -> StepRequest:
@@ -204,13 +205,15 @@ class SeesawLeader:
         t = self.thresholds()
         waiting = len(self.scheduler.waiting)
         usage = self.host_usage
-        if waiting and usage <= t.to_prefill:
+        if waiting and usage <= t.to_prefill and self._parked_usage() < t.to_decode:
             if queues.in_flight:
                 return StepRequest(StepKind.NONE)
             for seq in self._resident():
                 if not self._swap_out(seq):
                     self.scheduler.preempt(seq)
-            self._switch(Phase.PREFILL, f"host usage {usage:.3f} <= {t.to_prefill}, prompts wait")
+            self._switch(
+                Phase.PREFILL, usage, f"host usage {usage:.3f} <= {t.to_prefill}, prompts wait"
+            )
             # At least one prefill step before the next decision: no re-shard without work.
             return StepRequest(StepKind.PREFILL)
         self._swap_in(t.prefetch_max)
@@ -219,10 +222,19 @@ class SeesawLeader:
             return StepRequest(StepKind.DECODE, max_seqs=max(1, -(-len(self._resident()) // pp)))
         return StepRequest(StepKind.DECODE)
 
+    def _parked_usage(self) -> float:
+        """Host usage once the sequences decoding now are parked there: switching to prefill
+        while that reaches switch_to_decode_at_host_usage would switch straight back."""
+        pages = sum(len(self.pages.held.get(r, ())) for r in self.on_host)
+        pages += sum(-(-s.num_tokens // self.block_size) for s in self._resident())
+        return pages / self.pages.num_pages if self.pages.num_pages else 1.0
+
     def _swap_in(self, limit: int) -> None:
         """On-board host sequences, oldest first, while device blocks are free (§4.2)."""
         assert self.blocks is not None
-        for rid, seq in list(self.on_host.items())[:limit]:
+        leaving = {s.request_id for s in self._to_free}  # its blocks free after this plan
+        ready = [(r, s) for r, s in self.on_host.items() if r not in leaving]
+        for rid, seq in ready[:limit]:
             # Room for the KV it has and the token its next decode step writes.
             if not self.blocks.allocate(seq.blocks, seq.num_tokens):
                 break
