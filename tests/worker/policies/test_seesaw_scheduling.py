@@ -3,6 +3,8 @@ through the host store, and when the scheduler switches phase (its event log).""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from gearshift.worker.policies.seesaw.leader import Phase
@@ -78,7 +80,7 @@ def test_kv_after_swap_out_in_c_p_and_swap_in_in_c_d_equals_one_process(
 
 def _prefill_first_transitions(plans) -> int:
     kinds = ["prefill" if p.prefill_query_lens else "decode" for p in plans]
-    return sum(a != b for a, b in zip(kinds, kinds[1:], strict=False))
+    return sum(a != b for a, b in itertools.pairwise(kinds))
 
 
 def test_switches_only_at_its_thresholds_and_fewer_times_than_prefill_first(
