@@ -59,20 +59,32 @@ def _reference(engine_factory, folder: Path, prompts, params) -> list[list[int]]
     return [o.token_ids for o in ref.generate(prompts, params)]
 
 
+@pytest.mark.parametrize("async_swap", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize(
     ("prefill", "decode"),
     [({"tp": 1, "pp": 2}, {"tp": 2, "pp": 1}), ({"tp": 2, "pp": 1}, {"tp": 1, "pp": 2})],
     ids=["P2-to-T2", "T2-to-P2"],
 )
 def test_greedy_text_equals_one_process_through_the_host_tier(
-    no_leftover_segments, tiny_checkpoint, group_factory, engine_factory, prefill, decode
+    no_leftover_segments,
+    tiny_checkpoint,
+    group_factory,
+    engine_factory,
+    prefill,
+    decode,
+    async_swap,
 ):
     folder = _model(tiny_checkpoint)
     prompts = _prompts(10)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     want = _reference(engine_factory, folder, prompts, params)
     engine = group_factory(
-        folder, _seesaw(prefill, decode), kv_cache_bytes=DEVICE_KV, record=False, **ENGINE
+        folder,
+        # A staging buffer of 3 KiB: swap-outs wait for the writer thread, or bypass it.
+        _seesaw(prefill, decode, asyncSwap=async_swap, pinnedStagingBytes=3072),
+        kv_cache_bytes=DEVICE_KV,
+        record=False,
+        **ENGINE,
     )
     got = [o.token_ids for o in engine.generate(prompts, params)]
     assert got == want

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 
 from gearshift.worker.policies.seesaw.leader import Phase
@@ -27,11 +28,13 @@ def _tokens(paged: torch.Tensor, n: int) -> torch.Tensor:
     return paged.permute(1, 0, 2, 3).reshape(heads, pages * block, dim)[:, :n]
 
 
+@pytest.mark.parametrize("async_swap", [True, False], ids=["async", "sync"])
 def test_kv_after_swap_out_in_c_p_and_swap_in_in_c_d_equals_one_process(
     no_leftover_segments,  # noqa: F811
     tiny_checkpoint,
     group_factory,
     engine_factory,
+    async_swap,
 ):
     folder = _model(tiny_checkpoint)
     prompt = _prompts(3)[2]  # 16 tokens: four full blocks
@@ -42,9 +45,9 @@ def test_kv_after_swap_out_in_c_p_and_swap_in_in_c_d_equals_one_process(
     ref_blocks = ref.executor.submitted[0].block_tables[0]
     ref_kv = ref.executor.inner.kv_caches
 
-    engine = group_factory(folder, _seesaw(P2, T2), kv_cache_bytes=DEVICE_KV, **ENGINE)
-    policy = engine.policy
-    lead = policy.leader
+    policy = _seesaw(P2, T2, asyncSwap=async_swap)
+    engine = group_factory(folder, policy, kv_cache_bytes=DEVICE_KV, **ENGINE)
+    lead = engine.policy.leader
     engine.add_request("r", prompt, params)
     got = list(engine.step()[0].new_token_ids)  # the prefill, on the PP gear
     assert lead.phase is Phase.PREFILL
@@ -54,7 +57,7 @@ def test_kv_after_swap_out_in_c_p_and_swap_in_in_c_d_equals_one_process(
         if len(got) == 2:
             break
     assert lead.phase is Phase.DECODE and "r" in lead.draining and len(got) == 2
-    store = policy.hook.store
+    store = engine.policy.hook.store
     pages = torch.tensor(lead.pages.held["r"])
     for layer in range(4):
         for kv in (0, 1):
@@ -90,15 +93,22 @@ def test_switches_only_at_its_thresholds_and_fewer_times_than_prefill_first(
     engine_factory,
 ):
     folder = _model(tiny_checkpoint)
-    prompts = _prompts(12, seed=5)
+    prompts = _prompts(24, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     # Prefill-first (the engine's own scheduler) with the same device KV per token.
     ref = engine_factory(folder, kv_cache_bytes=2 * DEVICE_KV, **ENGINE)
     want = [o.token_ids for o in ref.generate(prompts, params)]
     eager = _prefill_first_transitions(ref.executor.submitted)
 
-    hi, lo = 0.5, 0.2
-    policy = _seesaw(P2, T2, switchToDecodeAtHostUsage=hi, switchToPrefillAtHostUsage=lo)
+    hi, lo = 0.9, 0.3
+    # As in the paper, the host tier is several times the device's KV (384 vs 96 tokens).
+    policy = _seesaw(
+        P2,
+        T2,
+        hostKvCapacityBytes=96 * 2048,
+        switchToDecodeAtHostUsage=hi,
+        switchToPrefillAtHostUsage=lo,
+    )
     engine = group_factory(folder, policy, kv_cache_bytes=DEVICE_KV, record=False, **ENGINE)
     got = [o.token_ids for o in engine.generate(prompts, params)]
     assert got == want

@@ -135,6 +135,12 @@ class HostKVStore:
                 moved += src.numel() * src.element_size()
         return moved
 
+    def write_part(
+        self, pages: torch.Tensor, layer: int, kv: int, heads: range, src: torch.Tensor
+    ) -> None:
+        """One layer's keys or values of ``pages`` for ``heads`` (the writer thread's unit)."""
+        self.pages[pages, layer, kv, heads.start : heads.stop] = src.to("cpu")
+
     def read_shard(
         self,
         pages: torch.Tensor,

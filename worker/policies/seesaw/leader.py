@@ -73,12 +73,17 @@ class SeesawLeader:
         pipeline_depths: tuple[int, int],
         thresholds: Callable[[], Thresholds],
         page_bytes: int,
+        async_swap: bool = False,
     ) -> None:
         self.pages = pages
         self.block_size = block_size
         self.depths = pipeline_depths
         self.thresholds = thresholds  # live: read at every decision
         self.page_bytes = page_bytes
+        # §5.2: with asynchronous swap-in a sequence's KV is copied while the plan that sent it
+        # runs; every rank finishes that copy before its next plan, so it decodes from then on.
+        self.async_swap = async_swap
+        self._swapping: set[str] = set()
         self.phase = Phase.PREFILL
         self.transitions: list[Transition] = []
         self.launches = 0
@@ -106,6 +111,7 @@ class SeesawLeader:
         """A sequence ended (finished, aborted, failed): its host pages are free."""
         self.on_host.pop(seq.request_id, None)
         self.draining.pop(seq.request_id, None)
+        self._swapping.discard(seq.request_id)
         self.pages.release(seq.request_id)
 
     # ---- the engine's calls, in order: step_request, held, plan_sections, step_submitted ----
@@ -113,13 +119,15 @@ class SeesawLeader:
     def step_request(self, queues: QueueView) -> StepRequest:
         assert self.scheduler is not None
         self.launches += 1
+        self._swapping.clear()  # resident on every rank before the next plan's forward
         self._release_drained()
         if self.phase is Phase.PREFILL:
             return self._prefill_step(queues)
         return self._decode_step(queues)
 
     def held(self) -> frozenset[str]:
-        return frozenset(self.on_host) | frozenset(s.request_id for s in self._to_free)
+        leaving = frozenset(s.request_id for s in self._to_free)
+        return frozenset(self.on_host) | leaving | frozenset(self._swapping)
 
     def plan_sections(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -180,10 +188,10 @@ class SeesawLeader:
         waiting = len(self.scheduler.waiting)
         usage = self.host_usage
         reason = ""
-        if full:
-            reason = "host store full"
-        elif usage >= t.to_decode and usage > 0:
+        if usage >= t.to_decode and usage > 0:
             reason = f"host usage {usage:.3f} >= {t.to_decode}"
+        elif full:
+            reason = "host store full"
         elif not waiting and not partial and (self.on_host or self._resident()):
             reason = "no prompt waits"
         if not reason:
@@ -234,15 +242,23 @@ class SeesawLeader:
         assert self.blocks is not None
         leaving = {s.request_id for s in self._to_free}  # its blocks free after this plan
         ready = [(r, s) for r, s in self.on_host.items() if r not in leaving]
+        decoding = len(self._resident())
         for rid, seq in ready[:limit]:
-            # Room for the KV it has and the token its next decode step writes.
+            # Room for the KV it has and the token its next decode step writes, leaving a block
+            # per decoding sequence free: on-boarding must not cause preemptions (recomputes).
+            need = self.blocks.blocks_needed(seq.num_tokens)
+            if self.blocks.num_free_blocks - need < decoding + 1:
+                break
             if not self.blocks.allocate(seq.blocks, seq.num_tokens):
                 break
+            decoding += 1
             pages = self.pages.held[rid]
             for page, block in zip(pages, seq.blocks.block_ids, strict=False):
                 self._in += [page, block]
             del self.on_host[rid]
             self.draining[rid] = (seq, seq.num_computed_tokens)
+            if self.async_swap:
+                self._swapping.add(rid)
 
     def _release_drained(self) -> None:
         """Pages of swapped-in sequences whose first decode came back (every rank read them),

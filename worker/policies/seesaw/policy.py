@@ -159,7 +159,10 @@ class SeesawPolicy(Policy):
         def allocate(num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             kv = DeviceKV(gear_kv, num_blocks, ctx.block_size, cfg.head_dim, ctx.spec.dtype,
                           ctx.device)  # fmt: skip
-            self.hook = SeesawRankHook(weights, kv, gear_kv, store, barrier)
+            m = self.message
+            self.hook = SeesawRankHook(
+                weights, kv, gear_kv, store, barrier, m.async_swap, int(m.pinned_staging_bytes)
+            )
             held.hook = self.hook
             return kv.views[PREFILL_GEAR]
 
@@ -171,6 +174,7 @@ class SeesawPolicy(Policy):
                 (self.layouts[0].pp, self.layouts[1].pp),
                 self._thresholds,
                 page.nbytes,
+                self.message.async_swap,
             )
         return held
 

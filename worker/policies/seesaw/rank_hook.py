@@ -14,12 +14,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from gearshift.worker.engine.model_runner import ModelRunner
 from gearshift.worker.engine.plan import StepPlan
 from gearshift.worker.kv.cache import LayerKV, zeroed
+from gearshift.worker.policies.seesaw.async_copy import CopyWorker, Staging
 from gearshift.worker.policies.seesaw.host_kv import HostKVStore
 from gearshift.worker.policies.seesaw.weights import WeightSet
 
@@ -81,6 +83,8 @@ class SeesawRankHook:
         gears: list[GearKV],
         store: HostKVStore,
         barrier: Callable[[], None],
+        async_swap: bool = False,
+        staging_bytes: int = 0,
     ) -> None:
         self.barrier = barrier  # every rank of the group, in plan order
         self.weights = weights
@@ -89,6 +93,14 @@ class SeesawRankHook:
         self.store = store
         self.active = weights.active if weights.active is not None else 0
         self.counters = SwapCounters()
+        self.async_swap = async_swap
+        self.writer: CopyWorker | None = None
+        self.prefetcher: CopyWorker | None = None
+        if async_swap:
+            pin = weights.device.type == "cuda"
+            self.staging = Staging(staging_bytes, pin)
+            self.writer = CopyWorker("seesaw-swap-out")
+            self.prefetcher = CopyWorker("seesaw-prefetch")
 
     @staticmethod
     def _pairs(values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -99,13 +111,12 @@ class SeesawRankHook:
 
     def before_step(self, runner: ModelRunner, plan: StepPlan) -> None:
         start = time.perf_counter()
+        if self.prefetcher is not None:
+            # §5.2: swap-ins of earlier plans overlapped their steps; they are resident now.
+            self.prefetcher.join()
         out = self._pairs(plan.section(SWAP_OUT))
-        if out is not None:
-            g = self.gears[self.active]
-            if g.writer:
-                self.counters.bytes_out += self.store.write_shard(
-                    out[0], out[1], self.kv.views[self.active], g.layers, g.heads
-                )
+        if out is not None and self.gears[self.active].writer:
+            self._swap_out(out[0], out[1])
         if plan.gear != self.active:
             runner.flush()  # no pipeline send of the old gear may still read its weights
             self.counters.reshards.append(self.weights.activate(plan.gear).seconds)
@@ -113,15 +124,61 @@ class SeesawRankHook:
             runner.kv_caches = self.kv.views[plan.gear]
         swap_in = self._pairs(plan.section(SWAP_IN))
         if swap_in is not None:
-            # Pages written by other ranks' swap-outs of earlier plans must be complete: every
-            # rank reaches this barrier only after its hooks of all earlier plans ran.
-            self.barrier()
-            g = self.gears[self.active]
-            self.counters.bytes_in += self.store.read_shard(
-                swap_in[0], swap_in[1], self.kv.views[self.active], g.layers, g.heads
-            )
+            self._swap_in(swap_in[0], swap_in[1])
         if out is not None or swap_in is not None:
             self.counters.seconds += time.perf_counter() - start
 
+    def _swap_out(self, pages: torch.Tensor, blocks: torch.Tensor) -> None:
+        g, views = self.gears[self.active], self.kv.views[self.active]
+        if self.writer is None:
+            self.counters.bytes_out += self.store.write_shard(
+                pages, blocks, views, g.layers, g.heads
+            )
+            return
+        # device -> staging now (the blocks free after this plan), staging -> shared later.
+        for local, layer in enumerate(g.layers):
+            for kv in (0, 1):
+                src = views[local][kv].index_select(0, blocks.to(views[local][kv].device))
+                staged = self.staging.take(src)
+                if staged is None:
+                    self.writer.join()
+                    self.staging.reset()
+                    staged = self.staging.take(src)
+                if staged is None:  # larger than the whole staging buffer: straight through
+                    self.store.write_part(pages, layer, kv, g.heads, src)
+                    continue
+                staged.copy_(src, non_blocking=True)
+                if src.device.type == "cuda":
+                    torch.cuda.current_stream(src.device).synchronize()
+                self.writer.submit(
+                    partial(self.store.write_part, pages, layer, kv, g.heads, staged)
+                )
+                self.counters.bytes_out += src.numel() * src.element_size()
+
+    def _swap_in(self, pages: torch.Tensor, blocks: torch.Tensor) -> None:
+        if self.writer is not None:
+            self.writer.join()  # this rank's own swap-outs are in the store
+            self.staging.reset()
+        # Pages written by other ranks' swap-outs of earlier plans must be complete: every rank
+        # reaches this barrier only after its hooks of all earlier plans ran.
+        self.barrier()
+        g, views = self.gears[self.active], self.kv.views[self.active]
+        read = partial(self.store.read_shard, pages, blocks, views, g.layers, g.heads)
+        if self.prefetcher is None:
+            self.counters.bytes_in += read()
+            return
+        block = views[0][0][0]  # one block of one layer's keys on this rank
+        self.counters.bytes_in += (
+            len(blocks) * len(g.layers) * 2 * block.numel() * block.element_size()
+        )
+
+        def prefetch() -> None:
+            read()
+
+        self.prefetcher.submit(prefetch)
+
     def close(self) -> None:
+        for worker in (self.writer, self.prefetcher):
+            if worker is not None:
+                worker.close()
         self.store.close()
