@@ -60,6 +60,7 @@ class EngineStats:
     gear_tokens: dict[str, int] = field(default_factory=dict)
     gear: str = ""
     gear_switches: int = 0
+    policy_stats: dict[str, float] = field(default_factory=dict)  # Policy.stats()
 
 
 @dataclass
@@ -512,6 +513,7 @@ class LLMEngine:
             gear_tokens=dict(self.gear_tokens),
             gear=self.policy.gear_names[self.current_gear],
             gear_switches=self.gear_switches,
+            policy_stats=self.policy.stats(),
         )
 
     def shutdown(self) -> None:

@@ -87,6 +87,9 @@ class Policy(ABC):
 
     kind: ClassVar[str]  # the field name in gearshift.v1.Policy's oneof
     gear_names: tuple[str, ...]
+    # True when every rank of a group must share one host (e.g. KV in one node's shared memory);
+    # a group spanning nodes is refused naming spec.group.nodes (support.check_runnable).
+    single_node: ClassVar[bool] = False
 
     def __init__(self, policy: policy_pb2.Policy, world_size: int) -> None:
         """``policy`` with this kind set; defaults are filled in for ``world_size`` ranks."""

@@ -95,8 +95,8 @@ def test_greedy_text_equals_one_process_through_the_host_tier(
     assert [t.to for t in log[:3]] == [Phase.DECODE, Phase.PREFILL, Phase.DECODE]
     assert policy.leader.pages.used == 0 and not policy.leader.on_host
     stats = policy.stats()
-    assert stats["seesaw_swap_out_bytes"] > 0 and stats["seesaw_swap_in_bytes"] > 0
-    assert stats["seesaw_transitions"] == len(log)
+    assert stats["swap_out_bytes"] > 0 and stats["swap_in_bytes"] > 0
+    assert stats["transitions"] == len(log)
 
 
 def _load(spec, path: Path, tp: int, tp_rank: int, layers: range | None):

@@ -65,6 +65,7 @@ class SeesawPolicy(Policy):
     """Prefill gear c_p = (tp, pp) and decode gear c_d = (tp, pp) over the same ranks."""
 
     kind = "seesaw"
+    single_node = True  # the host KV tier is one node's shared memory (§4.2)
 
     def __init__(self, policy: policy_pb2.Policy, world_size: int) -> None:
         super().__init__(policy, world_size)
@@ -236,11 +237,11 @@ class SeesawPolicy(Policy):
         reshard = sum(r.seconds for r in self.weights.history[1:]) if self.weights else 0.0
         wait = self.hook.counters.seconds if self.hook is not None else 0.0
         return {
-            "seesaw_phase_decode": float(lead.phase is Phase.DECODE),
-            "seesaw_transitions": float(len(lead.transitions)),
-            "seesaw_reshard_seconds": reshard,
-            "seesaw_swap_out_bytes": float(lead.swap_out_bytes),
-            "seesaw_swap_in_bytes": float(lead.swap_in_bytes),
-            "seesaw_swap_wait_seconds": wait,
-            "seesaw_host_kv_usage": lead.host_usage,
+            "phase_decode": float(lead.phase is Phase.DECODE),
+            "transitions": float(len(lead.transitions)),
+            "reshard_seconds": reshard,
+            "swap_out_bytes": float(lead.swap_out_bytes),
+            "swap_in_bytes": float(lead.swap_in_bytes),
+            "swap_wait_seconds": wait,
+            "host_kv_usage": lead.host_usage,
         }

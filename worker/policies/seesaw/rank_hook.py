@@ -115,8 +115,12 @@ class SeesawRankHook:
             # §5.2: swap-ins of earlier plans overlapped their steps; they are resident now.
             self.prefetcher.join()
         out = self._pairs(plan.section(SWAP_OUT))
-        if out is not None and self.gears[self.active].writer:
-            self._swap_out(out[0], out[1])
+        if out is not None:
+            # A page may be written again once its sequence ended (even mid swap-in): no rank
+            # may still be reading it from an earlier plan.
+            self.barrier()
+            if self.gears[self.active].writer:
+                self._swap_out(out[0], out[1])
         if plan.gear != self.active:
             runner.flush()  # no pipeline send of the old gear may still read its weights
             self.counters.reshards.append(self.weights.activate(plan.gear).seconds)
