@@ -6,6 +6,7 @@ scheduler makes several transitions; greedy text must equal one process with the
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -49,9 +50,12 @@ def _segments() -> set[str]:
 
 @pytest.fixture
 def no_leftover_segments():
+    """Listed first, so it checks after the groups of the test have shut down."""
     before = _segments()
     yield
     assert _segments() <= before, "a host KV segment outlived its group"
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("seesaw-")]
+    assert threads == [], f"swap threads outlived their group: {threads}"
 
 
 def _reference(engine_factory, folder: Path, prompts, params) -> list[list[int]]:
