@@ -264,8 +264,7 @@ class GroupCollector(Collector):
             ),
             "policy_stat": GaugeMetricFamily(
                 "gearshift_policy_stat",
-                "Policy-specific figures of the group (e.g. Seesaw's transitions, swap bytes, "
-                "swap wait seconds, host KV usage, re-shard seconds).",
+                "Policy-specific figures of the group (its policy's stats; docs/metrics.md).",
                 labels=[*labels, "stat"],
             ),
             "policy": GaugeMetricFamily(
