@@ -121,3 +121,22 @@ def test_switches_only_at_its_thresholds_and_fewer_times_than_prefill_first(
             assert t.host_usage <= lo, t
     assert any(t.reason.startswith("host usage") and t.to is Phase.DECODE for t in log)
     assert len(log) < eager, (len(log), eager)
+
+
+def test_prefix_caching_hits_within_a_prefill_phase_and_text_still_equals_one_process(
+    no_leftover_segments,  # noqa: F811
+    tiny_checkpoint,
+    group_factory,
+    engine_factory,
+):
+    folder = _model(tiny_checkpoint)
+    shared = _prompts(3, seed=9)[2][:12]  # three full blocks every prompt starts with
+    prompts = [shared + p for p in _prompts(10, seed=11)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    cached = {**ENGINE, "enable_prefix_caching": True, "max_num_batched_tokens": 24}
+    ref = engine_factory(folder, record=False, kv_cache_bytes=64 << 20, **cached)
+    want = [o.token_ids for o in ref.generate(prompts, params)]
+    engine = group_factory(folder, _seesaw(P2, T2), kv_cache_bytes=DEVICE_KV, **cached)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == want
+    assert engine.blocks.prefix_hit_tokens > 0
+    assert len(engine.policy.leader.transitions) >= 3

@@ -174,6 +174,10 @@ class SeesawLeader:
         self.transitions.append(Transition(self.launches, to, usage, reason, time.monotonic()))
         self.phase = to
         self._switched = True
+        assert self.blocks is not None
+        # Cached blocks hold the old gear's view of the KV: no prefix may hit them from now on
+        # (and those of the sequences leaving with this plan go once they are freed).
+        self.blocks.reset_prefix_cache()
 
     def _prefill_step(self, queues: QueueView) -> StepRequest:
         assert self.scheduler is not None
@@ -222,8 +226,9 @@ class SeesawLeader:
             self._switch(
                 Phase.PREFILL, usage, f"host usage {usage:.3f} <= {t.to_prefill}, prompts wait"
             )
-            # At least one prefill step before the next decision: no re-shard without work.
-            return StepRequest(StepKind.PREFILL)
+            # This plan only parks the decoding sequences and re-shards: the blocks they free
+            # still carry prefix hashes of the decode gear's view until it has been submitted.
+            return StepRequest(StepKind.NONE)
         self._swap_in(t.prefetch_max)
         pp = self.depths[DECODE_GEAR]
         if pp > 1:
