@@ -87,11 +87,16 @@ def test_greedy_text_equals_one_process_through_the_host_tier(
         # A staging buffer of 3 KiB: swap-outs wait for the writer thread, or bypass it.
         _seesaw(prefill, decode, asyncSwap=async_swap, pinnedStagingBytes=3072),
         kv_cache_bytes=DEVICE_KV,
-        record=False,
         **ENGINE,
     )
     got = [o.token_ids for o in engine.generate(prompts, params)]
     assert got == want
+    decodes = [p for p in engine.executor.submitted if p.gear == 1 and p.num_decodes]
+    if decode["pp"] > 1:
+        # §5.1: decode micro-batches fill both pipeline slots, each with part of the sequences.
+        assert {p.micro_batch for p in decodes} == {0, 1}
+        assert max(p.num_decodes for p in decodes) < len(prompts)
+    assert not any(p.prefill_query_lens for p in decodes)  # decode steps hold no prefill
     policy = engine.policy
     assert isinstance(policy, SeesawPolicy) and policy.leader is not None
     log = policy.leader.transitions
