@@ -230,3 +230,13 @@ def test_a_group_spanning_nodes_is_refused_naming_the_field():
     with pytest.raises(SpecError) as err:
         runnable_spec(body)
     assert err.value.field == "spec.group.nodes"
+
+
+def test_host_capacity_comes_from_bytes_or_a_fraction_of_the_memory_limit():
+    from gearshift.worker.policies.seesaw.policy import memory_limit
+
+    assert make_policy(_seesaw(P2, T2)).host_capacity_bytes() == 28 * 2048
+    by_fraction = make_policy({"seesaw": {"hostKvCapacityFraction": 0.001}})
+    shm = os.statvfs(SHM_DIR)
+    want = min(int(memory_limit() * 0.001), shm.f_bavail * shm.f_frsize)
+    assert by_fraction.host_capacity_bytes() == pytest.approx(want, rel=0.01)
