@@ -384,7 +384,7 @@ def runnable_spec(body: dict[str, Any]) -> DeploymentSpec:
     spec = parse(body)
     if spec.engine == "gearshift":  # engine: vllm runs static pp/dp through vLLM itself
         try:
-            check_runnable(spec.full_policy)
+            check_runnable(spec.full_policy, nodes=spec.group.nodes)
         except InvalidRequestError as exc:
             raise SpecError(exc.message, exc.field) from exc
     return spec

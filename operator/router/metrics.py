@@ -262,6 +262,11 @@ class GroupCollector(Collector):
             "preemptions": CounterMetricFamily(
                 "gearshift_num_preemptions", "Requests preempted (recomputed).", labels=labels
             ),
+            "policy_stat": GaugeMetricFamily(
+                "gearshift_policy_stat",
+                "Policy-specific figures of the group (its policy's stats; docs/metrics.md).",
+                labels=[*labels, "stat"],
+            ),
             "policy": GaugeMetricFamily(
                 "gearshift_policy_parameter",
                 "Numeric parameters of the group's active policy (live ones change at run time).",
@@ -285,6 +290,8 @@ class GroupCollector(Collector):
                 fams["gear"].add_metric([*lv, gear.name], 1.0 if gear.name == s.gear else 0.0)
                 fams["steps"].add_metric([*lv, gear.name], gear.steps)
                 fams["tokens"].add_metric([*lv, gear.name], gear.tokens)
+            for stat, value in sorted(s.policy_stats.items()):
+                fams["policy_stat"].add_metric([*lv, stat], value)
             for path, value in _numeric_fields(s.policy):
                 fams["policy"].add_metric([*lv, path], value)
         yield from fams.values()

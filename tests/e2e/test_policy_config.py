@@ -1,6 +1,6 @@
 """`gearshift serve --policy-config` (the CRD's spec.policy) for every policy the engine runs:
-the openai client gets one rank's greedy text from TP 2 x PP 2 (static.yaml's layout) and from
-the shift policy, on a random model that speaks SmolLM2's vocabulary."""
+the openai client gets one rank's greedy text from TP 2 x PP 2 (static.yaml's layout), from
+the shift policy and from seesaw (P2 -> T2), on a random model that speaks SmolLM2's vocabulary."""
 
 from __future__ import annotations
 
@@ -68,8 +68,13 @@ def serve_policy(model: Path, tmp_path: Path) -> Iterator[object]:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "policy",
-    ['{"static": {"tp": 2, "pp": 2}}', "shift:\n  sp: 2\n  threshold: 8\n"],
-    ids=["static-tp2pp2", "shift-sp2-yaml"],
+    [
+        '{"static": {"tp": 2, "pp": 2}}',
+        "shift:\n  sp: 2\n  threshold: 8\n",
+        '{"seesaw": {"prefill": {"tp": 1, "pp": 2}, "decode": {"tp": 2, "pp": 1}, '
+        '"hostKvCapacityBytes": 67108864}}',
+    ],
+    ids=["static-tp2pp2", "shift-sp2-yaml", "seesaw-p2-t2"],
 )
 def test_policy_config_serves_one_ranks_greedy_text(policy, serve_policy, one_rank_text):
     from openai import OpenAI

@@ -66,7 +66,14 @@ EXAMPLES: dict[str, Side] = {
         "tests/e2e/test_policy_config.py runs it on a random model with SmolLM2's vocabulary",
     ),
     "static-vllm.yaml": RenderedForVllm(),
-    "seesaw.yaml": Refused("spec.policy.seesaw"),
+    "seesaw.yaml": Runs(
+        (
+            "--policy-config",
+            '{"seesaw": {"prefill": {"tp": 1, "pp": 3}, "decode": {"tp": 3, "pp": 1}}}',
+        ),
+        "PP 8 -> TP 8 on 8 GPUs becomes PP 3 -> TP 3 on 3 CPU ranks (SmolLM2's 9 heads and 3 KV "
+        "heads split over 3); tests/worker/policies/test_seesaw_layouts.py runs that layout",
+    ),
     # SiDP runs as an in-process replica group with tp 1 only; the example asks for tp 2.
     "sidp.yaml": Refused("spec.policy.sidp.tp"),
     "tetris.yaml": Refused("spec.policy.tetris"),

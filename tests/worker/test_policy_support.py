@@ -21,7 +21,7 @@ def _policy(raw: dict) -> policy_pb2.Policy:
 @pytest.mark.parametrize(
     ("raw", "field"),
     [
-        ({"seesaw": {"prefill": {"pp": 2}}}, "spec.policy.seesaw"),
+        ({"seesaw": {"prefill": {"pp": 2}, "decode": {"tp": 3}}}, "spec.policy.seesaw"),
         ({"sidp": {"dp": 2}}, "spec.policy.sidp"),
         ({"tetris": {"decodeTp": 1}}, "spec.policy.tetris"),
         ({"static": {"dp": 4}}, "spec.policy.static.dp"),
@@ -47,8 +47,9 @@ def test_static_and_shift_layouts_are_runnable(raw: dict) -> None:
     check_runnable(_policy(raw))
 
 
-def test_gearshift_worker_refuses_a_seesaw_policy_before_loading_anything() -> None:
-    policy = {"seesaw": {"prefill": {"pp": 1, "tp": 1}, "decode": {"tp": 1, "pp": 1}}}
+def test_gearshift_worker_refuses_an_unrunnable_seesaw_layout_before_loading_anything() -> None:
+    # Seesaw runs; gears of different sizes (2 ranks for prefill, 3 for decode) never do.
+    policy = {"seesaw": {"prefill": {"pp": 2, "tp": 1}, "decode": {"tp": 3, "pp": 1}}}
     done = subprocess.run(
         [
             sys.executable,
@@ -65,7 +66,7 @@ def test_gearshift_worker_refuses_a_seesaw_policy_before_loading_anything() -> N
         timeout=120,
     )
     assert done.returncode == 2, done.stderr
+    assert "policy.seesaw.decode: tp × pp must equal" in done.stderr
     with pytest.raises(InvalidRequestError) as info:
         check_runnable(_policy(policy))
-    # The same message the operator puts in its InvalidSpec condition.
-    assert info.value.message in done.stderr
+    assert info.value.field == "spec.policy.seesaw"  # the operator's InvalidSpec names it too

@@ -11,8 +11,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    import torch
+
     from gearshift.v1 import policy_pb2
-    from gearshift.worker.engine.scheduler import ScheduledBatch
+    from gearshift.worker.engine.scheduler import ScheduledBatch, Scheduler
+    from gearshift.worker.kv.block_manager import BlockManager
 
 LiveValue = int | float | str
 
@@ -23,6 +26,7 @@ class StepKind(enum.Enum):
     ANY = "any"
     PREFILL = "prefill"
     DECODE = "decode"
+    NONE = "none"  # nothing new: let the steps in flight finish (e.g. before a re-shard)
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,24 @@ class LeaderPolicy(Protocol):
     def pad_multiple(self, gear: int) -> int: ...
 
     def stats(self) -> dict[str, float]: ...
+
+    def bind(self, scheduler: Scheduler, blocks: BlockManager) -> None:
+        """Called once by the engine: a policy that moves KV between tiers needs both."""
+        ...
+
+    def held(self) -> frozenset[str]:
+        """Request ids the scheduler must leave alone this step (their KV is not on the
+        device yet, e.g. in a host tier): neither scheduled nor preempted."""
+        ...
+
+    def plan_sections(self, batch: ScheduledBatch) -> dict[str, torch.Tensor]:
+        """Sections for the next plan (e.g. KV swaps every rank performs before its forward);
+        the engine ships a plan without tokens when the batch is empty and sections are not."""
+        ...
+
+    def step_submitted(self) -> None:
+        """The plan holding the last ``plan_sections`` was handed to every rank."""
+        ...
 
     def to_proto(self) -> policy_pb2.Policy:
         """The active policy, live values included."""

@@ -60,6 +60,7 @@ class EngineStats:
     gear_tokens: dict[str, int] = field(default_factory=dict)
     gear: str = ""
     gear_switches: int = 0
+    policy_stats: dict[str, float] = field(default_factory=dict)  # Policy.stats()
 
 
 @dataclass
@@ -111,6 +112,7 @@ class LLMEngine:
             GrammarCompiler(tokenizer, vocab_size, eos_token_ids) if tokenizer is not None else None
         )
         self.policy = policy
+        policy.bind(self.scheduler, blocks)
         self.in_flight: deque[_InFlight] = deque()
         self._aborted: set[str] = set()  # aborts of in-flight requests, done when their step ends
         self._failed: list[RequestOutput] = []  # outputs of a failure, reported by the next step
@@ -264,8 +266,10 @@ class LLMEngine:
         queues = QueueView(
             len(self.scheduler.running), len(self.scheduler.waiting), len(self.in_flight)
         )
-        batch = self.scheduler.schedule(self.policy.step_request(queues), self._busy())
-        if batch.is_empty:
+        request = self.policy.step_request(queues)
+        batch = self.scheduler.schedule(request, self._busy() | self.policy.held())
+        sections = self.policy.plan_sections(batch)
+        if batch.is_empty and not sections:
             return False
         gear = self.policy.choose_gear(batch)
         if gear != self.current_gear:
@@ -281,12 +285,15 @@ class LLMEngine:
             pad_to=self.policy.pad_multiple(gear),
             micro_batch=self._step % depth,
         )
+        for name, values in sections.items():
+            plan = plan.with_section(name, values)
         self._step += 1
         name = self.policy.gear_names[gear]
         self.gear_steps[name] += 1
         self.gear_tokens[name] += batch.num_tokens
         try:
             handle = self.executor.submit(plan)
+            self.policy.step_submitted()
         except GroupFailure as exc:
             self._die(exc)
             return False
@@ -350,6 +357,8 @@ class LLMEngine:
     def _sample_and_process(
         self, seqs: list[Sequence], logits: torch.Tensor
     ) -> list[RequestOutput]:
+        if not seqs:
+            return []  # a step that only moved KV (plan_sections) samples nothing
         eos = self.eos_token_ids
         states = [
             SamplingState(
@@ -504,6 +513,7 @@ class LLMEngine:
             gear_tokens=dict(self.gear_tokens),
             gear=self.policy.gear_names[self.current_gear],
             gear_switches=self.gear_switches,
+            policy_stats=self.policy.stats(),
         )
 
     def shutdown(self) -> None:

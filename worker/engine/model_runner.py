@@ -51,6 +51,19 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
+class RankHook(Protocol):
+    """A policy's own work on every rank, in plan order (DESIGN.md: step contract): e.g. moving
+    KV named by the plan's sections, or loading another gear's weights before that gear runs."""
+
+    def before_step(self, runner: ModelRunner, plan: StepPlan) -> None:
+        """Runs before the plan's forward pass (also for a plan without tokens)."""
+        ...
+
+    def close(self) -> None:
+        """The group ends: release what the hook holds (threads, shared memory)."""
+        ...
+
+
 def execute(executor: Executor, plan: StepPlan) -> torch.Tensor:
     """Run one step to completion (tools and tests that do not pipeline)."""
     return executor.submit(plan).result()
@@ -116,8 +129,10 @@ class ModelRunner:
         kv_caches: list[LayerKV],
         device: torch.device,
         threads: StepThreads | None = None,
+        hook: RankHook | None = None,
     ) -> None:
         self.gears = gears
+        self.hook = hook
         self.kv_caches = kv_caches
         self.device = device
         self.threads = threads  # None: the process's thread count for every step
@@ -153,7 +168,13 @@ class ModelRunner:
             self._event(plan, "end")
 
     def _execute(self, plan: StepPlan) -> torch.Tensor | None:
+        if self.hook is not None:
+            self.hook.before_step(self, plan)
         gear = self.gears[plan.gear]
+        if plan.num_tokens == 0:
+            # A plan that only carries the hook's work (sections): no forward, no logits rows.
+            dtype = next(gear.model.parameters()).dtype
+            return torch.empty((0, gear.model.config.vocab_size), dtype=dtype, device=self.device)
         if self.threads is not None:
             self.threads.for_step(plan.num_tokens)
         plan = plan.to(self.device)
@@ -207,6 +228,9 @@ class ModelRunner:
         closers, self.closers = self.closers, []
         for close in closers:
             close()
+        if self.hook is not None:
+            self.hook.close()
+            self.hook = None
         if self.trace is not None:
             self.trace.close()
             self.trace = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gearshift.worker.engine.contract import StepKind, StepRequest
@@ -54,6 +55,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Called with every sequence that ends (finished, aborted, failed): a policy holding
+        # state of its own per sequence (a host KV slot) frees it here.
+        self.on_finish: list[Callable[[Sequence], None]] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -80,6 +84,12 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.blocks.free_table(seq.blocks)
+        for hook in self.on_finish:
+            hook(seq)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Send a running sequence back to the queue to be recomputed (frees its blocks)."""
+        self._preempt(seq, ScheduledBatch())
 
     def remove_finished(self) -> None:
         self.running = [s for s in self.running if not s.is_finished]
@@ -90,6 +100,8 @@ class Scheduler:
         """This step's batch under ``request``; sequences whose ids are in ``busy`` wait."""
         request = request or StepRequest()
         batch = ScheduledBatch()
+        if request.kind is StepKind.NONE:
+            return batch
         budget = self.config.max_num_batched_tokens
         seats = request.max_seqs or self.config.max_num_seqs
         now = time.monotonic()

@@ -76,6 +76,12 @@ def _engine(config: EngineConfig, policy: Policy, state: RankState, executor: An
 def _check(config: EngineConfig, policy: Policy, group: GroupConfig) -> None:
     """Refuse a layout the model cannot take before any rank starts."""
     group.check(policy.world_size)
+    if policy.single_node and group.local_ranks(policy.world_size) < policy.world_size:
+        raise InvalidRequestError(
+            "ranks_per_node",
+            f"the {policy.kind} policy runs every rank on one host; ranks_per_node "
+            f"{group.local_ranks(policy.world_size)} < {policy.world_size} ranks",
+        )
     spec, source = inspect_model(config, torch.device("cpu"))
     source.close()
     policy.check_model(spec.config)

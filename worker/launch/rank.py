@@ -73,6 +73,7 @@ def setup_rank(
         device=device,
         timeout=timeout,
         show_progress=config.show_progress and rank == 0,
+        block_size=config.block_size,
     )
     held = policy.build_rank(ctx)
     kv_spec = KVCacheSpec(
@@ -83,11 +84,14 @@ def setup_rank(
         agreed = torch.tensor([blocks], dtype=torch.int64, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         blocks = int(agreed.item())
-    kv = allocate_kv_cache(kv_spec, blocks, device)
+    if held.kv_allocator is not None:
+        kv = held.kv_allocator(blocks)
+    else:
+        kv = allocate_kv_cache(kv_spec, blocks, device)
     threads = None
     if device.type == "cpu" and config.prefill_threads is not None:
         threads = StepThreads(config.prefill_threads)
-    runner = ModelRunner(held.gears, kv, device, threads)
+    runner = ModelRunner(held.gears, kv, device, threads, held.hook)
     runner.closers = list(held.closers)
     trace_dir = os.environ.get(STEP_TRACE_ENV)
     if trace_dir:

@@ -40,8 +40,10 @@ from gearshift.worker.model.config import ModelConfig
 
 if TYPE_CHECKING:
     from gearshift.worker.engine.loading import ModelSpec
-    from gearshift.worker.engine.model_runner import Gear
-    from gearshift.worker.engine.scheduler import ScheduledBatch
+    from gearshift.worker.engine.model_runner import Gear, RankHook
+    from gearshift.worker.engine.scheduler import ScheduledBatch, Scheduler
+    from gearshift.worker.kv.block_manager import BlockManager
+    from gearshift.worker.kv.cache import LayerKV
     from gearshift.worker.model.weights import WeightSource
 
 __all__ = [
@@ -67,6 +69,7 @@ class RankContext:
     device: torch.device
     timeout: timedelta = timedelta(seconds=120)
     show_progress: bool = False
+    block_size: int = 16  # tokens per KV block (EngineConfig.block_size)
 
 
 @dataclass
@@ -84,6 +87,10 @@ class RankModel:
     kv_extra_bytes: int = 0
     # Called once when the rank's runner shuts down: threads and shared memory the gears hold.
     closers: list[Callable[[], None]] = field(default_factory=list)
+    hook: RankHook | None = None  # the policy's work before each plan on this rank
+    # Allocates this rank's KV cache for a block count (default: kv/cache.allocate_kv_cache of
+    # kv_layers x kv_heads); a policy whose gears view one buffer differently supplies its own.
+    kv_allocator: Callable[[int], list[LayerKV]] | None = None
 
 
 class Policy(ABC):
@@ -91,6 +98,9 @@ class Policy(ABC):
 
     kind: ClassVar[str]  # the field name in gearshift.v1.Policy's oneof
     gear_names: tuple[str, ...]
+    # True when every rank of a group must share one host (e.g. KV in one node's shared memory);
+    # a group spanning nodes is refused naming spec.group.nodes (support.check_runnable).
+    single_node: ClassVar[bool] = False
 
     def __init__(self, policy: policy_pb2.Policy, world_size: int) -> None:
         """``policy`` with this kind set; defaults are filled in for ``world_size`` ranks."""
@@ -156,6 +166,23 @@ class Policy(ABC):
     def stats(self) -> dict[str, float]:
         """Policy-specific figures for GetStats and metrics (empty by default)."""
         return {}
+
+    def bind(self, scheduler: Scheduler, blocks: BlockManager) -> None:
+        """The leader's scheduler and KV blocks, for a policy that moves KV between tiers."""
+        del scheduler, blocks
+
+    def held(self) -> frozenset[str]:
+        """Requests the scheduler must leave alone this step (none by default)."""
+        return frozenset()
+
+    def plan_sections(self, batch: ScheduledBatch) -> dict[str, torch.Tensor]:
+        """Sections for the next plan (none by default)."""
+        del batch
+        return {}
+
+    def step_submitted(self) -> None:
+        """The plan with the last ``plan_sections`` reached every rank (nothing by default)."""
+        return None
 
     # ---- live parameters -------------------------------------------------------------------
 

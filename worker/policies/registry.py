@@ -18,6 +18,7 @@ from google.protobuf import json_format
 from gearshift.v1 import policy_fields, policy_pb2
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.policies.base import Policy
+from gearshift.worker.policies.seesaw import SeesawPolicy
 from gearshift.worker.policies.shift import ShiftPolicy
 from gearshift.worker.policies.sidp import SidpPolicy
 from gearshift.worker.policies.static import StaticPolicy
@@ -37,7 +38,7 @@ def unregister(kind: str) -> None:
     _POLICIES.pop(kind, None)
 
 
-for _builtin in (StaticPolicy, ShiftPolicy, SidpPolicy):
+for _builtin in (StaticPolicy, ShiftPolicy, SeesawPolicy, SidpPolicy):
     register(_builtin)
 
 

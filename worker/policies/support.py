@@ -19,7 +19,9 @@ if TYPE_CHECKING:
     from gearshift.worker.policies.base import Policy
 
 
-def check_runnable(policy: policy_pb2.Policy, world_size: int | None = None) -> Policy:
+def check_runnable(
+    policy: policy_pb2.Policy, world_size: int | None = None, nodes: int = 1
+) -> Policy:
     """The running policy for ``policy``, or InvalidRequestError(field, message) naming the
     field as in the InferenceDeployment (``spec.policy.static.dp``), which is also what
     engine.json's ``policy`` holds, so one message reads right in both places."""
@@ -37,9 +39,16 @@ def check_runnable(policy: policy_pb2.Policy, world_size: int | None = None) -> 
                 f"policy {running.kind!r} (one group of {running.engine_replicas()} engine "
                 "replicas) cannot be served by gearshift serve / gearshift worker yet",
             )
-        return running
     except InvalidRequestError as exc:
         field = exc.field if exc.field.startswith("spec.") else f"spec.{exc.field}"
         if not field.startswith("spec.policy"):
             field = f"spec.policy.{exc.field}"
         raise InvalidRequestError(field, f"{field}: {exc.message}") from exc
+    if nodes > 1 and running.single_node:
+        field = "spec.group.nodes"
+        raise InvalidRequestError(
+            field,
+            f"{field}: the {running.kind} policy keeps its groups on one node (its KV tier is "
+            f"the node's shared memory); use nodes: 1, got {nodes}",
+        )
+    return running

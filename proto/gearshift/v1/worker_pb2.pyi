@@ -120,7 +120,14 @@ class InstanceStats(_message.Message):
     def __init__(self, role: _Optional[_Union[InstanceStats.Role, str]] = ..., index: _Optional[int] = ..., queued_seconds: _Optional[float] = ..., kv_slots_free: _Optional[int] = ..., kv_slots_reserved: _Optional[int] = ..., batch_size: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("model", "max_model_len", "running", "waiting", "kv_blocks_total", "kv_blocks_used", "kv_usage", "outstanding_tokens", "gear", "policy", "gears", "gear_switches", "host_kv_usage", "reshard_seconds", "fetched_weight_bytes", "preemptions", "ranks", "instances", "revision")
+    __slots__ = ("model", "max_model_len", "running", "waiting", "kv_blocks_total", "kv_blocks_used", "kv_usage", "outstanding_tokens", "gear", "policy", "gears", "gear_switches", "host_kv_usage", "reshard_seconds", "fetched_weight_bytes", "preemptions", "ranks", "instances", "revision", "policy_stats")
+    class PolicyStatsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +147,7 @@ class WorkerStats(_message.Message):
     RANKS_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
+    POLICY_STATS_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     running: int
@@ -159,7 +167,8 @@ class WorkerStats(_message.Message):
     ranks: int
     instances: _containers.RepeatedCompositeFieldContainer[InstanceStats]
     revision: str
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_usage: _Optional[float] = ..., outstanding_tokens: _Optional[int] = ..., gear: _Optional[str] = ..., policy: _Optional[_Union[_policy_pb2.Policy, _Mapping]] = ..., gears: _Optional[_Iterable[_Union[GearStats, _Mapping]]] = ..., gear_switches: _Optional[int] = ..., host_kv_usage: _Optional[float] = ..., reshard_seconds: _Optional[float] = ..., fetched_weight_bytes: _Optional[int] = ..., preemptions: _Optional[int] = ..., ranks: _Optional[int] = ..., instances: _Optional[_Iterable[_Union[InstanceStats, _Mapping]]] = ..., revision: _Optional[str] = ...) -> None: ...
+    policy_stats: _containers.ScalarMap[str, float]
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_usage: _Optional[float] = ..., outstanding_tokens: _Optional[int] = ..., gear: _Optional[str] = ..., policy: _Optional[_Union[_policy_pb2.Policy, _Mapping]] = ..., gears: _Optional[_Iterable[_Union[GearStats, _Mapping]]] = ..., gear_switches: _Optional[int] = ..., host_kv_usage: _Optional[float] = ..., reshard_seconds: _Optional[float] = ..., fetched_weight_bytes: _Optional[int] = ..., preemptions: _Optional[int] = ..., ranks: _Optional[int] = ..., instances: _Optional[_Iterable[_Union[InstanceStats, _Mapping]]] = ..., revision: _Optional[str] = ..., policy_stats: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class ApplyPolicyRequest(_message.Message):
     __slots__ = ("policy",)

@@ -63,11 +63,14 @@ class PhasedPolicy(Policy):
 
 @pytest.fixture
 def phased() -> Iterator[type[PhasedPolicy]]:
+    previous = registry._POLICIES.get(PhasedPolicy.kind)  # the built-in one, restored after
     registry.register(PhasedPolicy)
     try:
         yield PhasedPolicy
     finally:
-        registry.unregister("seesaw")
+        registry.unregister(PhasedPolicy.kind)
+        if previous is not None:
+            registry.register(previous)
 
 
 def test_unimplemented_policies_are_refused_by_name():

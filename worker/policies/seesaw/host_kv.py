@@ -1,0 +1,202 @@
+"""Seesaw's host KV tier (§4.2 tiered KV cache buffering, Fig. 7): one named POSIX shared-memory
+segment per worker group, shared by the node's ranks.
+
+The store holds every layer and every KV head of a sequence, so it does not depend on a gear:
+a rank of the prefill gear writes its shard (its stage's layers, its heads) and a rank of the
+decode gear reads another shard of the same pages. Pages hold ``block_size`` tokens, like the
+device's blocks, laid out ``[layers, 2, kv_heads, block_size, head_dim]`` (head-major, §5.2), so
+one head's run of a page is contiguous and a head shard is a few contiguous copies.
+
+The segment's name is ``gearshift-kv-<group>-<leader pid>-<random>``: never fixed, so two groups
+on one node never share it; the leader unlinks it when the group ends, and the next start of
+the same group unlinks segments whose leader is no longer alive (a SIGKILLed leader).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+PREFIX = "gearshift-kv-"
+GROUP_NAME_ENV = "GEARSHIFT_GROUP_NAME"
+
+
+@dataclass(frozen=True)
+class PageShape:
+    """One host page: ``block_size`` tokens of every layer and KV head."""
+
+    num_layers: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+def group_tag(env: dict[str, str] | None = None) -> str:
+    """The group's name as the operator sets it ($GEARSHIFT_GROUP_NAME), safe for a file name."""
+    raw = (env if env is not None else os.environ).get(GROUP_NAME_ENV) or "local"
+    return re.sub(r"[^A-Za-z0-9_.]", "_", raw)[:64]
+
+
+def segment_name(tag: str) -> str:
+    return f"{PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale(tag: str, shm_dir: Path = SHM_DIR) -> list[str]:
+    """Unlink this group's segments whose leader process is gone; the names removed."""
+    removed: list[str] = []
+    pattern = re.compile(rf"^{re.escape(PREFIX + tag)}-(\d+)-[0-9a-f]+$")
+    for path in shm_dir.glob(f"{PREFIX}{tag}-*"):
+        m = pattern.match(path.name)
+        if m and not _alive(int(m.group(1))):
+            try:
+                path.unlink()
+                removed.append(path.name)
+            except FileNotFoundError:
+                pass
+    if removed:
+        log.warning("removed stale host KV segments of a dead group: %s", ", ".join(removed))
+    return removed
+
+
+class HostKVStore:
+    """The shared pages of one group, as a tensor [pages, layers, 2, kv_heads, block, D] on every
+    rank; page bookkeeping (which sequence holds which page) lives on the leader."""
+
+    def __init__(self, name: str, shape: PageShape, num_pages: int, create: bool) -> None:
+        self.name = name
+        self.shape = shape
+        self.num_pages = num_pages
+        self.owner = create
+        path = SHM_DIR / name
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            size = max(1, num_pages * shape.nbytes)
+            if create:
+                os.ftruncate(fd, size)  # sparse: pages cost memory once written
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        flat = torch.frombuffer(self._mmap, dtype=torch.uint8)[: num_pages * shape.nbytes]
+        self.pages = flat.view(shape.dtype).view(
+            num_pages, shape.num_layers, 2, shape.num_kv_heads, shape.block_size, shape.head_dim
+        )
+
+    @staticmethod
+    def create(tag: str, shape: PageShape, num_pages: int) -> HostKVStore:
+        clean_stale(tag)
+        return HostKVStore(segment_name(tag), shape, num_pages, create=True)
+
+    def write_shard(
+        self,
+        pages: torch.Tensor,
+        blocks: torch.Tensor,
+        device_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        layers: range,
+        heads: range,
+    ) -> int:
+        """Copy device ``blocks`` of this rank's layers/heads into host ``pages``; bytes moved."""
+        moved = 0
+        h0, h1 = heads.start, heads.stop
+        for local, layer in enumerate(layers):
+            for kv in (0, 1):
+                src = device_kv[local][kv].index_select(0, blocks.to(device_kv[local][kv].device))
+                self.pages[pages, layer, kv, h0:h1] = src.to("cpu")
+                moved += src.numel() * src.element_size()
+        return moved
+
+    def write_part(
+        self, pages: torch.Tensor, layer: int, kv: int, heads: range, src: torch.Tensor
+    ) -> None:
+        """One layer's keys or values of ``pages`` for ``heads`` (the writer thread's unit)."""
+        self.pages[pages, layer, kv, heads.start : heads.stop] = src.to("cpu")
+
+    def read_shard(
+        self,
+        pages: torch.Tensor,
+        blocks: torch.Tensor,
+        device_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        layers: range,
+        heads: range,
+    ) -> int:
+        """Copy host ``pages`` (this rank's layers/heads) into device ``blocks``; bytes moved."""
+        moved = 0
+        h0, h1 = heads.start, heads.stop
+        for local, layer in enumerate(layers):
+            for kv in (0, 1):
+                dst = device_kv[local][kv]
+                src = self.pages[pages, layer, kv, h0:h1]
+                dst.index_copy_(0, blocks.to(dst.device), src.to(dst.device, non_blocking=True))
+                moved += src.numel() * src.element_size()
+        return moved
+
+    def close(self) -> None:
+        """Unmap; the creator also unlinks the segment (the group is over)."""
+        self.pages = torch.empty(0)
+        if self._mmap is not None:
+            # A tensor view still alive keeps the mapping; it goes with the process then.
+            with contextlib.suppress(BufferError):
+                self._mmap.close()
+            self._mmap = None
+        if self.owner:
+            with contextlib.suppress(FileNotFoundError):
+                (SHM_DIR / self.name).unlink()
+
+
+class PageAllocator:
+    """The leader's bookkeeping of host pages: a free list and the pages each sequence holds."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self.free = list(range(num_pages - 1, -1, -1))
+        self.held: dict[str, list[int]] = {}
+
+    @property
+    def used(self) -> int:
+        return self.num_pages - len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return self.used / self.num_pages if self.num_pages else 1.0
+
+    def allocate(self, request_id: str, count: int) -> list[int] | None:
+        if count > len(self.free) or request_id in self.held:
+            return None
+        pages = [self.free.pop() for _ in range(count)]
+        self.held[request_id] = pages
+        return pages
+
+    def release(self, request_id: str) -> int:
+        pages = self.held.pop(request_id, [])
+        self.free.extend(reversed(pages))
+        return len(pages)

@@ -1,0 +1,274 @@
+"""The leader's half of Seesaw: transition-minimising scheduling over the host KV tier (§4.2,
+Fig. 6).
+
+Prefill phase: only prefill steps run (on the prefill gear); every prompt whose prefill is done
+moves to the host store and its device blocks free. The phase ends when the host store's usage
+reaches ``switch_to_decode_at_host_usage``, a finished prompt finds no room there, or no prompt
+waits; partial prefills finish first (no new admissions) and no step may be in flight.
+
+Decode phase: decode steps with continuous batching (on the decode gear); sequences are
+on-boarded from the host store as device blocks free (up to ``prefetch_max_sequences`` a
+step). The phase ends when the host usage has fallen to ``switch_to_prefill_at_host_usage`` and
+prompts wait, and parking the sequences still decoding in the host store keeps its usage below
+``switch_to_decode_at_host_usage`` (else the next prefill phase would end at once): those
+sequences move to the host store (they resume in the next decode phase), so the device holds no
+KV when the gear changes.
+
+Host usage counts the pages of sequences whose KV lives only on the host. A swapped-in sequence
+keeps its pages until its first decode step has come back (then every rank has read them).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from gearshift.worker.engine.contract import QueueView, StepKind, StepRequest
+from gearshift.worker.engine.sequence import Sequence, SequenceStatus
+from gearshift.worker.policies.seesaw.host_kv import PageAllocator
+from gearshift.worker.policies.seesaw.rank_hook import SWAP_IN, SWAP_OUT
+
+if TYPE_CHECKING:
+    from gearshift.worker.engine.scheduler import Scheduler
+    from gearshift.worker.kv.block_manager import BlockManager
+
+PREFILL_GEAR, DECODE_GEAR = 0, 1
+
+
+class Phase(enum.StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One entry of the event log: a switch of phase and why."""
+
+    launch: int  # the engine's step launches so far
+    to: Phase
+    host_usage: float  # at the moment of the decision
+    reason: str
+    at: float  # time.monotonic()
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    to_decode: float
+    to_prefill: float
+    prefetch_max: int
+
+
+class SeesawLeader:
+    """Phases, host pages and the swaps each plan carries."""
+
+    def __init__(
+        self,
+        pages: PageAllocator,
+        block_size: int,
+        pipeline_depths: tuple[int, int],
+        thresholds: Callable[[], Thresholds],
+        page_bytes: int,
+        async_swap: bool = False,
+    ) -> None:
+        self.pages = pages
+        self.block_size = block_size
+        self.depths = pipeline_depths
+        self.thresholds = thresholds  # live: read at every decision
+        self.page_bytes = page_bytes
+        # §5.2: with asynchronous swap-in a sequence's KV is copied while the plan that sent it
+        # runs; every rank finishes that copy before its next plan, so it decodes from then on.
+        self.async_swap = async_swap
+        self._swapping: set[str] = set()
+        self.phase = Phase.PREFILL
+        self.transitions: list[Transition] = []
+        self.launches = 0
+        self.on_host: dict[str, Sequence] = {}  # KV only in the host store
+        self.draining: dict[str, tuple[Sequence, int]] = {}  # swapped in; pages kept until
+        self._out: list[int] = []  # (page, block) pairs of this step's swap-outs
+        self._in: list[int] = []
+        self._to_free: list[Sequence] = []
+        self._switched = False
+        self.swap_out_bytes = 0
+        self.swap_in_bytes = 0
+        self.scheduler: Scheduler | None = None
+        self.blocks: BlockManager | None = None
+
+    def bind(self, scheduler: Scheduler, blocks: BlockManager) -> None:
+        self.scheduler, self.blocks = scheduler, blocks
+        scheduler.on_finish.append(self.forget)
+
+    @property
+    def host_usage(self) -> float:
+        held = sum(len(self.pages.held.get(r, ())) for r in self.on_host)
+        return held / self.pages.num_pages if self.pages.num_pages else 1.0
+
+    def forget(self, seq: Sequence) -> None:
+        """A sequence ended (finished, aborted, failed): its host pages are free."""
+        self.on_host.pop(seq.request_id, None)
+        self.draining.pop(seq.request_id, None)
+        self._swapping.discard(seq.request_id)
+        self.pages.release(seq.request_id)
+
+    # ---- the engine's calls, in order: step_request, held, plan_sections, step_submitted ----
+
+    def step_request(self, queues: QueueView) -> StepRequest:
+        assert self.scheduler is not None
+        self.launches += 1
+        self._swapping.clear()  # resident on every rank before the next plan's forward
+        self._release_drained()
+        if self.phase is Phase.PREFILL:
+            return self._prefill_step(queues)
+        return self._decode_step(queues)
+
+    def held(self) -> frozenset[str]:
+        leaving = frozenset(s.request_id for s in self._to_free)
+        return frozenset(self.on_host) | leaving | frozenset(self._swapping)
+
+    def plan_sections(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        if self._out:
+            out[SWAP_OUT] = torch.tensor(self._out, dtype=torch.int64)
+        if self._in:
+            out[SWAP_IN] = torch.tensor(self._in, dtype=torch.int64)
+        return out
+
+    def step_submitted(self) -> None:
+        assert self.blocks is not None
+        self.swap_out_bytes += len(self._out) // 2 * self.page_bytes
+        self.swap_in_bytes += len(self._in) // 2 * self.page_bytes
+        for seq in self._to_free:
+            self.blocks.free_table(seq.blocks)
+        if self._switched:
+            # Cached blocks hold the old gear's view of the KV: no prefix may hit them now.
+            self.blocks.reset_prefix_cache()
+        self._out, self._in, self._to_free, self._switched = [], [], [], False
+
+    # ---- phases ----------------------------------------------------------------------------
+
+    def _resident(self) -> list[Sequence]:
+        assert self.scheduler is not None
+        busy = self.held()
+        return [s for s in self.scheduler.running if s.request_id not in busy]
+
+    def _swap_out(self, seq: Sequence) -> bool:
+        """Queue ``seq``'s computed KV for the host store; False if the store has no room."""
+        self.pages.release(seq.request_id)  # its own pages of an earlier stay, if any
+        self.draining.pop(seq.request_id, None)
+        count = -(-seq.num_computed_tokens // self.block_size)
+        got = self.pages.allocate(seq.request_id, count)
+        if got is None:
+            return False
+        for page, block in zip(got, seq.blocks.block_ids[:count], strict=True):
+            self._out += [page, block]
+        self.on_host[seq.request_id] = seq
+        self._to_free.append(seq)
+        return True
+
+    def _switch(self, to: Phase, usage: float, reason: str) -> None:
+        """Log the decision with the host usage it was made at (before this switch's swaps)."""
+        self.transitions.append(Transition(self.launches, to, usage, reason, time.monotonic()))
+        self.phase = to
+        self._switched = True
+        assert self.blocks is not None
+        # Cached blocks hold the old gear's view of the KV: no prefix may hit them from now on
+        # (and those of the sequences leaving with this plan go once they are freed).
+        self.blocks.reset_prefix_cache()
+
+    def _prefill_step(self, queues: QueueView) -> StepRequest:
+        assert self.scheduler is not None
+        t = self.thresholds()
+        full = False
+        resident = self._resident()
+        for seq in resident:
+            if seq.num_tokens - seq.num_computed_tokens == 1 and not self._swap_out(seq):
+                full = True
+                break
+        partial = [s for s in self._resident() if s.num_tokens - s.num_computed_tokens > 1]
+        waiting = len(self.scheduler.waiting)
+        usage = self.host_usage
+        reason = ""
+        if usage >= t.to_decode and usage > 0:
+            reason = f"host usage {usage:.3f} >= {t.to_decode}"
+        elif full:
+            reason = "host store full"
+        elif not waiting and not partial and (self.on_host or self._resident()):
+            reason = "no prompt waits"
+        if not reason:
+            pp = self.depths[PREFILL_GEAR]
+            seats = -(-(len(partial) + waiting) // pp) if pp > 1 else None
+            return StepRequest(StepKind.PREFILL, max_seqs=seats or None)
+        if partial:  # finish started prompts, admit no new one
+            return StepRequest(StepKind.PREFILL, max_seqs=len(partial))
+        if queues.in_flight:
+            return StepRequest(StepKind.NONE)
+        for seq in self._resident():
+            if seq.num_tokens - seq.num_computed_tokens == 1:
+                self.scheduler.preempt(seq)  # no room on the host: recompute it later
+        self._switch(Phase.DECODE, usage, reason)
+        return self._decode_step(queues)
+
+    def _decode_step(self, queues: QueueView) -> StepRequest:
+        assert self.scheduler is not None and self.blocks is not None
+        t = self.thresholds()
+        waiting = len(self.scheduler.waiting)
+        usage = self.host_usage
+        if waiting and usage <= t.to_prefill and self._parked_usage() < t.to_decode:
+            if queues.in_flight:
+                return StepRequest(StepKind.NONE)
+            for seq in self._resident():
+                if not self._swap_out(seq):
+                    self.scheduler.preempt(seq)
+            self._switch(
+                Phase.PREFILL, usage, f"host usage {usage:.3f} <= {t.to_prefill}, prompts wait"
+            )
+            # This plan only parks the decoding sequences and re-shards: the blocks they free
+            # still carry prefix hashes of the decode gear's view until it has been submitted.
+            return StepRequest(StepKind.NONE)
+        self._swap_in(t.prefetch_max)
+        pp = self.depths[DECODE_GEAR]
+        if pp > 1:
+            return StepRequest(StepKind.DECODE, max_seqs=max(1, -(-len(self._resident()) // pp)))
+        return StepRequest(StepKind.DECODE)
+
+    def _parked_usage(self) -> float:
+        """Host usage once the sequences decoding now are parked there: switching to prefill
+        while that reaches switch_to_decode_at_host_usage would switch straight back."""
+        pages = sum(len(self.pages.held.get(r, ())) for r in self.on_host)
+        pages += sum(-(-s.num_tokens // self.block_size) for s in self._resident())
+        return pages / self.pages.num_pages if self.pages.num_pages else 1.0
+
+    def _swap_in(self, limit: int) -> None:
+        """On-board host sequences, oldest first, while device blocks are free (§4.2)."""
+        assert self.blocks is not None
+        leaving = {s.request_id for s in self._to_free}  # its blocks free after this plan
+        ready = [(r, s) for r, s in self.on_host.items() if r not in leaving]
+        decoding = len(self._resident())
+        for rid, seq in ready[:limit]:
+            # Room for the KV it has and the token its next decode step writes, leaving a block
+            # per decoding sequence free: on-boarding must not cause preemptions (recomputes).
+            need = self.blocks.blocks_needed(seq.num_tokens)
+            if self.blocks.num_free_blocks - need < decoding + 1:
+                break
+            if not self.blocks.allocate(seq.blocks, seq.num_tokens):
+                break
+            decoding += 1
+            pages = self.pages.held[rid]
+            for page, block in zip(pages, seq.blocks.block_ids, strict=False):
+                self._in += [page, block]
+            del self.on_host[rid]
+            self.draining[rid] = (seq, seq.num_computed_tokens)
+            if self.async_swap:
+                self._swapping.add(rid)
+
+    def _release_drained(self) -> None:
+        """Pages of swapped-in sequences whose first decode came back (every rank read them),
+        or that were preempted meanwhile."""
+        for rid, (seq, at) in list(self.draining.items()):
+            if seq.num_computed_tokens > at or seq.status is not SequenceStatus.RUNNING:
+                del self.draining[rid]
+                self.pages.release(rid)

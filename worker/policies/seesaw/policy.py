@@ -1,0 +1,247 @@
+"""Seesaw (MLSys 2025): a pipeline-heavy prefill gear and a tensor-heavy decode gear over the same
+ranks, re-sharded from host copies (§4.1), with prefilled KV parked in a host store shared by the
+node's ranks (§4.2) and transitions only when that store is full or drained (Fig. 6).
+
+Any pair of layouts of the same world size works, in either direction (the paper's artifact
+needs prefill PP >= decode PP); both gears may be pipelined only if their last stages start at
+the same rank (where the leader receives the logits from).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from gearshift.v1 import policy_pb2
+from gearshift.worker.engine.contract import QueueView, StepRequest
+from gearshift.worker.errors import InvalidRequestError
+from gearshift.worker.model.config import ModelConfig
+from gearshift.worker.parallel.groups import create_groups
+from gearshift.worker.parallel.layout import Layout
+from gearshift.worker.policies.base import Policy, RankContext, RankModel
+from gearshift.worker.policies.gears import build_gear, pipeline_stage
+from gearshift.worker.policies.seesaw.host_kv import (
+    SHM_DIR,
+    HostKVStore,
+    PageAllocator,
+    PageShape,
+    group_tag,
+)
+from gearshift.worker.policies.seesaw.leader import (
+    DECODE_GEAR,
+    PREFILL_GEAR,
+    Phase,
+    SeesawLeader,
+    Thresholds,
+)
+from gearshift.worker.policies.seesaw.rank_hook import DeviceKV, GearKV, SeesawRankHook
+from gearshift.worker.policies.seesaw.weights import WeightSet
+
+if TYPE_CHECKING:
+    from gearshift.worker.engine.scheduler import ScheduledBatch, Scheduler
+    from gearshift.worker.kv.block_manager import BlockManager
+
+log = logging.getLogger(__name__)
+
+GEARS = ("prefill", "decode")
+
+
+def memory_limit() -> int:
+    """The pod's memory limit (cgroup v2), else this host's physical memory."""
+    try:
+        raw = open("/sys/fs/cgroup/memory.max").read().strip()  # noqa: SIM115
+        if raw != "max":
+            return int(raw)
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class SeesawPolicy(Policy):
+    """Prefill gear c_p = (tp, pp) and decode gear c_d = (tp, pp) over the same ranks."""
+
+    kind = "seesaw"
+    single_node = True  # the host KV tier is one node's shared memory (§4.2)
+
+    def __init__(self, policy: policy_pb2.Policy, world_size: int) -> None:
+        super().__init__(policy, world_size)
+        m = self.message
+        self.layouts = (
+            Layout(tp=m.prefill.tp, pp=m.prefill.pp),
+            Layout(tp=m.decode.tp, pp=m.decode.pp),
+        )
+        self.gear_names = GEARS
+        lasts = {(lay.pp - 1) * lay.stage_size for lay in self.layouts if lay.pp > 1}
+        if len(lasts) > 1:
+            raise InvalidRequestError(
+                "policy.seesaw.decode",
+                "policy.seesaw.decode: when both gears are pipelined their last stages must start "
+                "at the same rank ((pp - 1) x tp equal for prefill and decode)",
+            )
+        self.logits_rank = lasts.pop() if lasts else 0
+        self.leader: SeesawLeader | None = None
+        self.hook: SeesawRankHook | None = None
+        self.weights: WeightSet | None = None
+
+    def _thresholds(self) -> Thresholds:
+        m = self.message
+        return Thresholds(
+            float(m.switch_to_decode_at_host_usage),
+            float(m.switch_to_prefill_at_host_usage),
+            int(m.prefetch_max_sequences),
+        )
+
+    def check_model(self, cfg: ModelConfig) -> None:
+        for name, layout in zip(GEARS, self.layouts, strict=True):
+            try:
+                layout.check_model(cfg.num_heads, cfg.num_kv_heads, cfg.num_layers)
+            except InvalidRequestError as exc:
+                field = f"policy.seesaw.{name}" + (
+                    f".{exc.field}" if exc.field in ("tp", "pp") else ""
+                )
+                raise InvalidRequestError(field, f"{field}: {exc.message}") from exc
+
+    def host_capacity_bytes(self) -> int:
+        m = self.message
+        if m.HasField("host_kv_capacity_bytes") and m.host_kv_capacity_bytes > 0:
+            return int(m.host_kv_capacity_bytes)
+        wanted = int(memory_limit() * m.host_kv_capacity_fraction)
+        shm = os.statvfs(SHM_DIR)
+        return min(wanted, shm.f_bavail * shm.f_frsize)  # /dev/shm is the real ceiling
+
+    # ---- every rank ------------------------------------------------------------------------
+
+    def build_rank(self, ctx: RankContext) -> RankModel:
+        cfg = ctx.spec.config
+        self.check_model(cfg)
+        gears, gear_kv = [], []
+        p2p = None
+        for name, layout in zip(GEARS, self.layouts, strict=True):
+            groups = create_groups(layout, ctx.rank, cfg.num_kv_heads, ctx.timeout)
+            stage = pipeline_stage(layout, ctx.rank, cfg.num_layers, groups.pp)
+            gears.append(build_gear(name, ctx, groups, groups.tp, False, stage))
+            if layout.pp > 1:
+                p2p = groups.pp.group
+            n = layout.kv_heads_per_rank(cfg.num_kv_heads)
+            h0 = layout.kv_head_start(ctx.rank, cfg.num_kv_heads)
+            replicas = max(1, layout.stage_size // cfg.num_kv_heads)
+            gear_kv.append(
+                GearKV(
+                    stage.layers if stage is not None else range(cfg.num_layers),
+                    range(h0, h0 + n),
+                    layout.head_block(ctx.rank) % replicas == 0,
+                )
+            )
+        weights = WeightSet([g.model for g in gears], ctx.device, ctx.spec.packing)
+        weights.activate(PREFILL_GEAR)
+        self.weights = weights
+        page = PageShape(cfg.num_layers, cfg.num_kv_heads, ctx.block_size, cfg.head_dim,
+                         ctx.spec.dtype)  # fmt: skip
+        store = self._open_store(ctx, page)
+        barrier_group = dist.new_group(backend="gloo") if self.world_size > 1 else None
+
+        def barrier() -> None:
+            if barrier_group is not None:
+                dist.barrier(group=barrier_group)
+
+        biggest = max(gear_kv, key=lambda g: len(g.layers) * len(g.heads))
+        held = RankModel(
+            gears=gears,
+            kv_layers=len(biggest.layers),
+            kv_heads=len(biggest.heads),
+            logits_rank=self.logits_rank,
+            p2p_group=p2p,
+        )
+
+        def allocate(num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            kv = DeviceKV(gear_kv, num_blocks, ctx.block_size, cfg.head_dim, ctx.spec.dtype,
+                          ctx.device)  # fmt: skip
+            m = self.message
+            self.hook = SeesawRankHook(
+                weights, kv, gear_kv, store, barrier, m.async_swap, int(m.pinned_staging_bytes)
+            )
+            held.hook = self.hook
+            return kv.views[PREFILL_GEAR]
+
+        held.kv_allocator = allocate
+        if ctx.rank == 0:
+            self.leader = SeesawLeader(
+                PageAllocator(store.num_pages),
+                ctx.block_size,
+                (self.layouts[0].pp, self.layouts[1].pp),
+                self._thresholds,
+                page.nbytes,
+                self.message.async_swap,
+            )
+        return held
+
+    def _open_store(self, ctx: RankContext, page: PageShape) -> HostKVStore:
+        """Rank 0 creates the segment; the others open it by the name it broadcasts."""
+        info: list[object] = [None, 0]
+        if ctx.rank == 0:
+            pages = self.host_capacity_bytes() // page.nbytes
+            need = -(-ctx.spec.max_model_len // ctx.block_size)
+            if pages < need:
+                raise InvalidRequestError(
+                    "policy.seesaw.host_kv_capacity_bytes",
+                    f"policy.seesaw.host_kv_capacity_bytes: the host KV store holds {pages} pages "
+                    f"of {ctx.block_size} tokens, less than one sequence of max_model_len "
+                    f"({ctx.spec.max_model_len} tokens) needs ({need})",
+                )
+            store = HostKVStore.create(group_tag(), page, pages)
+            info = [store.name, pages]
+        if self.world_size > 1:
+            dist.broadcast_object_list(info, src=0)
+        if ctx.rank == 0:
+            return store
+        return HostKVStore(str(info[0]), page, int(str(info[1])), create=False)
+
+    # ---- the leader ------------------------------------------------------------------------
+
+    def _lead(self) -> SeesawLeader:
+        assert self.leader is not None, "build_rank(rank 0) creates the leader's half"
+        return self.leader
+
+    def micro_batches(self) -> int:
+        phase = self.leader.phase if self.leader is not None else Phase.PREFILL
+        return self.layouts[PREFILL_GEAR if phase is Phase.PREFILL else DECODE_GEAR].pp
+
+    def bind(self, scheduler: Scheduler, blocks: BlockManager) -> None:
+        self._lead().bind(scheduler, blocks)
+
+    def step_request(self, queues: QueueView) -> StepRequest:
+        return self._lead().step_request(queues)
+
+    def held(self) -> frozenset[str]:
+        return self._lead().held()
+
+    def plan_sections(self, batch: ScheduledBatch) -> dict[str, torch.Tensor]:
+        del batch
+        return self._lead().plan_sections()
+
+    def step_submitted(self) -> None:
+        self._lead().step_submitted()
+
+    def choose_gear(self, batch: ScheduledBatch) -> int:
+        del batch
+        return PREFILL_GEAR if self._lead().phase is Phase.PREFILL else DECODE_GEAR
+
+    def stats(self) -> dict[str, float]:
+        if self.leader is None:
+            return {}
+        lead = self.leader
+        reshard = sum(r.seconds for r in self.weights.history[1:]) if self.weights else 0.0
+        wait = self.hook.counters.seconds if self.hook is not None else 0.0
+        return {
+            "phase_decode": float(lead.phase is Phase.DECODE),
+            "transitions": float(len(lead.transitions)),
+            "reshard_seconds": reshard,
+            "swap_out_bytes": float(lead.swap_out_bytes),
+            "swap_in_bytes": float(lead.swap_in_bytes),
+            "swap_wait_seconds": wait,
+            "host_kv_usage": lead.host_usage,
+        }

@@ -1,0 +1,188 @@
+"""What a Seesaw rank does before each plan: KV swaps named by the plan, and a re-shard when the
+plan's gear is not the active one (§4.1, §4.2).
+
+The device KV cache is one buffer per rank that each gear views its own way: the prefill gear
+as its stage's layers x its heads, the decode gear as its own. The scheduler switches gears only
+when no sequence's KV is on the device, so a view never reads the other's data. Order inside one
+plan: swap-outs (written by the gear that ran the previous plan), the switch, then swap-ins
+(read into the new gear's view).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from gearshift.worker.engine.model_runner import ModelRunner
+from gearshift.worker.engine.plan import StepPlan
+from gearshift.worker.kv.cache import LayerKV, zeroed
+from gearshift.worker.policies.seesaw.async_copy import CopyWorker, Staging
+from gearshift.worker.policies.seesaw.host_kv import HostKVStore
+from gearshift.worker.policies.seesaw.weights import WeightSet
+
+log = logging.getLogger(__name__)
+
+SWAP_OUT = "seesaw.swap_out"  # pairs (host page, device block), gear of the previous plan
+SWAP_IN = "seesaw.swap_in"  # pairs (host page, device block), gear of this plan
+
+
+@dataclass(frozen=True)
+class GearKV:
+    """Which part of a sequence's KV one gear keeps on this rank."""
+
+    layers: range  # global decoder layers
+    heads: range  # global KV heads
+    writer: bool  # the one replica of these heads that writes them to the host store
+
+
+class DeviceKV:
+    """One buffer, viewed per gear as [layers][k, v] of [blocks, heads, block_size, D]."""
+
+    def __init__(
+        self,
+        gears: list[GearKV],
+        num_blocks: int,
+        block_size: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        per_block = max(2 * len(g.layers) * len(g.heads) for g in gears) * block_size * head_dim
+        self.buffer = zeroed((num_blocks * per_block,), dtype, device)
+        self.views: list[list[LayerKV]] = []
+        for g in gears:
+            n = len(g.layers) * 2 * num_blocks * len(g.heads) * block_size * head_dim
+            v = self.buffer[:n].view(
+                len(g.layers), 2, num_blocks, len(g.heads), block_size, head_dim
+            )
+            self.views.append([(v[i, 0], v[i, 1]) for i in range(len(g.layers))])
+
+
+@dataclass
+class SwapCounters:
+    """What this rank moved (the leader's figures are the group's stats)."""
+
+    bytes_out: int = 0
+    bytes_in: int = 0
+    seconds: float = 0.0
+    reshards: list[float] = field(default_factory=list)
+
+
+class SeesawRankHook:
+    """The policy's work on one rank before each plan (engine/model_runner.RankHook)."""
+
+    def __init__(
+        self,
+        weights: WeightSet,
+        kv: DeviceKV,
+        gears: list[GearKV],
+        store: HostKVStore,
+        barrier: Callable[[], None],
+        async_swap: bool = False,
+        staging_bytes: int = 0,
+    ) -> None:
+        self.barrier = barrier  # every rank of the group, in plan order
+        self.weights = weights
+        self.kv = kv
+        self.gears = gears
+        self.store = store
+        self.active = weights.active if weights.active is not None else 0
+        self.counters = SwapCounters()
+        self.async_swap = async_swap
+        self.writer: CopyWorker | None = None
+        self.prefetcher: CopyWorker | None = None
+        if async_swap:
+            pin = weights.device.type == "cuda"
+            self.staging = Staging(staging_bytes, pin)
+            self.writer = CopyWorker("seesaw-swap-out")
+            self.prefetcher = CopyWorker("seesaw-prefetch")
+
+    @staticmethod
+    def _pairs(values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if values is None or values.numel() == 0:
+            return None
+        pairs = values.view(-1, 2)
+        return pairs[:, 0].contiguous(), pairs[:, 1].contiguous()
+
+    def before_step(self, runner: ModelRunner, plan: StepPlan) -> None:
+        start = time.perf_counter()
+        if self.prefetcher is not None:
+            # §5.2: swap-ins of earlier plans overlapped their steps; they are resident now.
+            self.prefetcher.join()
+        out = self._pairs(plan.section(SWAP_OUT))
+        if out is not None:
+            # A page may be written again once its sequence ended (even mid swap-in): no rank
+            # may still be reading it from an earlier plan.
+            self.barrier()
+            if self.gears[self.active].writer:
+                self._swap_out(out[0], out[1])
+        if plan.gear != self.active:
+            runner.flush()  # no pipeline send of the old gear may still read its weights
+            self.counters.reshards.append(self.weights.activate(plan.gear).seconds)
+            self.active = plan.gear
+            runner.kv_caches = self.kv.views[plan.gear]
+        swap_in = self._pairs(plan.section(SWAP_IN))
+        if swap_in is not None:
+            self._swap_in(swap_in[0], swap_in[1])
+        if out is not None or swap_in is not None:
+            self.counters.seconds += time.perf_counter() - start
+
+    def _swap_out(self, pages: torch.Tensor, blocks: torch.Tensor) -> None:
+        g, views = self.gears[self.active], self.kv.views[self.active]
+        if self.writer is None:
+            self.counters.bytes_out += self.store.write_shard(
+                pages, blocks, views, g.layers, g.heads
+            )
+            return
+        # device -> staging now (the blocks free after this plan), staging -> shared later.
+        for local, layer in enumerate(g.layers):
+            for kv in (0, 1):
+                src = views[local][kv].index_select(0, blocks.to(views[local][kv].device))
+                staged = self.staging.take(src)
+                if staged is None:
+                    self.writer.join()
+                    self.staging.reset()
+                    staged = self.staging.take(src)
+                if staged is None:  # larger than the whole staging buffer: straight through
+                    self.store.write_part(pages, layer, kv, g.heads, src)
+                    continue
+                staged.copy_(src, non_blocking=True)
+                if src.device.type == "cuda":
+                    torch.cuda.current_stream(src.device).synchronize()
+                self.writer.submit(
+                    partial(self.store.write_part, pages, layer, kv, g.heads, staged)
+                )
+                self.counters.bytes_out += src.numel() * src.element_size()
+
+    def _swap_in(self, pages: torch.Tensor, blocks: torch.Tensor) -> None:
+        if self.writer is not None:
+            self.writer.join()  # this rank's own swap-outs are in the store
+            self.staging.reset()
+        # Pages written by other ranks' swap-outs of earlier plans must be complete: every rank
+        # reaches this barrier only after its hooks of all earlier plans ran.
+        self.barrier()
+        g, views = self.gears[self.active], self.kv.views[self.active]
+        read = partial(self.store.read_shard, pages, blocks, views, g.layers, g.heads)
+        if self.prefetcher is None:
+            self.counters.bytes_in += read()
+            return
+        block = views[0][0][0]  # one block of one layer's keys on this rank
+        self.counters.bytes_in += (
+            len(blocks) * len(g.layers) * 2 * block.numel() * block.element_size()
+        )
+
+        def prefetch() -> None:
+            read()
+
+        self.prefetcher.submit(prefetch)
+
+    def close(self) -> None:
+        for worker in (self.writer, self.prefetcher):
+            if worker is not None:
+                worker.close()
+        self.store.close()
