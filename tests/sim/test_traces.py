@@ -109,7 +109,10 @@ def test_a_recorded_trace_is_sorted_and_shifted_and_bad_lines_are_named(tmp_path
 
 
 def test_the_simulator_package_does_not_import_torch() -> None:
-    code = "import sys, gearshift.operator.sim.workload;print('torch' in sys.modules)"
+    code = (
+        "import sys, gearshift.operator.sim.simulator, gearshift.operator.sim.workload\n"
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
