@@ -151,3 +151,12 @@ def test_gearshift_profile_writes_a_model_the_simulator_loads(
     assert model.about["policy"] == {"static": {}}
     res = simulate(Deployment(1, ReplicaConfig(num_blocks=64, block_size=16), model), _trace(5, 1))
     assert len(res.requests) == 5 and res.makespan > 0
+
+
+def test_gearshift_profile_refuses_a_missing_model_naming_it(tmp_path: Path) -> None:
+    out = tmp_path / "cost.json"
+    cmd = [sys.executable, "-m", "gearshift.operator.cli", "profile", "--model", "/nonexistent/m"]
+    done = subprocess.run([*cmd, "-o", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert "error: model '/nonexistent/m' not found" in done.stderr
+    assert not out.exists()
