@@ -4,10 +4,12 @@ engine and through the simulator, and print predicted vs measured (issue 16, "Pr
 The default model is a small random Llama (hidden 256, 4 layers, SmolLM2-sized vocabulary, made
 in a temporary folder) so a run takes a few minutes on two cores; ``--model smollm2`` profiles the
 embedded SmolLM2 (slower). ``--rate`` replays Poisson arrivals in real time; 0 puts every request
-at t = 0 (offline). One static rank only; ``--tp``/``--pp`` layouts are not wired here yet.
+at t = 0 (offline). The policy flags are ``gearshift serve``'s (``--tp 2``, ``--sp 2``); pipeline
+layouts (``--pp``) are refused: the simulator does not model micro-batches in flight yet.
 
     python benchmarks/sim_fidelity.py                     # → sim_fidelity.json
     python benchmarks/sim_fidelity.py --rate 4 --requests 48
+    python benchmarks/sim_fidelity.py --tp 2 --out sim_fidelity_tp2.json
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -90,6 +93,8 @@ def simulated(result) -> dict[str, float]:  # type: ignore[no-untyped-def]
 
 
 def main() -> None:
+    from google.protobuf import json_format
+
     from gearshift.operator.sim.arrivals import Arrivals, RateCurve
     from gearshift.operator.sim.lengths import LogNormal
     from gearshift.operator.sim.profile import ProfileGrid, measure
@@ -98,7 +103,8 @@ def main() -> None:
     from gearshift.operator.sim.trace import TraceRequest
     from gearshift.operator.sim.workload import synthesize
     from gearshift.worker.config import EngineConfig
-    from gearshift.worker.launch import build_local_engine
+    from gearshift.worker.launch import start_engine
+    from gearshift.worker.policies.flags import add_policy_args, policy_from_args
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None, help="default: a random Llama made for the run")
@@ -107,7 +113,11 @@ def main() -> None:
     ap.add_argument("--num-threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=HERE / "sim_fidelity.json")
+    add_policy_args(ap)
     args = ap.parse_args()
+    policy = policy_from_args(args)
+    if args.pp and args.pp > 1:
+        sys.exit("error: --pp: the simulator does not model pipeline micro-batches yet")
 
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(random_llama(Path(tmp), hidden=256, layers=4))
@@ -120,7 +130,7 @@ def main() -> None:
             skip_tokenizer_init=True,
             num_threads=args.num_threads,
         )
-        engine = build_local_engine(config)
+        engine = start_engine(config, policy)
         grid = ProfileGrid(
             prompt_lens=(16, 64, 160, 320, 500),
             prefill_batches=(1, 3),
@@ -163,10 +173,8 @@ def main() -> None:
         print(f"{key:22} {real:10.4f} {predicted[key]:10.4f} {err:+8.1%}")
     print(f"profile {profile_s:.1f} s; simulation {sim_s * 1000:.1f} ms for {len(trace)} requests")
     result = {
-        "command": "python benchmarks/sim_fidelity.py "
-        + (f"--rate {args.rate} " if args.rate else "")
-        + f"--requests {args.requests}",
-        "layout": "static, one rank",
+        "command": "python " + " ".join(sys.argv),
+        "policy": json_format.MessageToDict(policy),
         "cost_model": {"prefill": vars(cost.prefill), "decode": vars(cost.decode), **cost.about},
         "rows": rows,
         "simulated_requests_per_wall_s": len(trace) / sim_s,
