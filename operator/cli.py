@@ -101,9 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_policy_args(gen, world_size=True)
     gen.set_defaults(func=_cmd_generate)
     # The serving commands live in their own modules (gearshift.operator.commands).
-    from gearshift.operator.commands import fetch_model, router, serve, worker
+    from gearshift.operator.commands import fetch_model, profile, router, serve, worker
 
-    for command in (worker, router, serve, fetch_model):
+    for command in (worker, router, serve, fetch_model, profile):
         command.add_parser(sub)
     return parser
 

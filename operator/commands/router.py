@@ -42,6 +42,13 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         help="/metrics needs an API key too (default: open, as Prometheus expects)",
     )
     p.add_argument("--ready-file", type=Path, default=None, help="write the bound ports (JSON)")
+    p.add_argument(
+        "--record-trace",
+        type=Path,
+        default=None,
+        help="append each finished request's arrival time and token counts to this JSONL file "
+        "(replay it with the simulator, gearshift.operator.sim)",
+    )
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -106,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
             drain_timeout_s=args.drain_timeout,
             api_keys=(*cfg.api_keys, *keys) or None,
             protect_metrics=args.protect_metrics or None,
+            record_trace=args.record_trace,
         )
         if args.grpc_port is not None:
             cfg = dataclasses.replace(cfg, grpc_port=port_flag(args.grpc_port))

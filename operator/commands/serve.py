@@ -281,6 +281,7 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
             drain_timeout_s=args.drain_timeout,
             control_token=token,
             protect_metrics=args.protect_metrics,
+            record_trace=args.record_trace,
         )
         server = RouterServer(cfg)
         if not stop.is_set():

@@ -62,6 +62,8 @@ class RouterConfig:
     control_token: str | None = None
     # /metrics needs an API key too (Prometheus then scrapes with a bearer token).
     protect_metrics: bool = False
+    # --record-trace: a JSONL line per finished request (trace_recorder.py); None: off.
+    record_trace: Path | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def with_overrides(self, **changes: Any) -> RouterConfig:

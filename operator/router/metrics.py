@@ -7,6 +7,7 @@ by a collector, so they never drift from what the workers report.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator
 
 from google.protobuf.descriptor import FieldDescriptor
@@ -15,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gearshift.operator.router.group import Group
+from gearshift.operator.router.trace_recorder import TraceRecorder
 from gearshift.v1 import policy_fields, policy_pb2
 
 # vLLM's bucket boundaries (vllm/v1/metrics/loggers.py), so dashboards carry over.
@@ -94,6 +96,8 @@ class RouterMetrics:
 
     def __init__(self, model_name: str, groups: Callable[[], Iterable[Group]]) -> None:
         self.model_name = model_name
+        # --record-trace: every finished request also goes to this file (trace_recorder.py).
+        self.trace: TraceRecorder | None = None
         self.registry = CollectorRegistry(auto_describe=True)
         r, m = self.registry, ["model_name"]
         self.ttft = Histogram(
@@ -206,6 +210,9 @@ class RouterMetrics:
             self.tpot.labels(name).observe(decode_time / (output_tokens - 1))
         if queue_time is not None:
             self.queue.labels(name).observe(max(0.0, queue_time))
+        if self.trace is not None:
+            # Both callers measure e2e on the monotonic clock, from the request's arrival.
+            self.trace.record(time.monotonic() - e2e, prompt_tokens, output_tokens, finish_reason)
 
 
 class GroupCollector(Collector):

@@ -26,6 +26,7 @@ from gearshift.operator.router.metrics import RouterMetrics
 from gearshift.operator.router.openai_proxy import OpenAIProxy
 from gearshift.operator.router.pool import GROUP_KINDS, GroupPool
 from gearshift.operator.router.rejections import RejectionCounter
+from gearshift.operator.router.trace_recorder import TraceRecorder
 from gearshift.v1 import router_pb2_grpc
 from gearshift.worker.model.registry import resolve_model_path
 from gearshift.worker.server import auth
@@ -106,6 +107,13 @@ class RouterServer:
             cfg.control_token,
         )
         metrics = RouterMetrics(cfg.model_name, lambda: list(pool.groups.values()))
+        if cfg.record_trace is not None:
+            try:
+                metrics.trace = TraceRecorder(cfg.record_trace)
+            except OSError as exc:
+                raise config_mod.ConfigError(
+                    f"--record-trace: cannot write {cfg.record_trace}: {exc}"
+                ) from exc
         router = self.router = Router(cfg, tokenizer, pool, metrics)
         await pool.configure(cfg.groups)
 
@@ -195,3 +203,5 @@ class RouterServer:
         self._grpc.clear()
         if self.router is not None:
             await self.router.pool.close()
+            if self.router.metrics.trace is not None:
+                self.router.metrics.trace.close()

@@ -1,0 +1,186 @@
+"""Simulator fidelity on this machine: profile the engine, then run one trace through the real
+engine and through the simulator, and print predicted vs measured (issue 16, "Prove it").
+
+The default model is a small random Llama (hidden 256, 4 layers, SmolLM2-sized vocabulary, made
+in a temporary folder) so a run takes a few minutes on two cores; ``--model smollm2`` profiles the
+embedded SmolLM2 (slower). ``--rate`` replays Poisson arrivals in real time; 0 puts every request
+at t = 0 (offline). The policy flags are ``gearshift serve``'s (``--tp 2``, ``--sp 2``); pipeline
+layouts (``--pp``) are refused: the simulator does not model micro-batches in flight yet.
+
+    python benchmarks/sim_fidelity.py                     # → sim_fidelity.json
+    python benchmarks/sim_fidelity.py --rate 4 --requests 48
+    python benchmarks/sim_fidelity.py --tp 2 --out sim_fidelity_tp2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def random_llama(folder: Path, hidden: int, layers: int) -> Path:
+    """A random Llama checkpoint (weights drawn from a seeded normal), saved as safetensors."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(folder)
+    return folder
+
+
+def run_engine(engine, trace) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Replay ``trace`` in real time; the measured figures."""
+    from gearshift.worker.sampling.params import SamplingParams
+
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    count: dict[str, int] = {}
+    pending = list(enumerate(trace))
+    start = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while pending and pending[0][1].arrival_s <= now:
+            i, r = pending.pop(0)
+            params = SamplingParams(temperature=0.0, max_tokens=r.output_tokens, ignore_eos=True)
+            engine.add_request(
+                f"r{i}", [(7 * i + k) % 1000 for k in range(r.prompt_tokens)], params
+            )
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, pending[0][1].arrival_s - now))
+            continue
+        for out in engine.step():
+            t = time.perf_counter() - start
+            first.setdefault(out.request_id, t)
+            last[out.request_id] = t
+            count[out.request_id] = count.get(out.request_id, 0) + len(out.new_token_ids)
+    ids = [f"r{i}" for i in range(len(trace))]
+    ttft = [first[k] - r.arrival_s for k, r in zip(ids, trace, strict=True)]
+    tpot = [(last[k] - first[k]) / (count[k] - 1) for k in ids if count[k] > 1]
+    span = max(last.values())
+    return {
+        "makespan_s": span,
+        "output_tokens_per_s": sum(count.values()) / span,
+        "ttft_mean_s": statistics.mean(ttft),
+        "tpot_mean_s": statistics.mean(tpot),
+    }
+
+
+def simulated(result) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    tpot = [t for r in result.requests if (t := r.tpot) is not None]
+    return {
+        "makespan_s": result.makespan,
+        "output_tokens_per_s": result.output_throughput,
+        "ttft_mean_s": statistics.mean(r.ttft for r in result.requests),
+        "tpot_mean_s": statistics.mean(tpot),
+    }
+
+
+def main() -> None:
+    from google.protobuf import json_format
+
+    from gearshift.operator.sim.arrivals import Arrivals, RateCurve
+    from gearshift.operator.sim.lengths import LogNormal
+    from gearshift.operator.sim.profile import ProfileGrid, measure
+    from gearshift.operator.sim.replica import ReplicaConfig
+    from gearshift.operator.sim.simulator import Deployment, simulate
+    from gearshift.operator.sim.trace import TraceRequest
+    from gearshift.operator.sim.workload import synthesize
+    from gearshift.worker.config import EngineConfig
+    from gearshift.worker.launch import start_engine
+    from gearshift.worker.policies.flags import add_policy_args, policy_from_args
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default=None, help="default: a random Llama made for the run")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--rate", type=float, default=0.0, help="Poisson req/s; 0: offline")
+    ap.add_argument("--num-threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=HERE / "sim_fidelity.json")
+    add_policy_args(ap)
+    args = ap.parse_args()
+    policy = policy_from_args(args)
+    if args.pp and args.pp > 1:
+        sys.exit("error: --pp: the simulator does not model pipeline micro-batches yet")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or str(random_llama(Path(tmp), hidden=256, layers=4))
+        config = EngineConfig(
+            model=model,
+            dtype="float32",
+            max_model_len=1024,
+            max_num_batched_tokens=512,
+            enable_prefix_caching=False,
+            skip_tokenizer_init=True,
+            num_threads=args.num_threads,
+        )
+        engine = start_engine(config, policy)
+        grid = ProfileGrid(
+            prompt_lens=(16, 64, 160, 320, 500),
+            prefill_batches=(1, 3),
+            decode_batches=(1, 4, 16, 32),
+            contexts=(32, 256, 600),
+            decode_steps=5,
+            repeats=2,
+        )
+        t0 = time.perf_counter()
+        cost = measure(engine, grid, args.seed).model({"model": args.model or "random-llama"})
+        profile_s = time.perf_counter() - t0
+        arrivals = Arrivals(RateCurve.constant(args.rate or 1.0))
+        trace = synthesize(
+            args.requests,
+            arrivals,
+            LogNormal.from_median_p90(120, 400, 8, 700),
+            LogNormal.from_median_p90(40, 120, 2, 200),
+            args.seed,
+        )
+        if not args.rate:
+            trace = [TraceRequest(0.0, r.prompt_tokens, r.output_tokens) for r in trace]
+        measured = run_engine(engine, trace)
+        replica = ReplicaConfig(
+            num_blocks=engine.blocks.num_blocks,
+            block_size=engine.blocks.block_size,
+            max_num_seqs=engine.scheduler.config.max_num_seqs,
+            max_num_batched_tokens=engine.scheduler.config.max_num_batched_tokens,
+            max_model_len=engine.max_model_len,
+        )
+        t0 = time.perf_counter()
+        predicted = simulated(simulate(Deployment(1, replica, cost), trace))
+        sim_s = time.perf_counter() - t0
+        engine.shutdown()
+
+    rows = []
+    print(f"{'figure':22} {'measured':>10} {'simulated':>10} {'error':>8}")
+    for key, real in measured.items():
+        err = (predicted[key] - real) / real
+        rows.append({"figure": key, "measured": real, "simulated": predicted[key], "error": err})
+        print(f"{key:22} {real:10.4f} {predicted[key]:10.4f} {err:+8.1%}")
+    print(f"profile {profile_s:.1f} s; simulation {sim_s * 1000:.1f} ms for {len(trace)} requests")
+    result = {
+        "command": "python " + " ".join(sys.argv),
+        "policy": json_format.MessageToDict(policy),
+        "cost_model": {"prefill": vars(cost.prefill), "decode": vars(cost.decode), **cost.about},
+        "rows": rows,
+        "simulated_requests_per_wall_s": len(trace) / sim_s,
+    }
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

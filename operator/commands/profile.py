@@ -1,0 +1,92 @@
+"""`gearshift profile`: time the real engine's steps on this machine and save the step-cost fit
+that the simulator loads (gearshift.operator.sim.cost_model)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from gearshift.worker.policies.flags import add_policy_args
+    from gearshift.worker.server.settings import add_engine_args
+
+    p = sub.add_parser("profile", help="time prefill and decode steps; save the cost-model fit")
+    p.add_argument("--model", default="smollm2", help="model folder, .gguf file, or 'smollm2'")
+    add_engine_args(p)
+    add_policy_args(p, world_size=True)
+    p.add_argument("--output", "-o", type=Path, required=True, help="the fit, as JSON")
+    p.add_argument(
+        "--quick", action="store_true", help="a small grid (about a minute on a small model)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from google.protobuf import json_format
+
+    from gearshift.operator.sim.cost_model import CostModelError
+    from gearshift.operator.sim.profile import ProfileGrid, measure
+    from gearshift.worker.config import EngineConfig
+    from gearshift.worker.errors import GearshiftError
+    from gearshift.worker.launch import start_engine
+    from gearshift.worker.policies.flags import policy_from_args
+
+    grid = ProfileGrid()
+    if args.quick:
+        grid = ProfileGrid(
+            prompt_lens=(16, 64, 160),
+            prefill_batches=(1, 3),
+            decode_batches=(1, 8),
+            contexts=(16, 160),
+            decode_steps=4,
+            repeats=1,
+        )
+    try:
+        config = EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=args.block_size,
+            kv_cache_bytes=args.kv_cache_bytes,
+            # Profiling prompts are random; a prefix hit would only shorten steps unevenly.
+            enable_prefix_caching=False,
+            skip_tokenizer_init=True,  # the profile sends token ids
+            num_threads=args.num_threads,
+            prefill_threads=args.prefill_threads,
+        )
+        policy = policy_from_args(args)
+        engine = start_engine(config, policy)
+    except (GearshiftError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        profile = measure(engine, grid, args.seed)
+        about = {
+            "model": args.model,
+            "dtype": str(config.dtype),
+            "policy": json_format.MessageToDict(policy),
+            "block_size": engine.blocks.block_size,
+            "kv_blocks": engine.blocks.num_blocks,
+            "max_num_batched_tokens": config.max_num_batched_tokens,
+            "max_model_len": engine.max_model_len,
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+        }
+        model = profile.model(about)
+    except CostModelError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        engine.shutdown()
+    model.save(args.output)
+    print(json.dumps({"prefill": vars(model.prefill), "decode": vars(model.decode)}))
+    return 0

@@ -1,0 +1,93 @@
+"""Step time from a fitted linear model: a + b·tokens + c·attended, one fit for steps that hold a
+prefill chunk and one for decode-only steps (issue 16, item 1a: the measured cost model).
+
+``attended`` counts (query token, key position) pairs of the step's attention: a chunk of n tokens
+after c computed ones attends n·(c + (n + 1)/2) positions; a decode token attends its context.
+So one feature covers both the quadratic prefill term and the KV reads of decodes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gearshift.worker.engine.scheduler import ScheduledBatch
+
+FORMAT = "gearshift.step-cost/1"
+
+
+class CostModelError(ValueError):
+    """A cost model file or fit is invalid; the message names what."""
+
+
+def batch_features(batch: ScheduledBatch) -> tuple[int, float]:
+    """(tokens, attended) of a batch as scheduled, before its sequences advance."""
+    attended = sum(float(s.num_computed_tokens + 1) for s in batch.decodes)
+    for seq, n in batch.prefills:
+        attended += n * (seq.num_computed_tokens + (n + 1) / 2)
+    return batch.num_tokens, attended
+
+
+@dataclass(frozen=True)
+class LinearFit:
+    """seconds = a + b·tokens + c·attended."""
+
+    a: float
+    b: float
+    c: float
+
+    def seconds(self, tokens: float, attended: float) -> float:
+        return self.a + self.b * tokens + self.c * attended
+
+
+def fit(samples: Sequence[tuple[float, float, float]]) -> LinearFit:
+    """Least squares over (tokens, attended, seconds) samples."""
+    if len(samples) < 3:
+        raise CostModelError(f"a fit needs at least 3 samples, got {len(samples)}")
+    x = np.array([[1.0, t, a] for t, a, _ in samples])
+    y = np.array([s for _, _, s in samples])
+    # Scale columns so the attended column (up to ~1e8) does not swamp the solve.
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
+    coef, *_ = np.linalg.lstsq(x / scale, y, rcond=None)
+    a, b, c = (float(v) for v in coef / scale)
+    return LinearFit(a, b, c)
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    """What one step of one replica costs; ``about`` records how it was measured."""
+
+    prefill: LinearFit
+    decode: LinearFit
+    about: dict[str, Any] = field(default_factory=dict)
+
+    def step_time(self, batch: ScheduledBatch) -> float:
+        tokens, attended = batch_features(batch)
+        f = self.prefill if batch.prefills else self.decode
+        # A fit may extrapolate below zero for tiny steps; a step never takes negative time.
+        return max(f.seconds(tokens, attended), 1e-6)
+
+    def save(self, path: Path) -> None:
+        data = {"format": FORMAT, "prefill": asdict(self.prefill), "decode": asdict(self.decode)}
+        data["about"] = self.about
+        path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: Path) -> StepCostModel:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise CostModelError(f"cannot read the cost model {path}: {exc}") from exc
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise CostModelError(f"{path}: not a {FORMAT} file (write one with gearshift profile)")
+        try:
+            return cls(
+                LinearFit(**data["prefill"]), LinearFit(**data["decode"]), data.get("about", {})
+            )
+        except (KeyError, TypeError) as exc:
+            raise CostModelError(f"{path}: {exc!r}") from None

@@ -1,0 +1,123 @@
+"""``gearshift profile``'s measurement: time the real engine's prefill and decode steps and fit
+the step-cost model (issue 16, item 1a).
+
+Steps are driven through ``LLMEngine.step`` (schedule, forward, sample: everything a step costs
+the leader), and each step's batch is read off the engine's own scheduler as it is scheduled, so
+the features are exactly those the simulator computes for the same batch. Every grid point runs
+once untimed first: oneDNN builds kernels per shape, and that one-off cost is not a step's.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from gearshift.operator.sim.cost_model import StepCostModel, batch_features, fit
+from gearshift.worker.engine.scheduler import ScheduledBatch
+
+if TYPE_CHECKING:
+    from gearshift.worker.engine.llm_engine import LLMEngine
+
+Sample = tuple[float, float, float]  # tokens, attended, seconds
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    """Which steps to time: prefills of ``prompt_lens`` × ``prefill_batches`` requests, and
+    decodes of ``decode_batches`` requests at each context of ``contexts``."""
+
+    prompt_lens: tuple[int, ...] = (16, 64, 128, 256, 512)
+    prefill_batches: tuple[int, ...] = (1, 2, 4)
+    decode_batches: tuple[int, ...] = (1, 4, 16, 32)
+    contexts: tuple[int, ...] = (32, 256, 768)
+    decode_steps: int = 6
+    repeats: int = 2
+
+
+@dataclass
+class Profile:
+    """The timed samples of one run, and the model fitted to them."""
+
+    prefill: list[Sample] = field(default_factory=list)
+    decode: list[Sample] = field(default_factory=list)
+
+    def model(self, about: dict[str, object]) -> StepCostModel:
+        prefill, decode = fit(self.prefill), fit(self.decode)
+        model = StepCostModel(prefill, decode, {})
+        errors = {
+            "prefill_mean_abs_error": _mean_rel_error(self.prefill, prefill.seconds),
+            "decode_mean_abs_error": _mean_rel_error(self.decode, decode.seconds),
+            "prefill_samples": len(self.prefill),
+            "decode_samples": len(self.decode),
+        }
+        return StepCostModel(model.prefill, model.decode, {**about, **errors})
+
+
+def _mean_rel_error(samples: list[Sample], predict: Callable[[float, float], float]) -> float:
+    return sum(abs(predict(t, a) - s) / s for t, a, s in samples) / len(samples)
+
+
+class _StepTimer:
+    """Times ``engine.step()`` calls and pairs each with the batch its scheduler produced."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.batches: list[ScheduledBatch] = []
+        schedule = engine.scheduler.schedule
+
+        def recording(*args: object, **kw: object) -> ScheduledBatch:
+            batch = schedule(*args, **kw)  # type: ignore[arg-type]
+            if not batch.is_empty:
+                self.batches.append(batch)
+            return batch
+
+        engine.scheduler.schedule = recording  # type: ignore[method-assign]
+
+    def run(self, prompts: list[list[int]], max_tokens: int, into: Profile | None) -> None:
+        """Run ``prompts`` to completion; with ``into``, file each step's sample there."""
+        from gearshift.worker.sampling.params import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        for i, ids in enumerate(prompts):
+            self.engine.add_request(f"profile-{time.monotonic_ns()}-{i}", ids, params)
+        while self.engine.has_unfinished_requests():
+            self.batches.clear()
+            start = time.perf_counter()
+            self.engine.step()
+            seconds = time.perf_counter() - start
+            if into is None or len(self.batches) != 1:
+                continue
+            batch = self.batches[0]
+            tokens, attended = batch_features(batch)
+            (into.prefill if batch.prefills else into.decode).append((tokens, attended, seconds))
+
+
+def measure(engine: LLMEngine, grid: ProfileGrid, seed: int = 0) -> Profile:
+    """Time the grid's steps on ``engine`` (which must be idle)."""
+    rng = random.Random(seed)
+    limit = engine.max_model_len
+    vocab = engine.vocab_size
+    timer = _StepTimer(engine)
+    profile = Profile()
+
+    def prompts(count: int, length: int) -> list[list[int]]:
+        # Random ids: no two prompts share a prefix, so the prefix cache never shortens a step.
+        return [[rng.randrange(vocab) for _ in range(length)] for _ in range(count)]
+
+    budget = engine.scheduler.config.max_num_batched_tokens
+    for length in grid.prompt_lens:
+        for count in grid.prefill_batches:
+            if length >= limit or count * length > budget:
+                continue  # would not fit one step: the sample would mix two
+            for rep in range(grid.repeats + 1):
+                timer.run(prompts(count, length), 1, profile if rep else None)
+    for context in grid.contexts:
+        for count in grid.decode_batches:
+            if context + grid.decode_steps >= limit:
+                continue
+            for rep in range(grid.repeats + 1):
+                timer.run(prompts(count, context), grid.decode_steps, profile if rep else None)
+    return profile

@@ -1,0 +1,62 @@
+"""The step-cost model: the fit recovers known coefficients, features follow the scheduler's
+batch, and a saved model loads back (a wrong file is refused naming it)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from gearshift.operator.sim.cost_model import (
+    CostModelError,
+    LinearFit,
+    StepCostModel,
+    batch_features,
+    fit,
+)
+from gearshift.worker.engine.scheduler import ScheduledBatch
+from gearshift.worker.engine.sequence import Sequence
+
+
+def test_the_fit_recovers_the_coefficients_of_noisy_samples() -> None:
+    rng = random.Random(0)
+    true = LinearFit(0.004, 2e-5, 3e-8)
+    samples = []
+    for _ in range(200):
+        t, a = rng.randint(1, 2048), rng.uniform(0, 2e6)
+        samples.append((t, a, true.seconds(t, a) * rng.uniform(0.98, 1.02)))
+    got = fit(samples)
+    assert got.a == pytest.approx(true.a, rel=0.1)
+    assert got.b == pytest.approx(true.b, rel=0.05)
+    assert got.c == pytest.approx(true.c, rel=0.05)
+    with pytest.raises(CostModelError, match="at least 3"):
+        fit(samples[:2])
+
+
+def _seq(prompt: int, computed: int, rid: str = "a") -> Sequence:
+    seq = Sequence(rid, [0] * prompt, None, 8)  # type: ignore[arg-type]
+    seq.num_computed_tokens = computed
+    return seq
+
+
+def test_features_count_attended_positions_of_chunks_and_decodes() -> None:
+    batch = ScheduledBatch(decodes=[_seq(10, 9)], prefills=[(_seq(100, 40, "b"), 20)])
+    # Decode: 10 positions. Chunk of 20 after 40: 20·40 + (1 + … + 20) = 800 + 210.
+    assert batch_features(batch) == (21, 10 + 1010)
+    model = StepCostModel(LinearFit(1.0, 0.5, 0.001), LinearFit(9.0, 9.0, 9.0))
+    assert model.step_time(batch) == pytest.approx(1.0 + 10.5 + 1.02)
+    decode_only = ScheduledBatch(decodes=[_seq(10, 9)])
+    assert model.step_time(decode_only) == pytest.approx(9 + 9 + 90)
+
+
+def test_a_saved_model_loads_back_and_other_files_are_refused(tmp_path: Path) -> None:
+    model = StepCostModel(LinearFit(1, 2, 3), LinearFit(4, 5, 6), {"model": "x"})
+    path = tmp_path / "m.json"
+    model.save(path)
+    assert StepCostModel.load(path) == model
+    path.write_text('{"prefill": {}}')
+    with pytest.raises(CostModelError, match="gearshift profile"):
+        StepCostModel.load(path)
+    with pytest.raises(CostModelError, match="cannot read"):
+        StepCostModel.load(tmp_path / "none.json")
