@@ -18,18 +18,17 @@ import contextlib
 import logging
 import mmap
 import os
-import re
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from gearshift.worker import shm_segments
+
 log = logging.getLogger(__name__)
 
-SHM_DIR = Path("/dev/shm")
 PREFIX = "gearshift-kv-"
-GROUP_NAME_ENV = "GEARSHIFT_GROUP_NAME"
+SHM_DIR = shm_segments.SHM_DIR
 
 
 @dataclass(frozen=True)
@@ -53,39 +52,16 @@ class PageShape:
 
 def group_tag(env: dict[str, str] | None = None) -> str:
     """The group's name as the operator sets it ($GEARSHIFT_GROUP_NAME), safe for a file name."""
-    raw = (env if env is not None else os.environ).get(GROUP_NAME_ENV) or "local"
-    return re.sub(r"[^A-Za-z0-9_.]", "_", raw)[:64]
+    return shm_segments.group_key(env)
 
 
 def segment_name(tag: str) -> str:
-    return f"{PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(6)}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return shm_segments.segment_name(PREFIX, tag)
 
 
 def clean_stale(tag: str, shm_dir: Path = SHM_DIR) -> list[str]:
     """Unlink this group's segments whose leader process is gone; the names removed."""
-    removed: list[str] = []
-    pattern = re.compile(rf"^{re.escape(PREFIX + tag)}-(\d+)-[0-9a-f]+$")
-    for path in shm_dir.glob(f"{PREFIX}{tag}-*"):
-        m = pattern.match(path.name)
-        if m and not _alive(int(m.group(1))):
-            try:
-                path.unlink()
-                removed.append(path.name)
-            except FileNotFoundError:
-                pass
-    if removed:
-        log.warning("removed stale host KV segments of a dead group: %s", ", ".join(removed))
-    return removed
+    return shm_segments.clean_stale(PREFIX, tag, shm_dir)
 
 
 class HostKVStore:

@@ -11,13 +11,13 @@ owner, §4.3); ``mode`` pins one, AUTO leaves it to the router's controller.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from gearshift.v1 import policy_pb2
+from gearshift.worker import shm_segments
 from gearshift.worker.comm import CommGroup
 from gearshift.worker.engine.loading import load_model
 from gearshift.worker.engine.model_runner import Gear
@@ -38,8 +38,6 @@ from gearshift.worker.policies.sidp.shared_weights import (
 from gearshift.worker.policies.sidp.source import HideRemoteFfn
 
 log = logging.getLogger(__name__)
-
-GROUP_NAME_ENV = "GEARSHIFT_GROUP_NAME"  # set by the operator on every worker pod
 
 
 class SidpPolicy(Policy):
@@ -93,7 +91,7 @@ class SidpPolicy(Policy):
         dtype = ctx.spec.dtype
         nbytes = layout.numel * torch.tensor([], dtype=dtype).element_size()
         clean_stale()
-        key = os.environ.get(GROUP_NAME_ENV) or "local"
+        key = shm_segments.group_key()
         mine = {
             layer: Segment(new_segment_name(key, layer), nbytes, create=True)
             for layer in own.owned(ctx.rank)

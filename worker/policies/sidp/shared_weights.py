@@ -11,58 +11,35 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import re
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from gearshift.worker import shm_segments
 from gearshift.worker.model.config import ModelConfig
 
-SHM_DIR = Path("/dev/shm")
 PREFIX = "gearshift-sidp-"
-_NAME = re.compile(r"^gearshift-sidp-[A-Za-z0-9_.]+-(\d+)-[0-9a-f]+-l\d+$")
+SHM_DIR = shm_segments.SHM_DIR
 
 
 def group_key(text: str) -> str:
     """A segment-name-safe form of a deployment/group identity (address, port, name)."""
-    return re.sub(r"[^A-Za-z0-9_.]", "_", text)[:60] or "group"
+    return shm_segments.safe_key(text)
 
 
 def new_segment_name(key: str, layer: int) -> str:
-    return f"{PREFIX}{group_key(key)}-{os.getpid()}-{secrets.token_hex(6)}-l{layer}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return shm_segments.segment_name(PREFIX, key, f"-l{layer}")
 
 
 def clean_stale(shm_dir: Path = SHM_DIR) -> list[str]:
     """Unlink SiDP segments whose creating process is gone; returns their names."""
-    removed: list[str] = []
-    if not shm_dir.is_dir():
-        return removed
-    for entry in shm_dir.iterdir():
-        m = _NAME.match(entry.name)
-        if m and not _alive(int(m.group(1))):
-            entry.unlink(missing_ok=True)
-            removed.append(entry.name)
-    return removed
+    return shm_segments.clean_stale(PREFIX, None, shm_dir)
 
 
 def segments(key: str | None = None, shm_dir: Path = SHM_DIR) -> list[str]:
     """Names of live SiDP segments (of one group key, or all)."""
-    start = PREFIX + (group_key(key) + "-" if key is not None else "")
-    if not shm_dir.is_dir():
-        return []
-    return sorted(e.name for e in shm_dir.iterdir() if e.name.startswith(start))
+    return shm_segments.segments(PREFIX, key, shm_dir)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,49 @@
+"""Shared-memory segment names are never fixed, and only dead creators' segments are cleaned."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from gearshift.worker import shm_segments
+
+
+def _dead_pid() -> int:
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    return int(done.stdout)
+
+
+def test_names_carry_key_pid_and_a_random_part() -> None:
+    a = shm_segments.segment_name("gearshift-x-", "ns/name-g0", "-l3")
+    b = shm_segments.segment_name("gearshift-x-", "ns/name-g0", "-l3")
+    assert a != b
+    assert a.startswith(f"gearshift-x-ns_name_g0-{os.getpid()}-") and a.endswith("-l3")
+    assert shm_segments.group_key({"GEARSHIFT_GROUP_NAME": "demo-g1"}) == "demo_g1"
+    assert shm_segments.group_key({}) == "local"
+
+
+def test_clean_stale_removes_only_dead_creators_of_its_prefix_and_key(tmp_path: Path) -> None:
+    dead = _dead_pid()
+    names = {
+        "dead": f"gearshift-x-g0-{dead}-abcdef",
+        "dead_suffix": f"gearshift-x-g0-{dead}-abcdef-l2",
+        "live": f"gearshift-x-g0-{os.getpid()}-abcdef",
+        "other_key": f"gearshift-x-g1-{dead}-abcdef",
+        "other_prefix": f"gearshift-y-g0-{dead}-abcdef",
+    }
+    for name in names.values():
+        (tmp_path / name).write_bytes(b"x")
+    removed = shm_segments.clean_stale("gearshift-x-", "g0", tmp_path)
+    assert sorted(removed) == sorted([names["dead"], names["dead_suffix"]])
+    assert shm_segments.clean_stale("gearshift-x-", None, tmp_path) == [names["other_key"]]
+    left = {p.name for p in tmp_path.iterdir()}
+    assert left == {names["live"], names["other_prefix"]}
+    assert shm_segments.segments("gearshift-x-", "g0", tmp_path) == [names["live"]]

@@ -1,0 +1,72 @@
+"""Named POSIX shared-memory segments of a worker group: one naming rule and one stale clean-up
+for every policy that shares host memory between a node's ranks (Seesaw's host KV tier, SiDP's
+FFN weights).
+
+A segment is ``/dev/shm/<prefix><key>-<creator pid>-<random><suffix>``. The key (the group's
+name, ``$GEARSHIFT_GROUP_NAME``) keeps two deployments apart and the random part two starts of
+one group, so a name is never fixed. The creator unlinks its segments when the group ends; a
+creator that was SIGKILLed cannot, so the next start unlinks every segment of its prefix (and
+key) whose creator pid is no longer alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+GROUP_NAME_ENV = "GEARSHIFT_GROUP_NAME"
+_KEY_CHARS = re.compile(r"[^A-Za-z0-9_.]")
+
+
+def safe_key(text: str, limit: int = 60) -> str:
+    """``text`` as a name part: no ``-`` (the field separator) and no path characters."""
+    return _KEY_CHARS.sub("_", text)[:limit] or "group"
+
+
+def group_key(env: dict[str, str] | None = None) -> str:
+    """The key of this process's group: the operator's group name, else ``local``."""
+    return safe_key((env if env is not None else os.environ).get(GROUP_NAME_ENV) or "local")
+
+
+def segment_name(prefix: str, key: str, suffix: str = "") -> str:
+    """A new segment name for this process (the creator)."""
+    return f"{prefix}{safe_key(key)}-{os.getpid()}-{secrets.token_hex(6)}{suffix}"
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def segments(prefix: str, key: str | None = None, shm_dir: Path = SHM_DIR) -> list[str]:
+    """Names of existing segments with ``prefix`` (and ``key``), sorted."""
+    if not shm_dir.is_dir():
+        return []
+    start = prefix + (f"{safe_key(key)}-" if key is not None else "")
+    return sorted(e.name for e in shm_dir.iterdir() if e.name.startswith(start))
+
+
+def clean_stale(prefix: str, key: str | None = None, shm_dir: Path = SHM_DIR) -> list[str]:
+    """Unlink the segments of ``prefix`` (and ``key``) whose creator is gone; their names."""
+    key_pattern = re.escape(safe_key(key)) if key is not None else r"[A-Za-z0-9_.]+"
+    pattern = re.compile(rf"^{re.escape(prefix)}{key_pattern}-(\d+)-[0-9a-f]+(?:-.*)?$")
+    removed: list[str] = []
+    for name in segments(prefix, key, shm_dir):
+        m = pattern.match(name)
+        if m and not pid_alive(int(m.group(1))):
+            (shm_dir / name).unlink(missing_ok=True)
+            removed.append(name)
+    if removed:
+        log.warning("removed shared-memory segments of a dead group: %s", ", ".join(removed))
+    return removed
