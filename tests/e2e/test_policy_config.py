@@ -7,8 +7,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
+from gearshift.v1 import policy_pb2, router_pb2, router_pb2_grpc
 from tests.e2e.serve_process import ServeProcess
 from tests.worker.helpers import random_model_with_smollm2_tokenizer
 
@@ -92,3 +94,33 @@ def test_policy_config_serves_one_ranks_greedy_text(policy, serve_policy, one_ra
         )
         got.append(reply.choices[0].message.content)
     assert got == one_rank_text
+    if policy.startswith('{"seesaw"'):
+        _seesaw_thresholds_apply_live(proc)
+
+
+def _apply(proc: ServeProcess, **fields: float) -> router_pb2.AdminApplyPolicyResponse:
+    policy = policy_pb2.Policy(seesaw=policy_pb2.SeesawPolicy(**fields))
+    with grpc.insecure_channel(proc.admin_address) as channel:
+        return router_pb2_grpc.AdminStub(channel).ApplyPolicy(
+            router_pb2.AdminApplyPolicyRequest(policy=policy), timeout=30, metadata=proc.metadata
+        )
+
+
+def _seesaw_thresholds_apply_live(proc: ServeProcess) -> None:
+    """Seesaw's live parameters through the real Admin API: applied, shown by the group, and a
+    value the policy refuses changes nothing."""
+    done = _apply(proc, switch_to_decode_at_host_usage=0.5, switch_to_prefill_at_host_usage=0.25)
+    assert done.applied, done
+    live = done.results[0].policy.seesaw
+    assert (live.switch_to_decode_at_host_usage, live.switch_to_prefill_at_host_usage) == (
+        0.5,
+        0.25,
+    )
+    refused = _apply(proc, switch_to_prefill_at_host_usage=0.75)  # above the decode threshold
+    assert not refused.applied
+    assert "switchToPrefillAtHostUsage must be below" in refused.results[0].message, refused
+    with grpc.insecure_channel(proc.admin_address) as channel:
+        status = router_pb2_grpc.AdminStub(channel).GetStatus(
+            router_pb2.GetStatusRequest(), timeout=10, metadata=proc.metadata
+        )
+    assert status.groups[0].policy.seesaw.switch_to_prefill_at_host_usage == 0.25
