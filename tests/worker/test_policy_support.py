@@ -22,7 +22,7 @@ def _policy(raw: dict) -> policy_pb2.Policy:
     ("raw", "field"),
     [
         ({"seesaw": {"prefill": {"pp": 2}, "decode": {"tp": 3}}}, "spec.policy.seesaw"),
-        ({"sidp": {"dp": 2}}, "spec.policy.sidp"),
+        ({"sidp": {"dp": 2, "tp": 2}}, "spec.policy.sidp.tp"),
         ({"tetris": {"decodeTp": 1}}, "spec.policy.tetris"),
         ({"static": {"dp": 4}}, "spec.policy.static.dp"),
     ],

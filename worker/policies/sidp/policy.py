@@ -26,7 +26,7 @@ from gearshift.worker.model.config import ModelConfig
 from gearshift.worker.policies.base import Policy, RankContext, RankModel
 from gearshift.worker.policies.sidp.cas import CasExchange
 from gearshift.worker.policies.sidp.ffn import FfnService, Mode, SidpFFN
-from gearshift.worker.policies.sidp.group_step import GroupStep
+from gearshift.worker.policies.sidp.group_step import GroupStep, request_mode
 from gearshift.worker.policies.sidp.housekeeper import Housekeeper
 from gearshift.worker.policies.sidp.ownership import Ownership, WeightBytes, weight_bytes
 from gearshift.worker.policies.sidp.shared_weights import (
@@ -200,3 +200,26 @@ class SidpPolicy(Policy):
         if self._sync is not None:
             out["sidp_switches"] = float(self._sync.switches)
         return out
+
+    def group_stats(self, replicas: list[dict[str, float]]) -> dict[str, float]:
+        """The group's mode and switches (the same on every replica after a boundary: the
+        newest), counters summed over replicas, and each replica's own figures."""
+        out = super().group_stats(replicas)
+        for key in ("sidp_mode", "sidp_switches"):
+            values = [part[key] for part in replicas if key in part]
+            if values:
+                out[key] = max(values)
+        for key in (
+            "sidp_fetched_weight_bytes",
+            "sidp_slot_waits",
+            "sidp_cas_fused_rows",
+            "sidp_skipped_dummies",
+        ):
+            out[key] = sum(part.get(key, 0.0) for part in replicas)
+        return out
+
+    def apply_group_live(self, store: Any, values: dict[str, Any]) -> None:
+        """A pinned ``mode`` reaches every replica at one step boundary (group_step)."""
+        mode = values.get("mode")
+        if mode in ("WAS", "CAS"):
+            request_mode(store, Mode.WAS if mode == "WAS" else Mode.CAS)
