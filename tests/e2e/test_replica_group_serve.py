@@ -137,3 +137,51 @@ def test_apply_policy_mode_switches_the_whole_group_and_text_is_unchanged(
     assert stats["sidp_mode"] == 3.0  # CaS, on every replica (the max of theirs)
     assert stats["replica0_sidp_mode"] == stats["replica1_sidp_mode"] == 3.0
     assert stats["sidp_switches"] >= 1
+
+
+def _apply(serve: ServeProcess, sidp: policy_pb2.SidpPolicy) -> router_pb2.AdminApplyPolicyResponse:
+    with grpc.insecure_channel(serve.admin_address) as channel:
+        return router_pb2_grpc.AdminStub(channel).ApplyPolicy(
+            router_pb2.AdminApplyPolicyRequest(policy=policy_pb2.Policy(sidp=sidp)),
+            timeout=30,
+            metadata=serve.metadata,
+        )
+
+
+def test_a_live_value_a_running_replica_cannot_take_is_refused(sidp_serve: ServeProcess) -> None:
+    response = _apply(sidp_serve, policy_pb2.SidpPolicy(dummy_skipping=False))
+    assert not any(r.applied for r in response.results)
+    assert "sidp.dummy_skipping" in response.results[0].message
+
+
+def test_the_routers_controller_switches_an_auto_group_and_the_config_stays_auto(
+    sidp_serve: ServeProcess, reference: dict[str, str]
+) -> None:
+    _apply(sidp_serve, policy_pb2.SidpPolicy(mode=policy_pb2.SidpPolicy.WAS))
+    wait_for(lambda: _policy_stats(sidp_serve).get("sidp_mode") == 2.0, 30, "the WaS pin")
+    before = _policy_stats(sidp_serve)["sidp_switches"]
+    # AUTO with thresholds an idle group crosses at once: mean batch 0 < 1 -> CaS.
+    _apply(
+        sidp_serve,
+        policy_pb2.SidpPolicy(
+            mode=policy_pb2.SidpPolicy.AUTO,
+            cas_enter_batch_size=1,
+            was_enter_batch_size=2,
+            window_steps=1,
+            min_dwell_steps=0,
+        ),
+    )
+    stats = wait_for(
+        lambda: (s := _policy_stats(sidp_serve)).get("sidp_mode") == 3.0 and s,
+        30,
+        "the router's controller to switch the idle group to CaS",
+    )
+    assert stats["sidp_switches"] > before
+    # A decision is not a configuration change: the group still reports AUTO.
+    with grpc.insecure_channel(sidp_serve.admin_address) as channel:
+        status = router_pb2_grpc.AdminStub(channel).GetStatus(
+            router_pb2.GetStatusRequest(), timeout=5, metadata=sidp_serve.metadata
+        )
+    assert [g.policy.sidp.mode for g in status.groups] == [policy_pb2.SidpPolicy.AUTO]
+    # Under load the controller may switch back and forth; the text never changes.
+    assert _all(sidp_serve) == reference

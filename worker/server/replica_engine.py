@@ -214,10 +214,21 @@ class ReplicaGroupEngine:
     async def apply_live(self, values: dict[str, LiveValue]) -> policy_pb2.Policy:
         if self._closed or self._group is None:
             raise EngineStopped(self._dead or "the replica group is shutting down")
+        probe = make_policy(self._policy.to_proto(), self.settings.ranks)
+        probe.update_live(values)  # refuses a bad value, naming the field, changing nothing
+        self._policy.apply_group_live(self._group.store, values)  # may refuse what it cannot
         self._policy.update_live(values)
-        self._policy.apply_group_live(self._group.store, values)
         self.policy = self._policy.to_proto()
         return self.policy
+
+    async def apply_decision(self, values: dict[str, LiveValue]) -> None:
+        """A router controller's decision (e.g. the group's mode): checked like a live change,
+        handed to the group, and not kept in the configured policy."""
+        if self._closed or self._group is None:
+            raise EngineStopped(self._dead or "the replica group is shutting down")
+        probe = make_policy(self._policy.to_proto(), self.settings.ranks)
+        probe.update_live(values)  # refuses a bad value, naming the field
+        self._policy.apply_group_live(self._group.store, values)
 
     async def stop(self, timeout_s: float = 15.0) -> None:
         del timeout_s  # the group's own timeout bounds its shutdown

@@ -219,7 +219,14 @@ class SidpPolicy(Policy):
         return out
 
     def apply_group_live(self, store: Any, values: dict[str, Any]) -> None:
-        """A pinned ``mode`` reaches every replica at one step boundary (group_step)."""
+        """A pinned ``mode`` reaches every replica at one step boundary (group_step); the
+        controller's thresholds are the router's. What a running replica cannot take is refused."""
+        for name in ("prefetch_depth", "dummy_skipping"):
+            if name in values:
+                raise InvalidRequestError(
+                    f"sidp.{name}",
+                    f"sidp.{name} cannot be changed while a replica group runs (restart it)",
+                )
         mode = values.get("mode")
         if mode in ("WAS", "CAS"):
             request_mode(store, Mode.WAS if mode == "WAS" else Mode.CAS)
