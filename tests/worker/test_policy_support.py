@@ -70,3 +70,10 @@ def test_gearshift_worker_refuses_an_unrunnable_seesaw_layout_before_loading_any
     with pytest.raises(InvalidRequestError) as info:
         check_runnable(_policy(policy))
     assert info.value.field == "spec.policy.seesaw"  # the operator's InvalidSpec names it too
+
+
+def test_a_sidp_group_is_served_on_one_node_only() -> None:
+    assert check_runnable(_policy({"sidp": {"dp": 2}})).engine_replicas() == 2
+    with pytest.raises(InvalidRequestError) as info:
+        check_runnable(_policy({"sidp": {"dp": 2}}), nodes=2)
+    assert info.value.field == "spec.group.nodes"

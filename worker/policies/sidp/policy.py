@@ -46,6 +46,9 @@ class SidpPolicy(Policy):
     """dp replicas (tp = 1 each) sharing FFN weights; ``mode`` and thresholds are live."""
 
     kind = "sidp"
+    # The replicas share FFN weights through the host's shared memory (and the worker endpoint
+    # hosts every replica): a group spanning nodes is refused.
+    single_node = True
 
     def __init__(self, policy: policy_pb2.Policy, world_size: int) -> None:
         super().__init__(policy, world_size)
