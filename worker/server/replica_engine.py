@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from dataclasses import fields, replace
 from multiprocessing.connection import wait
 from typing import Any
@@ -61,6 +62,21 @@ def merge_stats(parts: list[EngineStats], policy_stats: dict[str, float]) -> Eng
         gear_tokens=gear_tokens,
         policy_stats=policy_stats,
     )
+
+
+def _why(group: ReplicaGroup, exc: BaseException) -> str:
+    """The failure naming the replica: a killed one closes its pipe before it can be reaped, so
+    wait (bounded) for its exit code."""
+    if isinstance(exc, GroupFailure):
+        return str(exc)
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        try:
+            group._check()
+        except GroupFailure as failure:
+            return str(failure)
+        time.sleep(0.05)
+    return f"replica group: a replica's pipe failed ({type(exc).__name__}: {exc})"
 
 
 class ReplicaGroupEngine:
@@ -124,12 +140,7 @@ class ReplicaGroupEngine:
             except (EOFError, OSError, GroupFailure) as exc:
                 if self._stop.is_set():
                     return
-                try:
-                    group._check()
-                    reason = f"replica group: {exc}"
-                except GroupFailure as failure:
-                    reason = str(failure)
-                self._loop.call_soon_threadsafe(self._fail, reason)
+                self._loop.call_soon_threadsafe(self._fail, _why(group, exc))
                 return
             if batch:
                 self._loop.call_soon_threadsafe(self._handle, batch)
