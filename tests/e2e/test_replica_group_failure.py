@@ -3,6 +3,7 @@ worker names it, the router stops routing to it, and no replica outlives `gearsh
 
 from __future__ import annotations
 
+import os
 import signal
 
 import httpx
@@ -66,6 +67,15 @@ def test_a_killed_replica_ends_the_group_and_the_router_stops_routing(
     assert "replica group: replica" in log and "exited with code -9" in log, log[-3000:]
     # Its peer went with it: the group is one failure domain.
     wait_for(lambda: not replicas[0].is_running() or replicas[0].status() == "zombie", 30, "peer")
+    # The killed replicas' shared-memory FFN segments are unlinked by the worker.
+    pids = {str(p.pid) for p in replicas}
+    wait_for(
+        lambda: (
+            not [n for n in os.listdir("/dev/shm") if n.split("-")[3:4] and n.split("-")[3] in pids]
+        ),
+        30,
+        "the dead replicas' segments unlinked",
+    )
     r = httpx.post(
         f"{sidp_serve.url}/v1/completions",
         timeout=60,

@@ -258,6 +258,7 @@ class ReplicaGroup:
         finally:
             self._closed = True
             stop_processes(self.procs, timeout=10)
+            self.policy.release_group()
             for conn in self.conns:
                 conn.close()
             self.store = None
@@ -270,6 +271,7 @@ class ReplicaGroup:
             if proc.is_alive():
                 proc.kill()
         stop_processes(self.procs, timeout=10)
+        self.policy.release_group()
         self.store = None
 
 

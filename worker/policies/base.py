@@ -172,6 +172,10 @@ class Policy(ABC):
         worker endpoint that serves the group; by default each figure per replica."""
         return {f"replica{r}_{k}": v for r, part in enumerate(replicas) for k, v in part.items()}
 
+    def release_group(self) -> None:
+        """In the process that hosted a replica group, once its processes are gone (stopped or
+        killed): release the host resources a killed replica could not (nothing by default)."""
+
     def apply_group_live(self, store: Any, values: dict[str, LiveValue]) -> None:
         """After ``update_live`` in the process that hosts a replica group (its rendezvous
         ``store``): pass what the replicas must see at a step boundary (nothing by default)."""

@@ -233,3 +233,7 @@ class SidpPolicy(Policy):
         mode = values.get("mode")
         if mode in ("WAS", "CAS"):
             request_mode(store, Mode.WAS if mode == "WAS" else Mode.CAS)
+
+    def release_group(self) -> None:
+        """A killed replica (or its peers, killed with it) leaves its FFN segments behind."""
+        clean_stale()
