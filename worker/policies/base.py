@@ -175,6 +175,7 @@ class Policy(ABC):
     def release_group(self) -> None:
         """In the process that hosted a replica group, once its processes are gone (stopped or
         killed): release the host resources a killed replica could not (nothing by default)."""
+        return None
 
     def apply_group_live(self, store: Any, values: dict[str, LiveValue]) -> None:
         """After ``update_live`` in the process that hosts a replica group (its rendezvous
