@@ -137,6 +137,14 @@ def test_apply_policy_mode_switches_the_whole_group_and_text_is_unchanged(
     assert stats["sidp_mode"] == 3.0  # CaS, on every replica (the max of theirs)
     assert stats["replica0_sidp_mode"] == stats["replica1_sidp_mode"] == 3.0
     assert stats["sidp_switches"] >= 1
+    # One request alone: the other replica is idle, runs dummy steps, and the owners skip it.
+    skipped = stats["sidp_skipped_dummies"]
+    assert _complete(sidp_serve, PROMPTS[0]) == reference[PROMPTS[0]]
+    wait_for(
+        lambda: _policy_stats(sidp_serve)["sidp_skipped_dummies"] > skipped,
+        30,
+        "skipped dummies in gearshift_policy_stat",
+    )
 
 
 def _apply(serve: ServeProcess, sidp: policy_pb2.SidpPolicy) -> router_pb2.AdminApplyPolicyResponse:
