@@ -158,7 +158,8 @@ class WorkerGroup(Group):
 
     async def _send_decision(self, policy: policy_pb2.Policy) -> None:
         """A controller's decision to the worker (not a configuration change: see
-        policy_control.py); a refusal is logged, the next poll decides again."""
+        policy_control.py); if it does not arrive, a new controller starts from the mode the
+        group reports at the next poll."""
         try:
             reply = await self.stub.ApplyPolicy(
                 worker_pb2.ApplyPolicyRequest(policy=policy),
@@ -167,11 +168,13 @@ class WorkerGroup(Group):
             )
         except grpc.aio.AioRpcError as exc:
             log.warning("group %s: controller decision not sent: %s", self.name, exc.details())
+            self.control = PolicyControl()  # start again from the mode the group reports
             return
         if reply.applied:
             log.info("group %s: controller decision applied: %s", self.name, policy)
         else:
             log.warning("group %s: controller decision refused: %s", self.name, reply.message)
+            self.control = PolicyControl()
 
     async def close(self) -> None:
         self.removed = True
