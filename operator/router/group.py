@@ -13,7 +13,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gearshift.operator.router.config import GroupSpec
-from gearshift.v1 import worker_pb2, worker_pb2_grpc
+from gearshift.operator.router.policy_control import DECISION_METADATA, PolicyControl
+from gearshift.v1 import policy_pb2, worker_pb2, worker_pb2_grpc
 from gearshift.worker.server import auth
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,7 @@ class WorkerGroup(Group):
         self.channel = grpc.aio.insecure_channel(spec.address, options=CHANNEL_OPTIONS)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
+        self.control = PolicyControl()  # the policy's router-side controller, if it has one
 
     async def poll(self) -> None:
         """One health check and GetStats, each bounded by rpc_timeout_s."""
@@ -150,6 +152,29 @@ class WorkerGroup(Group):
         self.stats = stats
         self.load.others = max(0, stats.outstanding_tokens - self.load.outstanding_tokens)
         self._set_up()
+        decision = self.control.decide(stats)
+        if decision is not None:
+            await self._send_decision(decision)
+
+    async def _send_decision(self, policy: policy_pb2.Policy) -> None:
+        """A controller's decision to the worker (not a configuration change: see
+        policy_control.py); if it does not arrive, a new controller starts from the mode the
+        group reports at the next poll."""
+        try:
+            reply = await self.stub.ApplyPolicy(
+                worker_pb2.ApplyPolicyRequest(policy=policy),
+                timeout=self.rpc_timeout_s,
+                metadata=(*(self.metadata or ()), DECISION_METADATA),
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.warning("group %s: controller decision not sent: %s", self.name, exc.details())
+            self.control = PolicyControl()  # start again from the mode the group reports
+            return
+        if reply.applied:
+            log.info("group %s: controller decision applied: %s", self.name, policy)
+        else:
+            log.warning("group %s: controller decision refused: %s", self.name, reply.message)
+            self.control = PolicyControl()
 
     async def close(self) -> None:
         self.removed = True

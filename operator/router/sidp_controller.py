@@ -9,14 +9,17 @@ group. Parameters are live (Admin ApplyPolicy hands the new ``SidpPolicy`` messa
 ``update``). The decision is handed to ``apply``, which tells the group (the worker side makes
 it take effect at one step boundary on every replica).
 
-Only the decision logic exists today: the router does not yet host SiDP replica groups as
-backends (docs/parallelism.md says what runs).
+Serving, ``ServedGroupControl`` runs it for a group the router polls: one observation per stats
+poll (each replica's running batch from ``WorkerStats.policy_stats``); the router hands a switch
+to the worker as a controller decision (policy_control.py), which the group applies at one step
+boundary on every replica without changing its configured ``mode``.
 """
 
 from __future__ import annotations
 
+import re
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gearshift.v1 import policy_pb2
@@ -24,6 +27,7 @@ from gearshift.v1 import policy_pb2
 WAS = policy_pb2.SidpPolicy.WAS
 CAS = policy_pb2.SidpPolicy.CAS
 AUTO = policy_pb2.SidpPolicy.AUTO
+_BATCH_KEY = re.compile(r"replica(\d+)_batch")
 
 
 class InvalidControllerParameters(ValueError):
@@ -122,3 +126,47 @@ class ModeController:
 
     def mean_batch(self) -> float:
         return sum(self._window) / len(self._window) if self._window else 0.0
+
+
+def replica_batches(policy_stats: Mapping[str, float]) -> list[int]:
+    """Each replica's running batch from a served group's stats (``replica<r>_batch``)."""
+    found = {}
+    for key, value in policy_stats.items():
+        m = _BATCH_KEY.fullmatch(key)
+        if m:
+            found[int(m.group(1))] = int(value)
+    return [found[r] for r in sorted(found)]
+
+
+@dataclass
+class ServedGroupControl:
+    """The controller of one served group, fed by the router's stats polls (one observation per
+    poll: the replicas' running batches). Only AUTO decides; a pin reaches the worker through
+    Admin ApplyPolicy itself. Returns the mode to hand the group, if it switches."""
+
+    controller: ModeController | None = None
+
+    def observe(self, policy: policy_pb2.Policy, policy_stats: Mapping[str, float]) -> int | None:
+        batches = replica_batches(policy_stats)
+        if policy.WhichOneof("kind") != "sidp" or not batches:
+            self.controller = None
+            return None
+        params = ControllerParameters.from_proto(policy.sidp)
+        if params.mode != AUTO:
+            self.controller = None  # pinned: the worker runs the pin, nothing to decide
+            return None
+        if self.controller is None:
+            current = int(policy_stats.get("sidp_mode", WAS))
+            self.controller = ModeController(params, apply=lambda _: None, mode=current)
+        else:
+            self.controller.update(params)
+        return self.controller.observe(batches)
+
+    def decide(
+        self, policy: policy_pb2.Policy, policy_stats: Mapping[str, float]
+    ) -> policy_pb2.Policy | None:
+        """``observe``'s switch as the ApplyPolicy message that carries it to the worker."""
+        mode = self.observe(policy, policy_stats)
+        if mode is None:
+            return None
+        return policy_pb2.Policy(sidp=policy_pb2.SidpPolicy(mode=mode))  # type: ignore[arg-type]

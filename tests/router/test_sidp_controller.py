@@ -15,7 +15,7 @@ from gearshift.operator.router.sidp_controller import (
     InvalidControllerParameters,
     ModeController,
 )
-from gearshift.v1 import policy_pb2
+from gearshift.v1 import policy_pb2, worker_pb2
 
 
 def _controller(**kw: int) -> tuple[ModeController, list[int]]:
@@ -91,3 +91,40 @@ def test_parameters_come_from_the_proto_and_bad_ones_are_refused_naming_the_fiel
         ctl.update(ControllerParameters(cas_enter_batch_size=16, was_enter_batch_size=16))
     assert info.value.field == "sidp.was_enter_batch_size"
     assert ctl.params == params  # unchanged
+
+
+def _stats(mode: int, batches: list[int], group_mode: int = WAS) -> worker_pb2.WorkerStats:
+    stats = worker_pb2.WorkerStats(
+        policy=policy_pb2.Policy(
+            sidp=policy_pb2.SidpPolicy(
+                dp=len(batches),
+                mode=mode,  # type: ignore[arg-type]
+                cas_enter_batch_size=2,
+                was_enter_batch_size=4,
+                window_steps=2,
+                min_dwell_steps=3,
+            )
+        )
+    )
+    stats.policy_stats["sidp_mode"] = float(group_mode)
+    for r, b in enumerate(batches):
+        stats.policy_stats[f"replica{r}_batch"] = float(b)
+    return stats
+
+
+def test_the_served_controller_decides_from_polled_replica_batches_in_auto_only() -> None:
+    from gearshift.operator.router.policy_control import PolicyControl
+
+    control = PolicyControl()
+    decisions = [control.decide(_stats(AUTO, b)) for b in ([8, 8], [1, 0], [0, 0], [0, 1])]
+    # A window of 2 polls: the mean falls below 2 at the third poll; then the group is in CaS.
+    assert [d.sidp.mode if d else None for d in decisions] == [None, None, CAS, None]
+    # Back to WaS once 3 polls have passed since the switch (one was above) and the window's
+    # mean reaches 4: [0.5, 6] is 3.25, [6, 6] is 6.
+    later = [control.decide(_stats(AUTO, [6, 6])) for _ in range(4)]
+    assert [d.sidp.mode if d else None for d in later] == [None, WAS, None, None]
+    # A pinned group is the worker's: nothing to decide.
+    assert control.decide(_stats(CAS, [0, 0])) is None
+    # Not a sidp group (or no replica figures): no controller.
+    assert control.decide(worker_pb2.WorkerStats(policy=policy_pb2.Policy())) is None
+    assert control.decide(_stats(AUTO, [])) is None

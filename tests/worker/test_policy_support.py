@@ -22,7 +22,7 @@ def _policy(raw: dict) -> policy_pb2.Policy:
     ("raw", "field"),
     [
         ({"seesaw": {"prefill": {"pp": 2}, "decode": {"tp": 3}}}, "spec.policy.seesaw"),
-        ({"sidp": {"dp": 2}}, "spec.policy.sidp"),
+        ({"sidp": {"dp": 2, "tp": 2}}, "spec.policy.sidp.tp"),
         ({"tetris": {"decodeTp": 1}}, "spec.policy.tetris"),
         ({"static": {"dp": 4}}, "spec.policy.static.dp"),
     ],
@@ -70,3 +70,10 @@ def test_gearshift_worker_refuses_an_unrunnable_seesaw_layout_before_loading_any
     with pytest.raises(InvalidRequestError) as info:
         check_runnable(_policy(policy))
     assert info.value.field == "spec.policy.seesaw"  # the operator's InvalidSpec names it too
+
+
+def test_a_sidp_group_is_served_on_one_node_only() -> None:
+    assert check_runnable(_policy({"sidp": {"dp": 2}})).engine_replicas() == 2
+    with pytest.raises(InvalidRequestError) as info:
+        check_runnable(_policy({"sidp": {"dp": 2}}), nodes=2)
+    assert info.value.field == "spec.group.nodes"

@@ -72,8 +72,11 @@ class ReplicaExecutor:
         self.runner.shutdown()
 
 
-def _serve(engine: Any, sync: ReplicaSync | None, policy: Policy, conn: Any) -> None:
-    """The replica's loop: commands from the pipe, steps, and idle boundaries."""
+def _serve(
+    engine: Any, sync: ReplicaSync | None, policy: Policy, conn: Any, stream: bool = False
+) -> None:
+    """The replica's loop: commands from the pipe, steps, and idle boundaries. ``stream``: send
+    every step's RequestOutput (("out", output), for a server) instead of finished token lists."""
     stopping = False
     tokens: dict[str, list[int]] = {}  # generated so far, per running request
     while True:
@@ -86,15 +89,22 @@ def _serve(engine: Any, sync: ReplicaSync | None, policy: Policy, conn: Any) -> 
                     engine.add_request(rid, ids, params)
                 except InvalidRequestError as exc:
                     conn.send(("finished", rid, [], f"error: {exc}"))
+            elif cmd[0] == "abort":
+                engine.abort_request(cmd[1])
             elif cmd[0] == "stats":
                 extra = sync.stats() if sync is not None else {}
                 stats = engine.stats()
                 conn.send(("stats", {"policy": policy.stats(), "sync": extra, "engine": stats}))
+            elif cmd[0] == "snapshot":  # a server's periodic stats (no mode tags)
+                conn.send(("snapshot", engine.stats()))
             elif cmd[0] == "stop":
                 stopping = True
             busy = engine.has_unfinished_requests()
         if busy:
             for out in engine.step():
+                if stream:
+                    conn.send(("out", out))
+                    continue
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
                 if out.finished:
                     reason = out.error or (out.finish_reason.value if out.finish_reason else "")
@@ -119,6 +129,7 @@ def replica_main(
     port: int,
     conn: Any,
     cores: Sequence[int],
+    stream: bool = False,
 ) -> None:
     """One replica's process (tp = 1: the replica is this rank)."""
     die_with_parent()
@@ -134,8 +145,10 @@ def replica_main(
         state = join_group(config, policy, group, rank, store, port)
         sync = policy.replica_sync(store)
         engine = _engine(config, policy, state, ReplicaExecutor(state.runner, sync, rank))
-        conn.send(("ready", {"num_blocks": state.num_blocks}))
-        _serve(engine, sync, policy, conn)
+        conn.send(
+            ("ready", {"num_blocks": state.num_blocks, "max_model_len": engine.max_model_len})
+        )
+        _serve(engine, sync, policy, conn, stream)
         leaked = engine.blocks.leaked_blocks()
         free = engine.blocks.num_free_blocks == engine.blocks.num_blocks
         engine.shutdown()
@@ -185,6 +198,8 @@ class ReplicaGroup:
                 msg = self.conns[r].recv()
                 if msg[0] == kind:
                     return msg
+                if msg[0] == "out":
+                    continue  # a stream's output after its reader stopped (shutdown)
                 if msg[0] != "finished":
                     raise RuntimeError(f"replica {r}: expected {kind}, got {msg[0]}")
                 self._early.setdefault(r, []).append(msg)
@@ -243,6 +258,7 @@ class ReplicaGroup:
         finally:
             self._closed = True
             stop_processes(self.procs, timeout=10)
+            self.policy.release_group()
             for conn in self.conns:
                 conn.close()
             self.store = None
@@ -255,13 +271,15 @@ class ReplicaGroup:
             if proc.is_alive():
                 proc.kill()
         stop_processes(self.procs, timeout=10)
+        self.policy.release_group()
         self.store = None
 
 
 def start_replicas(
-    config: EngineConfig, policy: Policy, group: GroupConfig | None = None
+    config: EngineConfig, policy: Policy, group: GroupConfig | None = None, stream: bool = False
 ) -> ReplicaGroup:
-    """Spawn the group's replicas on this host and wait until each has loaded."""
+    """Spawn the group's replicas on this host and wait until each has loaded; ``stream``: they
+    send every step's outputs (a server's replicas, see worker/server/replica_engine.py)."""
     group = group or GroupConfig()
     world = policy.world_size
     if policy.engine_replicas() != world:
@@ -285,7 +303,7 @@ def start_replicas(
         parent, child = ctx.Pipe()
         proc = ctx.Process(
             target=replica_main,
-            args=(config, policy, group, rank, port, child, cores),
+            args=(config, policy, group, rank, port, child, cores, stream),
             name=f"gearshift-replica-{rank}",
             daemon=True,
         )

@@ -167,6 +167,21 @@ class Policy(ABC):
         """Policy-specific figures for GetStats and metrics (empty by default)."""
         return {}
 
+    def group_stats(self, replicas: list[dict[str, float]]) -> dict[str, float]:
+        """A replica group's figures from each replica's ``stats()`` (in order), for the one
+        worker endpoint that serves the group; by default each figure per replica."""
+        return {f"replica{r}_{k}": v for r, part in enumerate(replicas) for k, v in part.items()}
+
+    def release_group(self) -> None:
+        """In the process that hosted a replica group, once its processes are gone (stopped or
+        killed): release the host resources a killed replica could not (nothing by default)."""
+        return None
+
+    def apply_group_live(self, store: Any, values: dict[str, LiveValue]) -> None:
+        """After ``update_live`` in the process that hosts a replica group (its rendezvous
+        ``store``): pass what the replicas must see at a step boundary (nothing by default)."""
+        del store, values
+
     def bind(self, scheduler: Scheduler, blocks: BlockManager) -> None:
         """The leader's scheduler and KV blocks, for a policy that moves KV between tiers."""
         del scheduler, blocks

@@ -30,15 +30,9 @@ def check_runnable(
     from gearshift.worker.policies.registry import make_policy
 
     try:
+        # A policy of several engine replicas is served by one worker endpoint that hosts its
+        # replica group (worker/server/replica_engine.py).
         running = make_policy(policy, world_size)
-        if running.engine_replicas() > 1:
-            # Replica groups run through launch/replicas.py (tests, benchmarks); the worker
-            # server and the router do not host them yet.
-            raise InvalidRequestError(
-                f"policy.{running.kind}",
-                f"policy {running.kind!r} (one group of {running.engine_replicas()} engine "
-                "replicas) cannot be served by gearshift serve / gearshift worker yet",
-            )
     except InvalidRequestError as exc:
         field = exc.field if exc.field.startswith("spec.") else f"spec.{exc.field}"
         if not field.startswith("spec.policy"):

@@ -20,9 +20,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gearshift.v1 import worker_pb2, worker_pb2_grpc
+from gearshift.worker.policies.registry import make_policy
 from gearshift.worker.server import auth
 from gearshift.worker.server.engine_process import EngineStartError, ProcessEngine
 from gearshift.worker.server.handle import EngineHandle
+from gearshift.worker.server.replica_engine import ReplicaGroupEngine
 from gearshift.worker.server.service import WorkerInfo, WorkerService
 from gearshift.worker.server.settings import WorkerSettings
 
@@ -120,7 +122,11 @@ class WorkerProcess:
 
     async def _serve_leader(self) -> None:
         s = self.settings
-        engine = ProcessEngine(s)
+        engine: ProcessEngine | ReplicaGroupEngine = (
+            ReplicaGroupEngine(s)
+            if make_policy(s.policy, s.ranks).engine_replicas() > 1
+            else ProcessEngine(s)
+        )
         load = asyncio.ensure_future(engine.start())
         stopped = asyncio.ensure_future(self.stop.wait())
         await asyncio.wait([load, stopped], return_when=asyncio.FIRST_COMPLETED)

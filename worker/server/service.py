@@ -21,6 +21,16 @@ from gearshift.worker.server.handle import EngineHandle
 
 log = logging.getLogger(__name__)
 
+# Marks an ApplyPolicy call as a router controller's decision (operator/router/policy_control.py).
+DECISION_METADATA_KEY = "gearshift-controller-decision"
+
+
+def _is_decision(context: grpc.aio.ServicerContext) -> bool:
+    return any(
+        k == DECISION_METADATA_KEY and v == "1" for k, v in (context.invocation_metadata() or ())
+    )
+
+
 # Trailing metadata key naming the offending request field of an INVALID_ARGUMENT status.
 PARAM_METADATA_KEY = "gearshift-param"
 
@@ -150,7 +160,17 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         await self._check_ready(context)
         try:
             values = convert.live_update(self.engine.policy, request.policy)
-            if values:
+            if _is_decision(context):
+                # A router-side controller's decision (operator/router/policy_control.py): the
+                # group acts on it; the configured policy stays as it is.
+                decide = getattr(self.engine, "apply_decision", None)
+                if decide is None:
+                    raise InvalidRequestError(
+                        "policy", "this group's engine takes no controller decisions"
+                    )
+                await decide(values)
+                log.info("applied a controller decision %s", values)
+            elif values:
                 await self.engine.apply_live(values)
                 log.info("applied live policy parameters %s", values)
         except InvalidRequestError as exc:

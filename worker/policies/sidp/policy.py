@@ -26,7 +26,7 @@ from gearshift.worker.model.config import ModelConfig
 from gearshift.worker.policies.base import Policy, RankContext, RankModel
 from gearshift.worker.policies.sidp.cas import CasExchange
 from gearshift.worker.policies.sidp.ffn import FfnService, Mode, SidpFFN
-from gearshift.worker.policies.sidp.group_step import GroupStep
+from gearshift.worker.policies.sidp.group_step import GroupStep, request_mode
 from gearshift.worker.policies.sidp.housekeeper import Housekeeper
 from gearshift.worker.policies.sidp.ownership import Ownership, WeightBytes, weight_bytes
 from gearshift.worker.policies.sidp.shared_weights import (
@@ -44,6 +44,9 @@ class SidpPolicy(Policy):
     """dp replicas (tp = 1 each) sharing FFN weights; ``mode`` and thresholds are live."""
 
     kind = "sidp"
+    # The replicas share FFN weights through the host's shared memory (and the worker endpoint
+    # hosts every replica): a group spanning nodes is refused.
+    single_node = True
 
     def __init__(self, policy: policy_pb2.Policy, world_size: int) -> None:
         super().__init__(policy, world_size)
@@ -198,3 +201,37 @@ class SidpPolicy(Policy):
         if self._sync is not None:
             out["sidp_switches"] = float(self._sync.switches)
         return out
+
+    def group_stats(self, replicas: list[dict[str, float]]) -> dict[str, float]:
+        """The group's mode and switches (the same on every replica after a boundary: the
+        newest), counters summed over replicas, and each replica's own figures."""
+        out = super().group_stats(replicas)
+        for key in ("sidp_mode", "sidp_switches"):
+            values = [part[key] for part in replicas if key in part]
+            if values:
+                out[key] = max(values)
+        for key in (
+            "sidp_fetched_weight_bytes",
+            "sidp_slot_waits",
+            "sidp_cas_fused_rows",
+            "sidp_skipped_dummies",
+        ):
+            out[key] = sum(part.get(key, 0.0) for part in replicas)
+        return out
+
+    def apply_group_live(self, store: Any, values: dict[str, Any]) -> None:
+        """A pinned ``mode`` reaches every replica at one step boundary (group_step); the
+        controller's thresholds are the router's. What a running replica cannot take is refused."""
+        for name in ("prefetch_depth", "dummy_skipping"):
+            if name in values:
+                raise InvalidRequestError(
+                    f"sidp.{name}",
+                    f"sidp.{name} cannot be changed while a replica group runs (restart it)",
+                )
+        mode = values.get("mode")
+        if mode in ("WAS", "CAS"):
+            request_mode(store, Mode.WAS if mode == "WAS" else Mode.CAS)
+
+    def release_group(self) -> None:
+        """A killed replica (or its peers, killed with it) leaves its FFN segments behind."""
+        clean_stale()
