@@ -61,7 +61,10 @@ def _all_strings(value: Any) -> bool:
 
 
 def test_worker_pods_get_the_launcher_environment_and_argument_arrays() -> None:
-    spec = parse(_body("seesaw"))
+    # Rendering only: a group of two 4-GPU nodes (seesaw.yaml itself is one node, since its
+    # host KV tier is one node's memory; the render does not check what an engine runs).
+    group = {"nodes": 2, "gpusPerNode": 4, "shmSize": "320Gi"}
+    spec = parse(_body("seesaw", group=group, scheduling={"gang": {"scheduler": "volcano"}}))
     sts = render_workers.stateful_set(spec, 1, "cluster.local")
     pod = sts["spec"]["template"]["spec"]
     c = pod["containers"][0]
