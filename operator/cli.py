@@ -17,11 +17,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from gearshift.worker.config import EngineConfig
     from gearshift.worker.errors import GearshiftError
     from gearshift.worker.launch import start_engine
     from gearshift.worker.policies.flags import policy_from_args
     from gearshift.worker.sampling.params import InvalidSamplingParams, SamplingParams
+    from gearshift.worker.server.settings import engine_config
     from gearshift.worker.tokenizer.errors import TokenizerError
 
     try:
@@ -33,20 +33,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             seed=args.seed,
             ignore_eos=args.ignore_eos,
         )
-        config = EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            block_size=args.block_size,
-            kv_cache_bytes=args.kv_cache_bytes,
-            enable_prefix_caching=args.enable_prefix_caching,
-            num_threads=args.num_threads,
-            prefill_threads=args.prefill_threads,
-            show_progress=True,
-        )
+        config = engine_config(args, show_progress=True)
         engine = start_engine(config, policy_from_args(args))
         assert engine.tokenizer is not None
         if args.chat:

@@ -32,10 +32,10 @@ def run(args: argparse.Namespace) -> int:
 
     from gearshift.operator.sim.cost_model import CostModelError
     from gearshift.operator.sim.profile import ProfileGrid, measure
-    from gearshift.worker.config import EngineConfig
     from gearshift.worker.errors import GearshiftError
     from gearshift.worker.launch import start_engine
     from gearshift.worker.policies.flags import policy_from_args
+    from gearshift.worker.server.settings import engine_config
 
     grid = ProfileGrid()
     if args.quick:
@@ -48,20 +48,11 @@ def run(args: argparse.Namespace) -> int:
             repeats=1,
         )
     try:
-        config = EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            block_size=args.block_size,
-            kv_cache_bytes=args.kv_cache_bytes,
+        config = engine_config(
+            args,
             # Profiling prompts are random; a prefix hit would only shorten steps unevenly.
             enable_prefix_caching=False,
             skip_tokenizer_init=True,  # the profile sends token ids
-            num_threads=args.num_threads,
-            prefill_threads=args.prefill_threads,
         )
         policy = policy_from_args(args)
         engine = start_engine(config, policy)

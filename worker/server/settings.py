@@ -13,13 +13,16 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gearshift.v1 import policy_fields, policy_pb2
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.model.registry import default_served_name
 from gearshift.worker.policies.support import check_runnable
 from gearshift.worker.server import auth
+
+if TYPE_CHECKING:
+    from gearshift.worker.config import EngineConfig
 
 DEFAULT_WORKER_PORT = 50051
 # Low enough that a hung (e.g. SIGSTOPped) rank turns the group not ready within 5 s: the
@@ -97,6 +100,28 @@ def add_engine_args(
     p.add_argument("--num-threads", type=int, default=None, help=threads_help)
     p.add_argument("--prefill-threads", type=int, default=None, help=prefill_threads_help)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+
+
+def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    """The EngineConfig of the flags `add_engine_args` added (plus ``--model``); ``overrides``
+    win (what a command fixes, such as prefix caching off for profiling)."""
+    from gearshift.worker.config import EngineConfig
+
+    knobs: dict[str, Any] = dict(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_bytes,
+        enable_prefix_caching=args.enable_prefix_caching,
+        num_threads=args.num_threads,
+        prefill_threads=args.prefill_threads,
+    )
+    knobs.update(overrides)
+    return EngineConfig(**knobs)
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
