@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from typing import Any
 
 from gearshift.worker.errors import InvalidRequestError
@@ -36,6 +37,27 @@ class GroupConfig:
 
     def local_ranks(self, world_size: int) -> int:
         return self.ranks_per_node or world_size
+
+    def host_store(self, world_size: int) -> Any:
+        """The leader's rendezvous store (a ``torch.distributed.TCPStore``; its ``port`` is the
+        one picked when ``group_port`` is 0). Ranks join it with ``join_store``."""
+        import torch.distributed as dist
+
+        return dist.TCPStore(
+            self.group_addr,
+            self.group_port,
+            world_size,
+            is_master=True,
+            timeout=timedelta(seconds=self.timeout_s),
+            wait_for_workers=False,
+        )
+
+    def join_store(self, world_size: int, port: int) -> Any:
+        """A rank's client of the leader's store at ``port``."""
+        import torch.distributed as dist
+
+        timeout = timedelta(seconds=self.timeout_s)
+        return dist.TCPStore(self.group_addr, port, world_size, is_master=False, timeout=timeout)
 
     def check(self, world_size: int) -> None:
         """Refuse a rendezvous that cannot hold ``world_size`` ranks, naming the field."""

@@ -17,7 +17,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from gearshift.v1 import policy_pb2
 from gearshift.worker.config import EngineConfig
@@ -119,15 +118,7 @@ def start_engine(
             "node_rank", "only node 0 hosts the leader; other nodes run run_node"
         )
     set_threads(config, group, world)
-    timeout = timedelta(seconds=group.timeout_s)
-    store = dist.TCPStore(
-        group.group_addr,
-        group.group_port,
-        world,
-        is_master=True,
-        timeout=timeout,
-        wait_for_workers=False,
-    )
+    store = group.host_store(world)
     port = int(store.port)
     local = group.local_ranks(world)
     orphan_guard = local == world

@@ -152,10 +152,9 @@ def follower_main(
     world = policy.world_size
     set_threads(config, group, world)
     bind_rank_cores(config, group, world, rank % group.local_ranks(world), cores)
-    timeout = timedelta(seconds=group.timeout_s)
     state: RankState | None = None
     try:
-        store = dist.TCPStore(group.group_addr, port, world, is_master=False, timeout=timeout)
+        store = group.join_store(world, port)
         state = join_group(config, policy, group, rank, store, port)
         assert state.channel is not None and state.watchdog is not None
         follow(state.runner, state.channel, state.watchdog)

@@ -16,7 +16,6 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -139,9 +138,8 @@ def replica_main(
     world = policy.world_size
     set_threads(config, group, world)
     bind_rank_cores(config, group, world, rank, cores)
-    timeout = timedelta(seconds=group.timeout_s)
     try:
-        store = dist.TCPStore(group.group_addr, port, world, is_master=False, timeout=timeout)
+        store = group.join_store(world, port)
         state = join_group(config, policy, group, rank, store, port)
         sync = policy.replica_sync(store)
         engine = _engine(config, policy, state, ReplicaExecutor(state.runner, sync, rank))
@@ -286,15 +284,7 @@ def start_replicas(
         raise InvalidRequestError(
             "policy", "a replica group needs one rank per replica (tp = 1) on this host"
         )
-    timeout = timedelta(seconds=group.timeout_s)
-    store = dist.TCPStore(
-        group.group_addr,
-        group.group_port,
-        world,
-        is_master=True,
-        timeout=timeout,
-        wait_for_workers=False,
-    )
+    store = group.host_store(world)
     port = int(store.port)
     ctx = mp.get_context("spawn")
     cores = usable_cores()
