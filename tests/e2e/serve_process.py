@@ -146,3 +146,17 @@ def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.1) -
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def named_descendants(pid: int, prefix: str) -> list[psutil.Process]:
+    """Processes under ``pid`` whose name (what ``ps`` shows) starts with ``prefix``: ranks are
+    forked from fork servers, so they are found by the names they set (gs-engine, gs-rank-N,
+    gs-replica-N), not by their parent or command line."""
+    found = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if p.name().startswith(prefix):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return sorted(found, key=lambda p: p.name())

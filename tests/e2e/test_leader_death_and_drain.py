@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from gearshift.v1 import router_pb2, router_pb2_grpc
-from tests.e2e.serve_process import ServeProcess, wait_for
+from tests.e2e.serve_process import ServeProcess, named_descendants, wait_for
 
 LONG = {
     "model": "smollm2",
@@ -69,11 +69,11 @@ def serve3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
 
 def _rank0(worker_pid: int) -> tuple[psutil.Process, list[psutil.Process]]:
     """The group leader's engine process (rank 0) and its follower ranks."""
-    for child in psutil.Process(worker_pid).children():
-        followers = child.children()
-        if len(followers) == RANKS - 1:
-            return child, followers
-    raise AssertionError(f"no rank 0 with {RANKS - 1} followers under worker {worker_pid}")
+    engines = named_descendants(worker_pid, "gs-engine")
+    assert len(engines) == 1, f"{len(engines)} engine processes under worker {worker_pid}"
+    followers = named_descendants(engines[0].pid, "gs-rank-")
+    assert len(followers) == RANKS - 1, f"rank 0 has {len(followers)} followers"
+    return engines[0], followers
 
 
 async def _stream(client: httpx.AsyncClient, events: list[dict]) -> None:

@@ -12,7 +12,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.serve_process import ServeProcess, wait_for
+from tests.e2e.serve_process import ServeProcess, named_descendants, wait_for
 
 GROUP = "gearshift-g0"
 
@@ -55,17 +55,12 @@ def _is_rank_of(p: psutil.Process, serve: ServeProcess) -> bool:
 
 
 def _ranks(serve: ServeProcess) -> list[psutil.Process]:
-    """Rank 0 (the engine process, a child of the group's worker process), then its followers."""
-    worker = psutil.Process(serve.worker_pid(GROUP))
-    for engine in worker.children():
-        if "resource_tracker" in " ".join(engine.cmdline()):
-            continue
-        followers = [
-            p for p in engine.children() if "resource_tracker" not in " ".join(p.cmdline())
-        ]
-        if followers:
-            return [engine, *followers]
-    raise AssertionError(f"no engine process with followers under worker {worker.pid}")
+    """Rank 0 (the engine process, under the group's worker process), then its followers."""
+    engines = named_descendants(serve.worker_pid(GROUP), "gs-engine")
+    assert len(engines) == 1, f"{len(engines)} engine processes under the worker"
+    followers = named_descendants(engines[0].pid, "gs-rank-")
+    assert followers, f"no followers under engine {engines[0].pid}"
+    return [engines[0], *followers]
 
 
 def _ready(serve: ServeProcess) -> int:

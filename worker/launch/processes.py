@@ -3,7 +3,10 @@ group."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import ctypes
+import os
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -14,6 +17,54 @@ from gearshift.worker.launch.host import usable_cores
 from gearshift.worker.launch.rank import follower_main
 from gearshift.worker.policies.base import Policy
 
+# What a rank process imports before it can run anything (torch, the engine, the policies).
+_RANK_MODULES = ["gearshift.worker.launch.rank"]
+
+
+def rank_context() -> Any:
+    """The multiprocessing context ranks start from: a fork server that has imported torch and
+    the engine once. With plain spawn every rank paid that import (over 2 s of CPU) at every
+    group start; a group restarted after a failure, or a process that starts many groups,
+    now pays it once. Not fork: the parent may already run threads (gRPC, the engine loop) or
+    hold a CUDA context, which a fork must not copy; the fork server is a clean process that
+    imported modules and did nothing else."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_RANK_MODULES)
+    return ctx
+
+
+def set_process_name(name: str) -> None:
+    """The name ``ps``/``top`` show (Linux comm, 15 bytes): forked ranks would all show the
+    fork server's command line, so each says what it is (gs-engine, gs-rank-2, ...)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(15, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)  # PR_SET_NAME
+
+
+def start_in_environment(
+    env: dict[str, str], name: str, target: Callable[..., None], *args: Any
+) -> None:
+    """A process's entry: the fork server's environment is the one it started with, so the
+    parent's environment at the time of this start (as spawn would give it) is applied
+    before ``target`` runs."""
+    os.environ.clear()
+    os.environ.update(env)
+    set_process_name(name)
+    target(*args)
+
+
+def start_rank(ctx: Any, target: Callable[..., None], args: tuple[Any, ...], name: str) -> Any:
+    """Start one rank process named ``name`` (daemonic: it never outlives the parent's clean
+    exit)."""
+    proc = ctx.Process(
+        target=start_in_environment,
+        args=(dict(os.environ), name, target, *args),
+        name=name,
+        daemon=True,
+    )
+    proc.start()
+    return proc
+
 
 def spawn_followers(
     config: EngineConfig,
@@ -23,19 +74,17 @@ def spawn_followers(
     port: int,
     orphan_guard: bool,
 ) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     cores = usable_cores()  # before the leader pins itself: every rank splits the same set
-    procs = []
-    for rank in ranks:
-        proc = ctx.Process(
-            target=follower_main,
-            args=(config, policy, group, rank, port, orphan_guard, cores),
-            name=f"gearshift-rank-{rank}",
-            daemon=True,
+    return [
+        start_rank(
+            ctx,
+            follower_main,
+            (config, policy, group, rank, port, orphan_guard, cores),
+            f"gs-rank-{rank}",
         )
-        proc.start()
-        procs.append(proc)
-    return procs
+        for rank in ranks
+    ]
 
 
 def stop_processes(procs: list[Any], timeout: float = 30.0) -> None:

@@ -17,7 +17,7 @@ import contextlib
 import ctypes
 import itertools
 import logging
-import multiprocessing as mp
+import os
 import signal
 import sys
 import threading
@@ -30,6 +30,7 @@ from gearshift.worker.engine.contract import LiveValue
 from gearshift.worker.engine.llm_engine import EngineStats
 from gearshift.worker.engine.outputs import RequestOutput
 from gearshift.worker.errors import GearshiftError, GroupFailure, InvalidRequestError
+from gearshift.worker.launch.processes import rank_context, start_in_environment
 from gearshift.worker.sampling.params import InvalidSamplingParams, SamplingParams
 from gearshift.worker.server.engine_loop import EngineFailure, EngineStopped, OutputSink
 from gearshift.worker.server.settings import WorkerSettings
@@ -197,11 +198,18 @@ class ProcessEngine:
         # (e.g. SIGSTOP): the group's leader rank, which its watchdog cannot judge itself.
         self._hung_after_s = max(settings.heartbeat_timeout_s, 4 * STATS_INTERVAL_S)
         self._last_heard = time.monotonic()
-        ctx = mp.get_context("spawn")
+        ctx = rank_context()  # a restart after a failure does not re-import torch
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
-            target=_child_main,
-            args=(settings, child, logging.getLogger().level),
+            target=start_in_environment,
+            args=(
+                dict(os.environ),
+                "gs-engine",
+                _child_main,
+                settings,
+                child,
+                logging.getLogger().level,
+            ),
             name=f"gearshift-engine-{settings.group_name or 'local'}",
         )
         self._child_conn = child

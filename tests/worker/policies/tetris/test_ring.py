@@ -5,13 +5,13 @@ ring), and a ring over a subset of a group's ranks works without creating a grou
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 from pathlib import Path
 
 import pytest
 import torch
 
 from gearshift.worker.comm import CommGroup
+from gearshift.worker.launch.processes import rank_context
 from gearshift.worker.policies.tetris.ring import History, Ring, ring_attention_with_history
 from gearshift.worker.policies.tetris.zigzag import ZigZag, even_split
 from tests.worker.policies.tetris import ring_driver
@@ -20,7 +20,7 @@ TOL = 2e-5  # fp32 against a float64 reference
 
 
 def _run_world(world: int, tmp: Path) -> dict[int, dict[str, dict[str, float]]]:
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()  # torch imported once, not per rank
     procs = [
         ctx.Process(target=ring_driver.run_rank, args=(r, world, str(tmp / "store"), str(tmp)))
         for r in range(world)
