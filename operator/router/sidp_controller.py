@@ -9,10 +9,14 @@ group. Parameters are live (Admin ApplyPolicy hands the new ``SidpPolicy`` messa
 ``update``). The decision is handed to ``apply``, which tells the group (the worker side makes
 it take effect at one step boundary on every replica).
 
-Serving, ``ServedGroupControl`` runs it for a group the router polls: one observation per stats
-poll (each replica's running batch from ``WorkerStats.policy_stats``); the router hands a switch
-to the worker as a controller decision (policy_control.py), which the group applies at one step
-boundary on every replica without changing its configured ``mode``.
+Serving, ``ServedGroupControl`` runs it for a group the router polls. A poll covers many steps:
+from each replica's cumulative step and generated-token counters (``replica<r>_steps``,
+``replica<r>_generation_tokens``) it derives how many group steps ran since the last poll and the
+mean batch per replica over them (each running sequence emits one token per step), so
+``window_steps`` and ``min_dwell_steps`` count engine steps, as the paper's do, however often the
+router polls. The router hands a switch to the worker as a controller decision
+(policy_control.py), which the group applies at one step boundary on every replica without
+changing its configured ``mode``.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from gearshift.v1 import policy_pb2
 WAS = policy_pb2.SidpPolicy.WAS
 CAS = policy_pb2.SidpPolicy.CAS
 AUTO = policy_pb2.SidpPolicy.AUTO
-_BATCH_KEY = re.compile(r"replica(\d+)_batch")
+_COUNTER_KEY = re.compile(r"replica(\d+)_(steps|generation_tokens)")
 
 
 class InvalidControllerParameters(ValueError):
@@ -82,26 +86,34 @@ class ModeController:
     switches: int = 0
     steps: int = 0
     _since_switch: int = 0
-    _window: deque[float] = field(default_factory=deque)
+    # The last window_steps steps as runs of (steps, mean batch per replica), oldest first.
+    _window: deque[tuple[int, float]] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
         self.params.check()
         if self.params.mode in (WAS, CAS):
             self.mode = self.params.mode
-        self._window = deque(maxlen=self.params.window_steps)
         self._since_switch = self.params.min_dwell_steps  # the first switch may come at once
 
     def update(self, params: ControllerParameters) -> None:
         """Live parameters (ApplyPolicy); a new pin takes effect at the next observation."""
         params.check()
         self.params = params
-        self._window = deque(self._window, maxlen=params.window_steps)
+        self._trim()
 
     def observe(self, batch_sizes: Sequence[int]) -> int | None:
         """One group step's batch size per replica; the new mode when the group switches."""
-        self.steps += 1
-        self._since_switch += 1
-        self._window.append(sum(batch_sizes) / max(1, len(batch_sizes)))
+        return self.observe_steps(1, sum(batch_sizes) / max(1, len(batch_sizes)))
+
+    def observe_steps(self, steps: int, mean_batch: float) -> int | None:
+        """``steps`` group steps whose batch per replica averaged ``mean_batch``; the new mode
+        when the group switches (decided once, after them)."""
+        if steps <= 0:
+            return None
+        self.steps += steps
+        self._since_switch += steps
+        self._window.append((steps, mean_batch))
+        self._trim()
         target = self._target()
         if target is None or target == self.mode:
             return None
@@ -115,40 +127,82 @@ class ModeController:
         p = self.params
         if p.mode in (WAS, CAS):
             return p.mode  # a pin is obeyed at once, dwell or not
-        if self._since_switch < p.min_dwell_steps or len(self._window) < p.window_steps:
+        if self._since_switch < p.min_dwell_steps or self._held() < p.window_steps:
             return None
-        mean = sum(self._window) / len(self._window)
+        mean = self.mean_batch()
         if self.mode == WAS and mean < p.cas_enter_batch_size:
             return CAS
         if self.mode == CAS and mean >= p.was_enter_batch_size:
             return WAS
         return None
 
+    def _held(self) -> int:
+        return sum(n for n, _ in self._window)
+
+    def _trim(self) -> None:
+        """Keep exactly the last window_steps steps (the oldest run may be cut)."""
+        excess = self._held() - self.params.window_steps
+        while excess > 0 and self._window:
+            n, mean = self._window[0]
+            if n <= excess:
+                self._window.popleft()
+                excess -= n
+            else:
+                self._window[0] = (n - excess, mean)
+                excess = 0
+
     def mean_batch(self) -> float:
-        return sum(self._window) / len(self._window) if self._window else 0.0
+        held = self._held()
+        return sum(n * m for n, m in self._window) / held if held else 0.0
 
 
-def replica_batches(policy_stats: Mapping[str, float]) -> list[int]:
-    """Each replica's running batch from a served group's stats (``replica<r>_batch``)."""
-    found = {}
+def replica_counters(policy_stats: Mapping[str, float]) -> dict[int, tuple[int, int]]:
+    """Each replica's cumulative (steps, generated tokens) from a served group's stats."""
+    found: dict[int, dict[str, int]] = {}
     for key, value in policy_stats.items():
-        m = _BATCH_KEY.fullmatch(key)
+        m = _COUNTER_KEY.fullmatch(key)
         if m:
-            found[int(m.group(1))] = int(value)
-    return [found[r] for r in sorted(found)]
+            found.setdefault(int(m.group(1)), {})[m.group(2)] = int(value)
+    return {
+        r: (c["steps"], c["generation_tokens"])
+        for r, c in sorted(found.items())
+        if "steps" in c and "generation_tokens" in c
+    }
+
+
+def steps_between(
+    before: Mapping[int, tuple[int, int]], after: Mapping[int, tuple[int, int]]
+) -> tuple[int, float] | None:
+    """(group steps, mean batch per replica) between two polls of the replicas' counters, or
+    None when they are not comparable (other replicas, or a counter went back: a restart).
+
+    A group step is one step of the busiest replica (in CaS all replicas step together; in WaS
+    an idle replica does not step, and counts as batch 0): the mean batch per replica is the
+    tokens all replicas generated over (replicas × group steps)."""
+    if not after or before.keys() != after.keys():
+        return None
+    deltas = [(after[r][0] - before[r][0], after[r][1] - before[r][1]) for r in after]
+    if any(ds < 0 or dt < 0 for ds, dt in deltas):
+        return None
+    steps = max(ds for ds, _ in deltas)
+    if steps == 0:
+        return 0, 0.0
+    return steps, sum(dt for _, dt in deltas) / (len(deltas) * steps)
 
 
 @dataclass
 class ServedGroupControl:
-    """The controller of one served group, fed by the router's stats polls (one observation per
-    poll: the replicas' running batches). Only AUTO decides; a pin reaches the worker through
-    Admin ApplyPolicy itself. Returns the mode to hand the group, if it switches."""
+    """The controller of one served group, fed by the router's stats polls: each poll adds the
+    group steps that ran since the previous one. Only AUTO decides; a pin reaches the worker
+    through Admin ApplyPolicy itself. Returns the mode to hand the group, if it switches."""
 
     controller: ModeController | None = None
+    _last: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def observe(self, policy: policy_pb2.Policy, policy_stats: Mapping[str, float]) -> int | None:
-        batches = replica_batches(policy_stats)
-        if policy.WhichOneof("kind") != "sidp" or not batches:
+        counters = replica_counters(policy_stats)
+        before, self._last = self._last, counters
+        if policy.WhichOneof("kind") != "sidp" or not counters:
             self.controller = None
             return None
         params = ControllerParameters.from_proto(policy.sidp)
@@ -160,7 +214,10 @@ class ServedGroupControl:
             self.controller = ModeController(params, apply=lambda _: None, mode=current)
         else:
             self.controller.update(params)
-        return self.controller.observe(batches)
+        span = steps_between(before, counters)
+        if span is None:
+            return None  # the first poll (or after a restart): counters to compare with next
+        return self.controller.observe_steps(*span)
 
     def decide(
         self, policy: policy_pb2.Policy, policy_stats: Mapping[str, float]

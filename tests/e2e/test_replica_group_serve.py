@@ -168,7 +168,8 @@ def test_the_routers_controller_switches_an_auto_group_and_the_config_stays_auto
     _apply(sidp_serve, policy_pb2.SidpPolicy(mode=policy_pb2.SidpPolicy.WAS))
     wait_for(lambda: _policy_stats(sidp_serve).get("sidp_mode") == 2.0, 30, "the WaS pin")
     before = _policy_stats(sidp_serve)["sidp_switches"]
-    # AUTO with thresholds an idle group crosses at once: mean batch 0 < 1 -> CaS.
+    # AUTO with thresholds one request crosses: the controller counts engine steps (an idle
+    # group takes none), and one sequence on one of two replicas is a mean batch of 0.5 < 1.
     _apply(
         sidp_serve,
         policy_pb2.SidpPolicy(
@@ -179,6 +180,7 @@ def test_the_routers_controller_switches_an_auto_group_and_the_config_stays_auto
             min_dwell_steps=0,
         ),
     )
+    _complete(sidp_serve, PROMPTS[0])
     stats = wait_for(
         lambda: (s := _policy_stats(sidp_serve)).get("sidp_mode") == 3.0 and s,
         30,

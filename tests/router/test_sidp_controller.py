@@ -93,38 +93,79 @@ def test_parameters_come_from_the_proto_and_bad_ones_are_refused_naming_the_fiel
     assert ctl.params == params  # unchanged
 
 
-def _stats(mode: int, batches: list[int], group_mode: int = WAS) -> worker_pb2.WorkerStats:
+def _stats(
+    mode: int, counters: list[tuple[int, int]], group_mode: int = WAS
+) -> worker_pb2.WorkerStats:
+    """A served group's stats: each replica's cumulative (steps, generated tokens)."""
     stats = worker_pb2.WorkerStats(
         policy=policy_pb2.Policy(
             sidp=policy_pb2.SidpPolicy(
-                dp=len(batches),
+                dp=len(counters),
                 mode=mode,  # type: ignore[arg-type]
                 cas_enter_batch_size=2,
                 was_enter_batch_size=4,
-                window_steps=2,
-                min_dwell_steps=3,
+                window_steps=20,
+                min_dwell_steps=30,
             )
         )
     )
     stats.policy_stats["sidp_mode"] = float(group_mode)
-    for r, b in enumerate(batches):
-        stats.policy_stats[f"replica{r}_batch"] = float(b)
+    for r, (steps, tokens) in enumerate(counters):
+        stats.policy_stats[f"replica{r}_steps"] = float(steps)
+        stats.policy_stats[f"replica{r}_generation_tokens"] = float(tokens)
     return stats
 
 
-def test_the_served_controller_decides_from_polled_replica_batches_in_auto_only() -> None:
+def test_windows_and_dwell_count_steps_however_many_one_observation_covers():
+    ctl, applied = _controller(window_steps=10, min_dwell_steps=50)
+    assert ctl.observe_steps(9, 1.0) is None  # 9 steps: the window (10 steps) is not full
+    assert ctl.observe_steps(1, 1.0) == CAS
+    # 40 steps at batch 100: the window is full of them, but 40 < 50 steps since the switch.
+    assert ctl.observe_steps(40, 100.0) is None
+    assert ctl.observe_steps(9, 100.0) is None  # 49
+    assert ctl.observe_steps(1, 100.0) == WAS  # 50
+    # The window is the last 10 steps: the newest 4 of a run at batch 20 and 6 at batch 2
+    # average 9.2, not below the CaS entry (8); 4 more at batch 2 push the run out: mean 2.
+    assert ctl.observe_steps(60, 20.0) is None
+    assert ctl.observe_steps(6, 2.0) is None
+    assert ctl.mean_batch() == pytest.approx((4 * 20 + 6 * 2) / 10)
+    assert ctl.observe_steps(4, 2.0) == CAS
+    assert applied == [CAS, WAS, CAS] and ctl.steps == 130
+
+
+def test_steps_between_polls_give_group_steps_and_the_mean_batch_per_replica():
+    from gearshift.operator.router.sidp_controller import steps_between
+
+    # WaS: replica 0 ran 10 steps at batch 4, replica 1 was idle (batch 0): 10 group steps,
+    # mean batch per replica 2.
+    assert steps_between({0: (5, 50), 1: (7, 7)}, {0: (15, 90), 1: (7, 7)}) == (10, 2.0)
+    # CaS: both stepped 8 times, 3 and 1 sequences.
+    assert steps_between({0: (0, 0), 1: (0, 0)}, {0: (8, 24), 1: (8, 8)}) == (8, 2.0)
+    assert steps_between({0: (3, 3)}, {0: (3, 3)}) == (0, 0.0)
+    assert steps_between({0: (9, 9)}, {0: (2, 2)}) is None  # the group restarted
+    assert steps_between({0: (1, 1)}, {0: (1, 1), 1: (0, 0)}) is None  # other replicas
+    assert steps_between({}, {0: (1, 1)}) is None  # the first poll
+
+
+def test_the_served_controller_decides_from_polled_step_counters_in_auto_only() -> None:
     from gearshift.operator.router.policy_control import PolicyControl
 
     control = PolicyControl()
-    decisions = [control.decide(_stats(AUTO, b)) for b in ([8, 8], [1, 0], [0, 0], [0, 1])]
-    # A window of 2 polls: the mean falls below 2 at the third poll; then the group is in CaS.
-    assert [d.sidp.mode if d else None for d in decisions] == [None, None, CAS, None]
-    # Back to WaS once 3 polls have passed since the switch (one was above) and the window's
-    # mean reaches 4: [0.5, 6] is 3.25, [6, 6] is 6.
-    later = [control.decide(_stats(AUTO, [6, 6])) for _ in range(4)]
-    assert [d.sidp.mode if d else None for d in later] == [None, WAS, None, None]
+
+    def decide(c0: tuple[int, int], c1: tuple[int, int], mode: int = AUTO) -> int | None:
+        d = control.decide(_stats(mode, [c0, c1]))
+        return d.sidp.mode if d else None
+
+    assert decide((0, 0), (0, 0)) is None  # the first poll: nothing to compare with
+    assert decide((15, 120), (15, 120)) is None  # 15 steps at batch 8: window (20) not full
+    # 10 steps at 0.75 per replica: the last 20 steps are 10 at 8 and these 10, mean 4.375.
+    assert decide((25, 130), (25, 125)) is None
+    assert decide((45, 140), (45, 130)) == CAS  # 20 steps at 0.375 per replica
+    # Dwell is 30 steps: 20 busy steps (batch 6) later the window says WaS, the dwell does not.
+    assert decide((65, 260), (65, 250)) is None
+    assert decide((75, 320), (75, 310)) == WAS  # 30 steps since the switch, mean 6
     # A pinned group is the worker's: nothing to decide.
-    assert control.decide(_stats(CAS, [0, 0])) is None
+    assert decide((80, 320), (80, 310), mode=CAS) is None
     # Not a sidp group (or no replica figures): no controller.
     assert control.decide(worker_pb2.WorkerStats(policy=policy_pb2.Policy())) is None
     assert control.decide(_stats(AUTO, [])) is None

@@ -187,6 +187,8 @@ class ReplicaGroupEngine:
         for r, s in enumerate(self._stats):
             merged[f"replica{r}_batch"] = float(s.num_running)
             merged[f"replica{r}_steps"] = float(s.steps)
+            # With the steps: the router's mode controller derives the mean batch per step.
+            merged[f"replica{r}_generation_tokens"] = float(s.generation_tokens)
         return merge_stats(self._stats, merged)
 
     @property
