@@ -180,6 +180,8 @@ class RequestRun:
             prompt_token_ids=req.prompt_token_ids,
             sampling=req.sampling,
         )
+        if lease.replica is not None:
+            wire.replica = lease.replica
         if self._cut is not None:
             lease.release()
             raise self._cut

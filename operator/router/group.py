@@ -60,6 +60,9 @@ class Group(ABC):
         self.rpc_timeout_s = rpc_timeout_s
         self.token = token  # the control token (worker/server/auth.py), for subclasses' calls
         self.load = GroupLoad()
+        # The engine replicas behind the endpoint when it reports several (WorkerStats.replicas:
+        # a SiDP group): each is routed to on its own load; the group stays one failure domain.
+        self.replicas: list[GroupLoad] = []
         self.healthy = False
         self.draining = False
         self.removed = False  # gone from the configuration; closed once idle
@@ -80,6 +83,23 @@ class Group(ABC):
     @property
     def score(self) -> int:
         return self.load.outstanding_tokens + self.load.others
+
+    def replica_score(self, replica: int) -> int:
+        load = self.replicas[replica]
+        return load.outstanding_tokens + load.others
+
+    def _track_replicas(self, stats: worker_pb2.WorkerStats) -> None:
+        """Follow the replicas the worker reports: their count (a restarted group may differ)
+        and what each holds beyond this router's own requests."""
+        if len(self.replicas) != len(stats.replicas):
+            self.replicas = [GroupLoad() for _ in stats.replicas]
+        for load, reported in zip(self.replicas, stats.replicas, strict=True):
+            load.others = max(0, reported.outstanding_tokens - load.outstanding_tokens)
+
+    def _replica(self, replica: int | None) -> GroupLoad | None:
+        if replica is None or replica >= len(self.replicas):
+            return None
+        return self.replicas[replica]
 
     @abstractmethod
     async def poll(self) -> None:
@@ -107,17 +127,23 @@ class Group(ABC):
             await self.poll()
             await asyncio.sleep(interval_s)
 
-    def add(self, tokens: int) -> None:
-        self.load.in_flight += 1
-        self.load.outstanding_tokens += tokens
+    def add(self, tokens: int, replica: int | None = None) -> None:
+        for load in (self.load, self._replica(replica)):
+            if load is not None:
+                load.in_flight += 1
+                load.outstanding_tokens += tokens
         self.finished.clear()
 
-    def consume(self, tokens: int) -> None:
-        self.load.outstanding_tokens = max(0, self.load.outstanding_tokens - tokens)
+    def consume(self, tokens: int, replica: int | None = None) -> None:
+        for load in (self.load, self._replica(replica)):
+            if load is not None:
+                load.outstanding_tokens = max(0, load.outstanding_tokens - tokens)
 
-    def done(self, tokens_left: int) -> None:
-        self.load.in_flight -= 1
-        self.consume(tokens_left)
+    def done(self, tokens_left: int, replica: int | None = None) -> None:
+        self.consume(tokens_left, replica)
+        for load in (self.load, self._replica(replica)):
+            if load is not None:
+                load.in_flight = max(0, load.in_flight - 1)
         if self.load.in_flight == 0:
             self.finished.set()
 
@@ -151,6 +177,7 @@ class WorkerGroup(Group):
             return
         self.stats = stats
         self.load.others = max(0, stats.outstanding_tokens - self.load.outstanding_tokens)
+        self._track_replicas(stats)
         self._set_up()
         decision = self.control.decide(stats)
         if decision is not None:
@@ -189,23 +216,24 @@ class Lease:
     group: Group
     prompt_tokens: int
     max_tokens: int
+    replica: int | None = None  # the engine replica it runs on, in a replica group
     remaining: int = field(init=False)
     first: bool = field(default=True, init=False)
     released: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         self.remaining = self.prompt_tokens + self.max_tokens
-        self.group.add(self.remaining)
+        self.group.add(self.remaining, self.replica)
 
     def on_tokens(self, n: int) -> None:
         # The first token also means the prompt is computed.
         used = min(self.remaining, n + (self.prompt_tokens if self.first else 0))
         self.first = False
         self.remaining -= used
-        self.group.consume(used)
+        self.group.consume(used, self.replica)
 
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.group.done(self.remaining)
+            self.group.done(self.remaining, self.replica)
             self.remaining = 0

@@ -129,12 +129,16 @@ class GroupPool:
                 f"in flight on {len(self.serving())} groups); retry later"
             )
         self._turn += 1
-        best = min(
-            free,
-            key=lambda g: (
-                g.score,
-                g.load.in_flight,
-                (list(self.groups).index(g.name) - self._turn) % len(self.groups),
-            ),
-        )
-        return Lease(best, prompt_tokens, max_tokens)
+        order = list(self.groups)
+
+        def key(target: tuple[Group, int | None]) -> tuple[int, int, int, int]:
+            g, r = target
+            load = g.load if r is None else g.replicas[r]
+            turn = (order.index(g.name) - self._turn) % len(order)
+            return (load.outstanding_tokens + load.others, load.in_flight, turn, r or 0)
+
+        # Every engine replica is a routing target of its own (a group that reports several:
+        # SiDP); the per-group request limit still bounds what one endpoint takes.
+        targets = [(g, r) for g in free for r in (range(len(g.replicas)) or [None])]
+        group, replica = min(targets, key=key)
+        return Lease(group, prompt_tokens, max_tokens, replica)

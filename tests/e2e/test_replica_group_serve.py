@@ -5,6 +5,7 @@ ApplyPolicy's `mode` switches the whole group."""
 from __future__ import annotations
 
 import importlib.util
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -13,7 +14,14 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gearshift.v1 import policy_pb2, router_pb2, router_pb2_grpc
+from gearshift.v1 import (
+    common_pb2,
+    policy_pb2,
+    router_pb2,
+    router_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from tests.e2e.serve_process import ServeProcess, wait_for
 
 API_KEY = "test-key-sidp"
@@ -116,6 +124,49 @@ def test_a_served_replica_group_answers_like_one_engine_on_both_replicas(
     assert stats["sidp_mode"] == 2.0  # WaS
     assert stats["sidp_fetched_weight_bytes"] > 0  # WaS fetched remote FFN layers
     assert stats["sidp_cas_fused_rows"] == 0
+
+
+def test_the_worker_lists_its_replicas_and_runs_a_request_on_the_one_it_names(
+    sidp_serve: ServeProcess,
+) -> None:
+    """What the router routes on: each replica's load in WorkerStats, and `replica` honoured."""
+    address = sidp_serve.group("gearshift-g0")["address"]
+    with grpc.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        stats = stub.GetStats(
+            worker_pb2.GetStatsRequest(), timeout=10, metadata=sidp_serve.metadata
+        )
+        assert [r.index for r in stats.replicas] == [0, 1]
+
+        def steps() -> tuple[float, float]:
+            s = stub.GetStats(
+                worker_pb2.GetStatsRequest(), timeout=10, metadata=sidp_serve.metadata
+            ).policy_stats
+            return s["replica0_steps"], s["replica1_steps"]
+
+        def settled() -> tuple[float, float] | None:
+            """Replicas push stats every 0.25 s: the same figures 1 s apart are final."""
+            first = steps()
+            time.sleep(1.0)
+            return first if steps() == first else None
+
+        before = wait_for(settled, 30, "the replicas' step counts to settle")
+        request = worker_pb2.WorkerGenerateRequest(
+            request_id="named-replica",
+            prompt_token_ids=[1, 2, 3],
+            sampling=common_pb2.SamplingParams(max_tokens=3, temperature=0.0),
+            replica=1,
+        )
+        replies = list(stub.Generate(request, timeout=120, metadata=sidp_serve.metadata))
+        assert sum(len(r.token_ids) for r in replies) == 3
+        wait_for(lambda: steps()[1] > before[1], 30, "replica 1 to step")
+        after = wait_for(settled, 30, "the replicas' step counts to settle")
+        assert after[0] == before[0], "replica 0 stepped: the request did not run where named"
+        request.request_id, request.replica = "no-such-replica", 2
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(request, timeout=30, metadata=sidp_serve.metadata))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert ("gearshift-param", "replica") in tuple(info.value.trailing_metadata() or ())
 
 
 def test_apply_policy_mode_switches_the_whole_group_and_text_is_unchanged(

@@ -34,6 +34,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.requests: list[worker_pb2.WorkerGenerateRequest] = []
         self.cancelled: list[str] = []
         self.threshold = 256
+        # Load reported beyond the router's own requests: the group's, and per engine replica
+        # (a non-empty list makes this a replica group, as a SiDP worker reports itself).
+        self.outstanding = 0
+        self.replica_outstanding: list[int] = []
         self.server: grpc.aio.Server | None = None
         self.port = 0
 
@@ -89,14 +93,18 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     async def GetStats(
         self, request: worker_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerStats:
-        return worker_pb2.WorkerStats(
+        stats = worker_pb2.WorkerStats(
             model="fake",
             max_model_len=self.max_model_len,
             gear="shift",
+            outstanding_tokens=self.outstanding + sum(self.replica_outstanding),
             policy=policy_pb2.Policy(
                 shift=policy_pb2.ShiftPolicy(sp=1, tp=1, threshold=self.threshold)
             ),
         )
+        for index, tokens in enumerate(self.replica_outstanding):
+            stats.replicas.add(index=index, outstanding_tokens=tokens)
+        return stats
 
     async def ApplyPolicy(
         self, request: worker_pb2.ApplyPolicyRequest, context: grpc.aio.ServicerContext

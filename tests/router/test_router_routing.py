@@ -207,6 +207,37 @@ def test_requests_spread_by_least_outstanding_tokens(tokenizer: Tokenizer) -> No
     run(tokenizer, scenario)
 
 
+def test_each_engine_replica_a_group_reports_is_a_routing_target(tokenizer: Tokenizer) -> None:
+    async def scenario(s: Setup) -> None:
+        replicated, plain = s.workers
+        for w in s.workers:
+            w.script = Script(tokens=list(range(100, 110)), delay_s=0.05)
+        replicated.replica_outstanding = [1000, 0, 0]  # replica 0 is busy with others' work
+        plain.outstanding = 5000
+        await asyncio.sleep(0.4)  # a few stats polls
+        long = asyncio.create_task(
+            s.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 400})
+        )
+        await asyncio.sleep(0.1)
+        shorts = [
+            s.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 5}) for _ in range(2)
+        ]
+        assert all(r.status_code == 200 for r in await asyncio.gather(*shorts, long))
+        # Each replica is routed on its own load: the long request on an idle replica, the short
+        # ones on the other idle one, none on the busy replica or the busier group.
+        assert [r.replica for r in replicated.requests] == [1, 2, 2]
+        assert not plain.requests
+        # A group with one engine gets requests that name no replica.
+        replicated.replica_outstanding = [1000, 1000, 1000]
+        plain.outstanding = 0
+        await asyncio.sleep(0.4)
+        r = await s.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 5})
+        assert r.status_code == 200
+        assert len(plain.requests) == 1 and not plain.requests[0].HasField("replica")
+
+    run(tokenizer, scenario)
+
+
 def test_api_keys_guard_the_api_but_not_the_probes(tokenizer: Tokenizer) -> None:
     async def scenario(s: Setup) -> None:
         assert (await s.http.get("/v1/models")).status_code == 401

@@ -130,6 +130,11 @@ def test_a_cancelled_call_aborts_the_request_and_frees_its_blocks(tiny: Path) ->
         (_request("p", top_p=0.0), "top_p"),
         (worker_pb2.WorkerGenerateRequest(request_id="v", prompt_token_ids=[1, 999]), "prompt"),
         (_request("m", 10_000), "max_tokens"),
+        # One engine: replica 0 is the only one (a replica group's endpoint takes more).
+        (
+            worker_pb2.WorkerGenerateRequest(request_id="r", prompt_token_ids=[1], replica=1),
+            "replica",
+        ),
     ],
 )
 def test_bad_requests_are_invalid_argument_naming_the_field(

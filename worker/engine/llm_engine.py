@@ -41,6 +41,15 @@ from gearshift.worker.tokenizer.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """One engine's load inside a group of engine replicas (routing: WorkerStats.replicas)."""
+
+    running: int
+    waiting: int
+    outstanding_tokens: int
+
+
 @dataclass
 class EngineStats:
     """A snapshot for GetStats and metrics."""
@@ -61,6 +70,7 @@ class EngineStats:
     gear: str = ""
     gear_switches: int = 0
     policy_stats: dict[str, float] = field(default_factory=dict)  # Policy.stats()
+    replicas: list[ReplicaLoad] = field(default_factory=list)  # a replica group's engines
 
 
 @dataclass

@@ -189,6 +189,13 @@ def worker_stats(
     for name, steps in stats.gear_steps.items():
         out.gears.add(name=name, steps=steps, tokens=stats.gear_tokens.get(name, 0))
     out.policy_stats.update(stats.policy_stats)
+    for index, load in enumerate(stats.replicas):
+        out.replicas.add(
+            index=index,
+            running=load.running,
+            waiting=load.waiting,
+            outstanding_tokens=load.outstanding_tokens,
+        )
     # The two figures WorkerStats names on its own (a policy with a host KV tier, re-sharding).
     out.host_kv_usage = stats.policy_stats.get("host_kv_usage", 0.0)
     out.reshard_seconds = stats.policy_stats.get("reshard_seconds", 0.0)

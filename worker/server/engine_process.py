@@ -185,6 +185,7 @@ class ProcessEngine:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.max_model_len = 0
+        self.replicas = 1
         self.policy = policy_pb2.Policy()
         self._snapshot: EngineStats | None = None
         self._dead: str | None = None
@@ -323,7 +324,9 @@ class ProcessEngine:
         params: SamplingParams,
         sink: OutputSink,
         arrival_time: float,
+        replica: int | None = None,
     ) -> None:
+        del replica  # one engine: the caller checked it is 0 or None
         if self._closed:
             sink(EngineStopped(self._dead or "the engine is shutting down"))
             return

@@ -22,6 +22,7 @@ class EngineHandle(Protocol):
 
     max_model_len: int
     policy: policy_pb2.Policy  # the active policy, defaults filled in
+    replicas: int  # engine replicas behind this handle (a request may name one: submit)
 
     @property
     def snapshot(self) -> EngineStats: ...
@@ -39,7 +40,10 @@ class EngineHandle(Protocol):
         params: SamplingParams,
         sink: OutputSink,
         arrival_time: float,
-    ) -> None: ...
+        replica: int | None = None,
+    ) -> None:
+        """``replica``: which engine replica runs it (checked < ``replicas`` by the caller);
+        None: the handle picks."""
 
     async def abort(self, request_id: str) -> bool: ...
 
@@ -67,6 +71,7 @@ class ThreadEngine:
     def __init__(self, engine: LLMEngine, ranks: int = 1, idle_wait: float = 0.5) -> None:
         self.engine = engine
         self.ranks = ranks
+        self.replicas = 1
         self.max_model_len = engine.max_model_len
         self.policy = engine.policy.to_proto()
         self.loop = EngineLoop(engine, deliver_on(asyncio.get_running_loop()), idle_wait)
@@ -91,7 +96,9 @@ class ThreadEngine:
         params: SamplingParams,
         sink: OutputSink,
         arrival_time: float,
+        replica: int | None = None,
     ) -> None:
+        del replica  # one engine: the caller checked it is 0 or None
         self.loop.submit(request_id, prompt_token_ids, params, sink, arrival_time)
 
     async def abort(self, request_id: str) -> bool:

@@ -22,7 +22,7 @@ from typing import Any
 
 from gearshift.v1 import policy_pb2
 from gearshift.worker.engine.contract import LiveValue
-from gearshift.worker.engine.llm_engine import EngineStats
+from gearshift.worker.engine.llm_engine import EngineStats, ReplicaLoad
 from gearshift.worker.engine.outputs import RequestOutput
 from gearshift.worker.errors import GroupFailure, InvalidRequestError
 from gearshift.worker.launch.replicas import ReplicaGroup, start_replicas
@@ -87,6 +87,7 @@ class ReplicaGroupEngine:
         self._policy = make_policy(settings.policy, settings.ranks)
         self.policy = self._policy.to_proto()
         self.max_model_len = 0
+        self.replicas = self._policy.engine_replicas()
         self._group: ReplicaGroup | None = None
         self._sinks: dict[str, tuple[int, OutputSink]] = {}
         self._load: list[int] = []  # requests in flight, per replica
@@ -189,7 +190,12 @@ class ReplicaGroupEngine:
             merged[f"replica{r}_steps"] = float(s.steps)
             # With the steps: the router's mode controller derives the mean batch per step.
             merged[f"replica{r}_generation_tokens"] = float(s.generation_tokens)
-        return merge_stats(self._stats, merged)
+        return replace(
+            merge_stats(self._stats, merged),
+            replicas=[
+                ReplicaLoad(s.num_running, s.num_waiting, s.outstanding_tokens) for s in self._stats
+            ],
+        )
 
     @property
     def dead(self) -> str | None:
@@ -206,12 +212,18 @@ class ReplicaGroupEngine:
         params: Any,
         sink: OutputSink,
         arrival_time: float,
+        replica: int | None = None,
     ) -> None:
         del arrival_time  # each replica's engine stamps its own arrival
         if self._closed or self._group is None:
             sink(EngineStopped(self._dead or "the replica group is shutting down"))
             return
-        r = min(range(len(self._load)), key=lambda i: self._load[i])
+        # The router names the replica (it routes to each); otherwise the least busy one.
+        r = (
+            replica
+            if replica is not None
+            else min(range(self.replicas), key=self._load.__getitem__)
+        )
         self._sinks[request_id] = (r, sink)
         self._load[r] += 1
         self._send(r, ("add", request_id, prompt_token_ids, params))

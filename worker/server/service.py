@@ -97,6 +97,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{len(self.active)} requests in flight, the limit is {self.info.max_requests}",
             )
+        replica = request.replica if request.HasField("replica") else None
+        if replica is not None and replica >= self.engine.replicas:
+            await _invalid(
+                context,
+                "replica",
+                f"replica {replica} does not exist: this group runs {self.engine.replicas} "
+                "engine replica(s), numbered from 0",
+            )
         try:
             params = convert.sampling_params(request.sampling)
         except InvalidSamplingParams as exc:
@@ -107,7 +115,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.active.add(rid)
         finished = False
         try:
-            self.engine.submit(rid, list(request.prompt_token_ids), params, sink, time.monotonic())
+            self.engine.submit(
+                rid, list(request.prompt_token_ids), params, sink, time.monotonic(), replica
+            )
             first = True
             while not finished:
                 batch = [await outputs.get()]

@@ -10,16 +10,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "tetris_plan")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "tetris_plan", "replica")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TETRIS_PLAN_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     tetris_plan: TetrisPlan
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tetris_plan: _Optional[_Union[TetrisPlan, _Mapping]] = ...) -> None: ...
+    replica: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tetris_plan: _Optional[_Union[TetrisPlan, _Mapping]] = ..., replica: _Optional[int] = ...) -> None: ...
 
 class TetrisPlan(_message.Message):
     __slots__ = ("chunks", "decode_instance")
@@ -120,7 +122,7 @@ class InstanceStats(_message.Message):
     def __init__(self, role: _Optional[_Union[InstanceStats.Role, str]] = ..., index: _Optional[int] = ..., queued_seconds: _Optional[float] = ..., kv_slots_free: _Optional[int] = ..., kv_slots_reserved: _Optional[int] = ..., batch_size: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("model", "max_model_len", "running", "waiting", "kv_blocks_total", "kv_blocks_used", "kv_usage", "outstanding_tokens", "gear", "policy", "gears", "gear_switches", "host_kv_usage", "reshard_seconds", "fetched_weight_bytes", "preemptions", "ranks", "instances", "revision", "policy_stats")
+    __slots__ = ("model", "max_model_len", "running", "waiting", "kv_blocks_total", "kv_blocks_used", "kv_usage", "outstanding_tokens", "gear", "policy", "gears", "gear_switches", "host_kv_usage", "reshard_seconds", "fetched_weight_bytes", "preemptions", "ranks", "instances", "revision", "policy_stats", "replicas")
     class PolicyStatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +150,7 @@ class WorkerStats(_message.Message):
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     POLICY_STATS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     running: int
@@ -168,7 +171,20 @@ class WorkerStats(_message.Message):
     instances: _containers.RepeatedCompositeFieldContainer[InstanceStats]
     revision: str
     policy_stats: _containers.ScalarMap[str, float]
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_usage: _Optional[float] = ..., outstanding_tokens: _Optional[int] = ..., gear: _Optional[str] = ..., policy: _Optional[_Union[_policy_pb2.Policy, _Mapping]] = ..., gears: _Optional[_Iterable[_Union[GearStats, _Mapping]]] = ..., gear_switches: _Optional[int] = ..., host_kv_usage: _Optional[float] = ..., reshard_seconds: _Optional[float] = ..., fetched_weight_bytes: _Optional[int] = ..., preemptions: _Optional[int] = ..., ranks: _Optional[int] = ..., instances: _Optional[_Iterable[_Union[InstanceStats, _Mapping]]] = ..., revision: _Optional[str] = ..., policy_stats: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStats]
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_usage: _Optional[float] = ..., outstanding_tokens: _Optional[int] = ..., gear: _Optional[str] = ..., policy: _Optional[_Union[_policy_pb2.Policy, _Mapping]] = ..., gears: _Optional[_Iterable[_Union[GearStats, _Mapping]]] = ..., gear_switches: _Optional[int] = ..., host_kv_usage: _Optional[float] = ..., reshard_seconds: _Optional[float] = ..., fetched_weight_bytes: _Optional[int] = ..., preemptions: _Optional[int] = ..., ranks: _Optional[int] = ..., instances: _Optional[_Iterable[_Union[InstanceStats, _Mapping]]] = ..., revision: _Optional[str] = ..., policy_stats: _Optional[_Mapping[str, float]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ...) -> None: ...
+
+class ReplicaStats(_message.Message):
+    __slots__ = ("index", "running", "waiting", "outstanding_tokens")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    running: int
+    waiting: int
+    outstanding_tokens: int
+    def __init__(self, index: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ...) -> None: ...
 
 class ApplyPolicyRequest(_message.Message):
     __slots__ = ("policy",)
