@@ -25,7 +25,12 @@ from typing import Any
 
 import torch
 
-from gearshift.operator.router.sidp_controller import CAS, ControllerParameters, ModeController
+from gearshift.operator.router.sidp_controller import (
+    CAS,
+    ControllerParameters,
+    ModeController,
+    thresholds_from_profile,
+)
 from gearshift.worker.config import EngineConfig
 from gearshift.worker.engine.loading import inspect_model
 from gearshift.worker.kv.cache import KVCacheSpec
@@ -202,9 +207,17 @@ def main() -> None:
     crossover = [b for b in batches if decode["CAS"][b] < decode["WAS"][b]]
     report["decode_ms_per_step"] = decode
     report["cas_faster_than_was_at"] = crossover
+    # What to put in the policy on this host (the issue's `sidp-profile`, as a benchmark).
+    use = thresholds_from_profile(decode["WAS"], decode["CAS"])
+    report["thresholds_to_use"] = (
+        {"casEnterBatchSize": use[0], "wasEnterBatchSize": use[1]}
+        if use
+        else {"mode": "WAS", "why": "CaS was not faster at any batch size measured"}
+    )
     report["offline_s"] = offline
     report["offline_lengths"] = [n for js in offline_jobs for _, n in js]
     print(json.dumps(report, indent=2))
+    print("sidp thresholds to use on this host:", json.dumps(report["thresholds_to_use"]))
     (HERE / "sidp.json").write_text(json.dumps(report, indent=2) + "\n")
     _plot(report, batches)
 

@@ -227,3 +227,24 @@ class ServedGroupControl:
         if mode is None:
             return None
         return policy_pb2.Policy(sidp=policy_pb2.SidpPolicy(mode=mode))  # type: ignore[arg-type]
+
+
+def thresholds_from_profile(
+    was_ms: Mapping[int, float], cas_ms: Mapping[int, float]
+) -> tuple[int, int] | None:
+    """(cas_enter_batch_size, was_enter_batch_size) from measured decode step times per batch
+    size in each mode (§4.3: B_th from offline profiling), or None when CaS is never faster
+    (pin ``mode: WAS``).
+
+    B_th is the smallest measured batch from which WaS is at least as fast as CaS at that and
+    every larger batch: the group enters CaS below it. WaS comes back at twice B_th, the
+    defaults' (32, 64) hysteresis, so a batch hovering around B_th does not flap."""
+    batches = sorted(set(was_ms) & set(cas_ms))
+    if not any(cas_ms[b] < was_ms[b] for b in batches):
+        return None
+    b_th = batches[-1] * 2  # CaS wins even at the largest batch measured: above it
+    for i in range(len(batches) - 1, -1, -1):
+        if cas_ms[batches[i]] < was_ms[batches[i]]:
+            break
+        b_th = batches[i]
+    return b_th, 2 * b_th

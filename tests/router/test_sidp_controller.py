@@ -169,3 +169,17 @@ def test_the_served_controller_decides_from_polled_step_counters_in_auto_only() 
     # Not a sidp group (or no replica figures): no controller.
     assert control.decide(worker_pb2.WorkerStats(policy=policy_pb2.Policy())) is None
     assert control.decide(_stats(AUTO, [])) is None
+
+
+def test_thresholds_from_a_profile_put_b_th_where_was_starts_winning_for_good():
+    from gearshift.operator.router.sidp_controller import thresholds_from_profile
+
+    was = {1: 10.0, 8: 11.0, 32: 12.0, 64: 14.0}
+    # CaS wins up to batch 8, WaS from 32 on: B_th is 32.
+    assert thresholds_from_profile(was, {1: 5.0, 8: 9.0, 32: 13.0, 64: 20.0}) == (32, 64)
+    # A dip of CaS below WaS at a large batch moves B_th above it.
+    assert thresholds_from_profile(was, {1: 5.0, 8: 12.0, 32: 11.0, 64: 20.0}) == (64, 128)
+    # CaS wins everywhere measured: B_th is beyond the largest batch.
+    assert thresholds_from_profile(was, {b: 1.0 for b in was}) == (128, 256)
+    # CaS never wins: pin WaS.
+    assert thresholds_from_profile(was, {b: 99.0 for b in was}) is None
