@@ -1,0 +1,245 @@
+"""Running one request's CDSP chunk plan on the prefill pool (Tetris §4.1, Fig. 5–6).
+
+A plan is a list of chunks, each with its instance group; each group contains the previous one
+(§4.1), so the pool's members only ever join. For every chunk:
+
+1. The KV of the tokens before it (the history) is rebalanced evenly onto the chunk's group
+   (``rebalance``): members that just joined receive their share by point-to-point from the
+   members that hold more than theirs. History attention does not depend on the order of the
+   history's tokens (all precede the chunk; keys already carry their RoPE rotation), so any even
+   split is exact; the token positions travel with the KV so the request's KV can be handed to a
+   decode instance in prompt order.
+2. The chunk's tokens are zig-zag sharded over the group and the whole model runs on each
+   member's rows, with ``RingCore`` as the attention: zig-zag pass-KV ring attention over the
+   chunk plus the member's history share (``ring.ring_attention_with_history``).
+3. Each member appends its rows' KV (every layer) to its holding.
+
+The member that holds the prompt's last token returns that token's logits (the first output
+token comes from them). Every pool member calls ``run_chunk_plan`` with the same plan; a member
+sits a chunk out until its group includes it.
+
+What this module does not do yet (issue 15): overlapping the rebalance with the next layer's
+compute, writing the pieces into the paged KV cache, and the hand-off to a decode instance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from gearshift.worker.attention.metadata import AttentionMetadata
+from gearshift.worker.comm import CommGroup
+from gearshift.worker.model.llama import LlamaForCausalLM
+from gearshift.worker.policies.tetris.ring import History, Ring, ring_attention_with_history
+from gearshift.worker.policies.tetris.zigzag import ZigZag, even_split
+
+
+@dataclass
+class Holding:
+    """The request's KV this member holds: ``kv`` [n, layers, 2, Hkv, D] and the prompt position
+    of each row ``positions`` [n]."""
+
+    kv: torch.Tensor
+    positions: torch.Tensor
+
+    @staticmethod
+    def empty(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> Holding:
+        kv = torch.empty((0, layers, 2, kv_heads, head_dim), dtype=dtype)
+        return Holding(kv, torch.empty(0, dtype=torch.int64))
+
+    def __len__(self) -> int:
+        return int(self.kv.shape[0])
+
+
+@dataclass(frozen=True)
+class PlannedChunk:
+    """One chunk of a plan as the pool runs it: its tokens and its group (pool ranks in ring
+    order; it contains the previous chunk's group)."""
+
+    length: int
+    group: tuple[int, ...]
+
+
+def check_plan(plan: list[PlannedChunk], prompt_length: int, pool_size: int) -> None:
+    """Refuse a plan the pool cannot run, naming what is wrong."""
+    if not plan:
+        raise ValueError("a chunk plan needs at least one chunk")
+    if sum(c.length for c in plan) != prompt_length:
+        raise ValueError(
+            f"the chunks' lengths add up to {sum(c.length for c in plan)}, the prompt has "
+            f"{prompt_length} tokens"
+        )
+    previous: set[int] = set()
+    for i, chunk in enumerate(plan):
+        members = set(chunk.group)
+        if chunk.length < 1 or len(members) != len(chunk.group) or not members:
+            raise ValueError(f"chunk {i}: needs tokens and distinct members, got {chunk}")
+        if any(not 0 <= m < pool_size for m in members):
+            raise ValueError(f"chunk {i}: members {chunk.group} outside a pool of {pool_size}")
+        if not previous <= members:
+            raise ValueError(f"chunk {i}: its group {chunk.group} drops a previous member")
+        previous = members
+
+
+def rebalance(holding: Holding, counts: dict[int, int], ring: Ring) -> Holding:
+    """Spread the history held as ``counts`` (pool rank → rows; every member of ``ring`` knows
+    them) evenly over ``ring``'s members, in ring order. Every member of the ring calls it.
+
+    The rows, taken member by member in ring order, form one virtual sequence; member i of the
+    ring ends up with the i-th of ``even_split``'s consecutive slices of it. Each overlap between
+    what a member has and what another member gets is one point-to-point message."""
+    order = ring.members
+    if set(counts) - set(order):
+        raise ValueError(f"members {sorted(set(counts) - set(order))} hold history off the ring")
+    have_lo, lo = {}, 0
+    for m in order:
+        have_lo[m], lo = lo, lo + counts.get(m, 0)
+    shares = even_split(lo, len(order))
+    want_lo, lo = {}, 0
+    for m, share in zip(order, shares, strict=True):
+        want_lo[m], lo = lo, lo + share
+    me = ring.comm.rank
+    mine = (want_lo[me], want_lo[me] + shares[ring.index])
+    pieces: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (virtual offset, kv, positions)
+    works: list[dist.Work | None] = []
+    for m in order:
+        have = (have_lo[m], have_lo[m] + counts.get(m, 0))
+        for other, share in zip(order, shares, strict=True):
+            want = (want_lo[other], want_lo[other] + share)
+            lo, hi = max(have[0], want[0]), min(have[1], want[1])
+            if lo >= hi or (m != me and other != me):
+                continue
+            if m == me and other == me:
+                rows = slice(lo - have[0], hi - have[0])
+                pieces.append((lo, holding.kv[rows], holding.positions[rows]))
+            elif m == me:  # send my rows [lo, hi) to `other`
+                rows = slice(lo - have[0], hi - have[0])
+                dst = ring.comm.ranks[other]
+                works.append(dist.isend(holding.kv[rows].contiguous(), dst, ring.comm.group))
+                works.append(dist.isend(holding.positions[rows].contiguous(), dst, ring.comm.group))
+            else:  # receive `m`'s rows [lo, hi)
+                kv = holding.kv.new_empty((hi - lo, *holding.kv.shape[1:]))
+                pos = holding.positions.new_empty(hi - lo)
+                src = ring.comm.ranks[m]
+                works.append(dist.irecv(kv, src, ring.comm.group))
+                works.append(dist.irecv(pos, src, ring.comm.group))
+                pieces.append((lo, kv, pos))
+    for work in works:
+        if work is not None:
+            work.wait()
+    pieces.sort(key=lambda p: p[0])
+    assert sum(len(p[2]) for p in pieces) == mine[1] - mine[0]
+    if not pieces:
+        return Holding(holding.kv[:0], holding.positions[:0])
+    return Holding(torch.cat([p[1] for p in pieces]), torch.cat([p[2] for p in pieces]))
+
+
+class _LayerHistory:
+    """What ``RingCore`` gets as a layer's ``kv``: the member's history for the layer, and the
+    chunk's local k/v once the layer has run."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = k, v
+        self.chunk: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class RingCore:
+    """The attention of one chunk on one ring member (an ``AttentionCore``): zig-zag ring
+    attention over the chunk and the history rebalanced onto the ring."""
+
+    def __init__(self, ring: Ring, layout: ZigZag, lengths: tuple[int, ...], scale: float):
+        self.ring, self.layout, self.lengths, self.scale = ring, layout, lengths, scale
+
+    def forward_lse(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Any, meta: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = cast(_LayerHistory, kv)
+        layer.chunk = (k, v)
+        history = History(layer.k, layer.v, self.lengths)
+        return ring_attention_with_history(q, k, v, history, self.ring, self.layout, self.scale)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Any, meta: Any
+    ) -> torch.Tensor:
+        return self.forward_lse(q, k, v, kv, meta)[0]
+
+
+def _metadata(tokens: int) -> AttentionMetadata:
+    """One prefill chunk of ``tokens`` rows; ``RingCore`` reads none of it (the model only
+    checks that the step is not all decodes)."""
+    empty = torch.empty(0, dtype=torch.int64)
+    return AttentionMetadata(
+        num_decodes=0,
+        slot_mapping=torch.zeros(tokens, dtype=torch.int64),
+        block_tables=empty.view(0, 0),
+        seq_lens=empty,
+        max_decode_seq_len=0,
+        prefill_starts=(0,),
+        prefill_query_lens=(tokens,),
+        prefill_seq_lens=(tokens,),
+    )
+
+
+@dataclass
+class PrefillResult:
+    """This member's share of the request's KV, and the last prompt token's logits on the
+    member that computed them (None elsewhere)."""
+
+    holding: Holding
+    last_logits: torch.Tensor | None
+
+
+@torch.no_grad()
+def run_chunk_plan(
+    model: LlamaForCausalLM,
+    comm: CommGroup,
+    plan: list[PlannedChunk],
+    prompt: torch.Tensor,
+    scale: float,
+) -> PrefillResult:
+    """Prefill ``prompt`` (int64 [L]) chunk by chunk over the pool ``comm`` (§4.1). ``model``
+    is this member's whole model (prefill instances of TP 1); ``scale`` the attention scale."""
+    check_plan(plan, int(prompt.shape[0]), comm.size)
+    cfg = model.config
+    layers = len(model.model.layers)
+    dtype = next(model.parameters()).dtype
+    holding = Holding.empty(layers, model.num_kv_heads, cfg.head_dim, dtype)
+    counts: dict[int, int] = {}
+    done = 0
+    last_logits = None
+    for chunk in plan:
+        if comm.rank not in chunk.group:
+            counts = _after(counts, chunk)
+            done += chunk.length
+            continue
+        ring = Ring(comm, chunk.group)
+        holding = rebalance(holding, counts, ring)
+        lengths = even_split(done, ring.size)
+        layout = ZigZag(chunk.length, ring.size)
+        rows = torch.tensor(layout.positions(ring.index), dtype=torch.int64) + done
+        stores = [_LayerHistory(holding.kv[:, i, 0], holding.kv[:, i, 1]) for i in range(layers)]
+        core = RingCore(ring, layout, lengths, scale)
+        hidden = model(prompt[rows], rows, cast(Any, stores), _metadata(len(rows)), core)
+        if len(rows):
+            fresh = torch.stack(
+                [torch.stack(s.chunk, dim=1) for s in stores if s.chunk is not None], dim=1
+            )
+            holding = Holding(torch.cat((holding.kv, fresh)), torch.cat((holding.positions, rows)))
+        last = int(prompt.shape[0]) - 1
+        hit = (rows == last).nonzero()
+        if len(hit):
+            last_logits = model.compute_logits(hidden[int(hit[0, 0])].unsqueeze(0))
+        counts = _after(counts, chunk)
+        done += chunk.length
+    return PrefillResult(holding, last_logits)
+
+
+def _after(counts: dict[int, int], chunk: PlannedChunk) -> dict[int, int]:
+    """Every member's row count after ``chunk``: the history rebalanced, plus its chunk rows."""
+    total = sum(counts.values())
+    layout = ZigZag(chunk.length, len(chunk.group))
+    shares = even_split(total, len(chunk.group))
+    return {m: shares[i] + layout.local_length(i) for i, m in enumerate(chunk.group)}
