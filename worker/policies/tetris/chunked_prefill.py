@@ -243,3 +243,21 @@ def _after(counts: dict[int, int], chunk: PlannedChunk) -> dict[int, int]:
     layout = ZigZag(chunk.length, len(chunk.group))
     shares = even_split(total, len(chunk.group))
     return {m: shares[i] + layout.local_length(i) for i, m in enumerate(chunk.group)}
+
+
+def rows_after(plan: list[PlannedChunk]) -> dict[int, int]:
+    """How many KV rows each member of the last group holds once ``plan`` has run."""
+    counts: dict[int, int] = {}
+    for chunk in plan:
+        counts = _after(counts, chunk)
+    return counts
+
+
+def last_token_member(plan: list[PlannedChunk]) -> int:
+    """The pool member that computes the last prompt token (and so the first output token)."""
+    last = plan[-1]
+    layout = ZigZag(last.length, len(last.group))
+    for i, member in enumerate(last.group):
+        if last.length - 1 in layout.positions(i):
+            return member
+    raise AssertionError("the last chunk's last token belongs to no member")

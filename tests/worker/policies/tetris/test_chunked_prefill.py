@@ -89,3 +89,60 @@ def test_plans_the_pool_cannot_run_are_refused_naming_why():
         check_plan([PlannedChunk(10, (1, 1))], 10, 2)
     with pytest.raises(ValueError, match="at least one chunk"):
         check_plan([], 10, 2)
+
+
+def test_kv_handed_to_a_tp2_decode_instance_continues_like_one_process(tiny_checkpoint, tmp_path):
+    """Prefill on a pool of two (plan 1 → 2), the KV sent head-split to a decode instance of
+    TP 2, written into its paged cache at a permuted block table, then greedy decoding there."""
+    from tests.worker.policies.tetris import handoff_driver
+
+    checkpoint = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=2)
+    ctx = rank_context()
+    procs = [
+        ctx.Process(
+            target=handoff_driver.run_rank,
+            args=(r, str(tmp_path / "store"), str(checkpoint), str(tmp_path)),
+        )
+        for r in range(4)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout=300)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+    assert [p.exitcode for p in procs] == [0] * 4, "a rank failed or hung"
+    from transformers import AutoModelForCausalLM
+
+    ids = chunk_driver.prompt(128)
+    want_kv, _ = _hf_reference(checkpoint, ids)  # [L, layers, 2, Hkv, D]
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(
+            ids[None], max_new_tokens=handoff_driver.NEW_TOKENS, do_sample=False, top_p=None
+        )
+    want_tokens = out[0, chunk_driver.PROMPT_LENGTH :].tolist()
+    decode = [torch.load(tmp_path / f"decode{r}.pt") for r in handoff_driver.DECODE]
+    # Each decode rank holds its KV head (2 heads over TP 2) of every prompt token.
+    got_kv = torch.cat([d["prompt_kv"] for d in decode], dim=2)  # [layers, 2, Hkv, L, D]
+    assert (got_kv.permute(3, 0, 1, 2, 4) - want_kv).abs().max() < TOL
+    assert decode[0]["tokens"] == decode[1]["tokens"] == want_tokens
+
+
+def test_decode_head_split_follows_the_qkv_projection_and_bad_transfers_are_refused():
+    from gearshift.worker.policies.tetris.handoff import Transfer, kv_heads_of
+
+    assert [kv_heads_of(t, 2, 4) for t in range(2)] == [slice(0, 2), slice(2, 4)]
+    assert [kv_heads_of(t, 4, 2) for t in range(4)] == [slice(0, 1)] * 2 + [slice(1, 2)] * 2
+    with pytest.raises(ValueError, match="do not split"):
+        kv_heads_of(0, 3, 4)
+    with pytest.raises(ValueError, match="not a multiple"):
+        kv_heads_of(0, 3, 2)
+    with pytest.raises(ValueError, match="cannot share ranks"):
+        Transfer({0: 5, 1: 5}, (1, 2), 0)
+    with pytest.raises(ValueError, match="sends no KV"):
+        Transfer({0: 5}, (1,), 2)

@@ -1,0 +1,103 @@
+"""One rank of the prefill → decode test: global ranks 0 and 1 are the prefill pool (TP 1 each,
+whole model), 2 and 3 one decode instance of TP 2. The pool runs a chunk plan and hands the KV
+over; the decode instance writes it into its paged cache and decodes greedily. Saves the decode
+ranks' cached prompt KV and the tokens to ``<out>``."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from gearshift.worker.attention.metadata import AttentionMetadata
+from gearshift.worker.attention.torch_ref import TorchAttention, gather_context
+from gearshift.worker.comm import CommGroup
+from gearshift.worker.config import EngineConfig
+from gearshift.worker.engine.loading import inspect_model, load_model
+from gearshift.worker.kv.cache import KVCacheSpec, allocate_kv_cache
+from gearshift.worker.policies.tetris.chunked_prefill import (
+    PlannedChunk,
+    last_token_member,
+    rows_after,
+    run_chunk_plan,
+)
+from gearshift.worker.policies.tetris.handoff import Transfer, receive_kv, send_kv
+from tests.worker.policies.tetris.chunk_driver import PROMPT_LENGTH, prompt
+
+PLAN = [PlannedChunk(24, (1,)), PlannedChunk(PROMPT_LENGTH - 24, (1, 0))]
+NEW_TOKENS = 6
+BLOCK = 8
+POOL, DECODE = (0, 1), (2, 3)
+
+
+def _decode_meta(position: int, table: torch.Tensor) -> AttentionMetadata:
+    slot = int(table[position // BLOCK]) * BLOCK + position % BLOCK
+    return AttentionMetadata(
+        num_decodes=1,
+        slot_mapping=torch.tensor([slot]),
+        block_tables=table[None],
+        seq_lens=torch.tensor([position + 1]),
+        max_decode_seq_len=position + 1,
+        prefill_starts=(),
+        prefill_query_lens=(),
+        prefill_seq_lens=(),
+    )
+
+
+def run_rank(rank: int, store_path: str, checkpoint: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, 4)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=4, timeout=timedelta(seconds=120)
+    )
+    pool_pg, decode_pg = dist.new_group(list(POOL)), dist.new_group(list(DECODE))
+    world = CommGroup(4, rank, (0, 1, 2, 3), dist.group.WORLD)
+    config = EngineConfig(model=checkpoint, dtype="float32")
+    spec, source = inspect_model(config, torch.device("cpu"))
+    cfg = spec.config
+    ids = prompt(cfg.vocab_size)
+    transfer = Transfer(rows_after(PLAN), DECODE, last_token_member(PLAN))
+    if rank in POOL:
+        pool = CommGroup(2, rank, POOL, pool_pg)
+        model = load_model(spec, source, torch.device("cpu"))
+        result = run_chunk_plan(model, pool, PLAN, ids, cfg.head_dim**-0.5)
+        first = None if result.last_logits is None else int(result.last_logits[0].argmax())
+        send_kv(result.holding, first, transfer, world)
+    else:
+        tp = CommGroup(2, rank - 2, DECODE, decode_pg)
+        model = load_model(spec, source, torch.device("cpu"), tp=tp)
+        blocks = -(-(PROMPT_LENGTH + NEW_TOKENS) // BLOCK) + 1
+        kv_spec = KVCacheSpec(
+            cfg.num_layers, model.num_kv_heads, cfg.head_dim, BLOCK, torch.float32
+        )
+        cache = allocate_kv_cache(kv_spec, blocks, torch.device("cpu"))
+        block_ids = list(range(blocks))[::-1][: blocks - 1]  # not the identity: the table counts
+        table = torch.tensor(block_ids)
+        token = receive_kv(transfer, world, cache, block_ids, cfg.num_kv_heads)
+        prompt_kv = torch.stack(
+            [
+                torch.stack([gather_context(c, table, PROMPT_LENGTH) for c in layer])
+                for layer in cache
+            ]
+        )  # [layers, 2, heads, L, D]
+        tokens = [token]
+        core = TorchAttention(cfg.head_dim**-0.5)
+        with torch.no_grad():
+            for step in range(NEW_TOKENS - 1):
+                position = PROMPT_LENGTH + step
+                hidden = model(
+                    torch.tensor([tokens[-1]]),
+                    torch.tensor([position]),
+                    cache,
+                    _decode_meta(position, table),
+                    core,
+                )
+                logits = model.compute_logits(hidden)
+                nxt = torch.tensor([int(logits[0].argmax()) if logits is not None else -1])
+                dist.broadcast(nxt, src=DECODE[0], group=decode_pg)
+                tokens.append(int(nxt[0]))
+        torch.save({"prompt_kv": prompt_kv, "tokens": tokens}, Path(out_dir, f"decode{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()

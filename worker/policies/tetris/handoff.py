@@ -1,0 +1,119 @@
+"""The KV hand-off from the prefill pool to a decode instance (Tetris §4.2, Fig. 7).
+
+After the last chunk every member of its group holds rows of the request's KV (``Holding``:
+rows in any order, each with its prompt position). Each member sends every rank of the chosen
+decode instance that rank's KV heads of its rows (the decode instance's TP head split, the same
+rule as its QKV projection: heads split over TP, or replicated when TP exceeds them), so the KV
+is re-laid into the decode layout on the way. Row counts are known on both sides from the plan,
+so no sizes travel. The member that computed the last prompt token's logits also sends the first
+output token. The decode rank writes the rows into its paged KV cache at the request's slots.
+
+Not here yet (issue 15): the handshake that grants transfer slots, and streaming while later
+chunks still run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from gearshift.worker.attention.torch_ref import write_kv
+from gearshift.worker.comm import CommGroup
+from gearshift.worker.kv.cache import LayerKV
+from gearshift.worker.policies.tetris.chunked_prefill import Holding
+
+
+def kv_heads_of(tp_rank: int, tp_size: int, kv_heads: int) -> slice:
+    """The KV heads decode TP rank ``tp_rank`` keeps (QKVParallelLinear's rule)."""
+    if tp_size >= kv_heads:
+        if tp_size % kv_heads:
+            raise ValueError(f"decode TP {tp_size} is not a multiple of {kv_heads} KV heads")
+        head = tp_rank // (tp_size // kv_heads)
+        return slice(head, head + 1)
+    if kv_heads % tp_size:
+        raise ValueError(f"{kv_heads} KV heads do not split over decode TP {tp_size}")
+    per = kv_heads // tp_size
+    return slice(tp_rank * per, (tp_rank + 1) * per)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Who sends what to whom: ``senders`` (ranks of ``comm``) with their row counts, the
+    decode instance's ranks in TP order, and the first output token's sender."""
+
+    senders: dict[int, int]
+    receivers: tuple[int, ...]
+    token_sender: int
+
+    def __post_init__(self) -> None:
+        if set(self.senders) & set(self.receivers):
+            raise ValueError("a decode instance cannot share ranks with the prefill group")
+        if self.token_sender not in self.senders:
+            raise ValueError(f"the first token's sender {self.token_sender} sends no KV")
+
+
+def send_kv(holding: Holding, first_token: int | None, transfer: Transfer, comm: CommGroup) -> None:
+    """A prefill member's side: its rows, head-split for each decode rank (and the first token
+    if it computed it). Returns once everything is sent."""
+    if len(holding) != transfer.senders[comm.rank]:
+        raise ValueError(f"holding {len(holding)} rows, the plan says {transfer.senders}")
+    kv_heads = holding.kv.shape[3]
+    works = []
+    for t, dst in enumerate(transfer.receivers):
+        heads = kv_heads_of(t, len(transfer.receivers), kv_heads)
+        if len(holding):
+            rows = holding.kv[:, :, :, heads].contiguous()
+            works.append(dist.isend(rows, comm.ranks[dst], comm.group))
+            works.append(dist.isend(holding.positions.contiguous(), comm.ranks[dst], comm.group))
+        if comm.rank == transfer.token_sender:
+            if first_token is None:
+                raise ValueError("this member computed no logits: it has no first token")
+            token = torch.tensor([first_token], dtype=torch.int64)
+            works.append(dist.isend(token, comm.ranks[dst], comm.group))
+    for work in works:
+        if work is not None:
+            work.wait()
+
+
+def receive_kv(
+    transfer: Transfer,
+    comm: CommGroup,
+    kv_cache: list[LayerKV],
+    block_ids: list[int],
+    kv_heads: int,
+) -> int:
+    """A decode rank's side: every sender's rows of this rank's heads, written into ``kv_cache``
+    (this rank's paged cache) at the request's slots (``block_ids`` in order); returns the first
+    output token."""
+    t = transfer.receivers.index(comm.rank)
+    heads = kv_heads_of(t, len(transfer.receivers), kv_heads)
+    k_cache = kv_cache[0][0]
+    layers, block_size, head_dim = len(kv_cache), k_cache.shape[2], k_cache.shape[3]
+    local_heads = heads.stop - heads.start
+    if k_cache.shape[1] != local_heads:
+        raise ValueError(f"the cache holds {k_cache.shape[1]} heads, this rank keeps {heads}")
+    pieces = []
+    works = []
+    token = torch.empty(1, dtype=torch.int64)
+    for src, rows in transfer.senders.items():
+        if rows:
+            kv = torch.empty((rows, layers, 2, local_heads, head_dim), dtype=k_cache.dtype)
+            pos = torch.empty(rows, dtype=torch.int64)
+            works.append(dist.irecv(kv, comm.ranks[src], comm.group))
+            works.append(dist.irecv(pos, comm.ranks[src], comm.group))
+            pieces.append((kv, pos))
+        if src == transfer.token_sender:
+            works.append(dist.irecv(token, comm.ranks[src], comm.group))
+    for work in works:
+        if work is not None:
+            work.wait()
+    table = torch.tensor(block_ids, dtype=torch.int64)
+    for kv, pos in pieces:
+        if int(pos.max()) >= len(block_ids) * block_size:
+            raise ValueError(f"position {int(pos.max())} lies beyond the request's blocks")
+        slots = table[pos // block_size] * block_size + pos % block_size
+        for layer, cache in enumerate(kv_cache):
+            write_kv(cache, kv[:, layer, 0], kv[:, layer, 1], slots)
+    return int(token[0])
