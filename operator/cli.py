@@ -88,9 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_policy_args(gen, world_size=True)
     gen.set_defaults(func=_cmd_generate)
     # The serving commands live in their own modules (gearshift.operator.commands).
-    from gearshift.operator.commands import fetch_model, profile, router, serve, worker
+    from gearshift.operator.commands import (
+        fetch_model,
+        profile,
+        router,
+        serve,
+        tetris_profile,
+        worker,
+    )
 
-    for command in (worker, router, serve, fetch_model, profile):
+    for command in (worker, router, serve, fetch_model, profile, tetris_profile):
         command.add_parser(sub)
     return parser
 

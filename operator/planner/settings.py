@@ -36,7 +36,7 @@ class PlannerSettings:
         if not models:
             raise ValueError(
                 "policy.tetris.latencyModels is empty: the planner needs Eq. (1) coefficients "
-                "per SP size (the planner's own calibration does not exist yet)"
+                "per SP size (`gearshift tetris-profile` measures them)"
             )
         sizes = sp_sizes(msg.max_sp, msg.power_of_two_sp)
         missing = [s for s in sizes if s not in models]

@@ -24,6 +24,7 @@ compute, writing the pieces into the paged KV cache, and the hand-off to a decod
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -199,9 +200,12 @@ def run_chunk_plan(
     plan: list[PlannedChunk],
     prompt: torch.Tensor,
     scale: float,
+    timings: list[float] | None = None,
 ) -> PrefillResult:
     """Prefill ``prompt`` (int64 [L]) chunk by chunk over the pool ``comm`` (§4.1). ``model``
-    is this member's whole model (prefill instances of TP 1); ``scale`` the attention scale."""
+    is this member's whole model (prefill instances of TP 1); ``scale`` the attention scale.
+    ``timings`` gets each chunk's seconds on this member (rebalance included; 0 when it sat the
+    chunk out)."""
     check_plan(plan, int(prompt.shape[0]), comm.size)
     cfg = model.config
     layers = len(model.model.layers)
@@ -214,7 +218,10 @@ def run_chunk_plan(
         if comm.rank not in chunk.group:
             counts = _after(counts, chunk)
             done += chunk.length
+            if timings is not None:
+                timings.append(0.0)
             continue
+        started = time.perf_counter()
         ring = Ring(comm, chunk.group)
         holding = rebalance(holding, counts, ring)
         lengths = even_split(done, ring.size)
@@ -234,6 +241,8 @@ def run_chunk_plan(
             last_logits = model.compute_logits(hidden[int(hit[0, 0])].unsqueeze(0))
         counts = _after(counts, chunk)
         done += chunk.length
+        if timings is not None:
+            timings.append(time.perf_counter() - started)
     return PrefillResult(holding, last_logits)
 
 

@@ -1,0 +1,108 @@
+"""Measured (C, L, seconds) samples of CDSP prefill per SP size, for fitting Eq. (1) (Tetris
+§5.1: the latency models are fitted offline from profiling).
+
+A local pool of ``instances`` members (one process each, gloo, TP 1, the whole model) runs, for
+every SP size s up to the pool's size and every (history C, chunk L) point, a plan of a C-token
+chunk then an L-token chunk on the first s members, and times the second chunk: its rebalance
+(none: the group does not change), its ring attention and the model around it. The chunk's
+latency is its slowest member's. ``gearshift tetris-profile`` fits and prints the models.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from gearshift.worker.comm import CommGroup
+from gearshift.worker.config import EngineConfig
+from gearshift.worker.engine.loading import inspect_model, load_model
+from gearshift.worker.launch.processes import rank_context, start_rank
+from gearshift.worker.policies.tetris.chunked_prefill import PlannedChunk, run_chunk_plan
+
+
+@dataclass(frozen=True)
+class ProfilePoints:
+    """The (C, L) grid every SP size is measured on, and how many times each point runs."""
+
+    histories: tuple[int, ...]
+    lengths: tuple[int, ...]
+    repeats: int = 1
+
+    def check(self, max_model_len: int) -> None:
+        if not self.lengths or min(self.lengths) < 1 or min(self.histories, default=0) < 0:
+            raise ValueError("profile lengths must be >= 1 and histories >= 0")
+        # a + b·L + c·C·L + d·L²: three lengths tell L² from L, two histories give C·L.
+        if len(set(self.lengths)) < 3 or len(set(self.histories)) < 2:
+            raise ValueError("Eq. (1) needs at least three lengths and two histories")
+        if max(self.histories) + max(self.lengths) > max_model_len:
+            raise ValueError(
+                f"history + length up to {max(self.histories) + max(self.lengths)} exceeds the "
+                f"model's {max_model_len} positions"
+            )
+
+
+def _member(
+    rank: int, world: int, store_path: str, model: str, points: ProfilePoints, out: str
+) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=600)
+    )
+    comm = CommGroup(world, rank, tuple(range(world)), dist.group.WORLD)
+    spec, source = inspect_model(EngineConfig(model=model, dtype="float32"), torch.device("cpu"))
+    net = load_model(spec, source, torch.device("cpu"))
+    scale = spec.config.head_dim**-0.5
+    gen = torch.Generator().manual_seed(0)
+    samples: dict[int, list[tuple[int, int, float]]] = {}
+    for sp in range(1, world + 1):
+        group = tuple(range(sp))
+        for history in points.histories:
+            for length in points.lengths:
+                ids = torch.randint(0, spec.config.vocab_size, (history + length,), generator=gen)
+                plan = [PlannedChunk(length, group)]
+                if history:
+                    plan.insert(0, PlannedChunk(history, group))
+                for _ in range(points.repeats):
+                    timings: list[float] = []
+                    dist.barrier()
+                    run_chunk_plan(net, comm, plan, ids, scale, timings)
+                    slowest = torch.tensor([timings[-1]], dtype=torch.float64)
+                    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                    samples.setdefault(sp, []).append((history, length, float(slowest[0])))
+    if rank == 0:
+        Path(out).write_text(json.dumps({str(sp): rows for sp, rows in samples.items()}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def profile_pool(
+    model: str, instances: int, points: ProfilePoints, work_dir: Path, timeout_s: float = 3600
+) -> dict[int, list[tuple[int, int, float]]]:
+    """(C, L, seconds) samples per SP size 1..``instances``, measured on a local pool."""
+    if instances < 1:
+        raise ValueError(f"instances must be at least 1, got {instances}")
+    out = work_dir / "samples.json"
+    ctx = rank_context()
+    args = (instances, str(work_dir / "store"), model, points, str(out))
+    procs = [start_rank(ctx, _member, (r, *args), f"gs-tetris-{r}") for r in range(instances)]
+    try:
+        for p in procs:
+            p.join(timeout_s)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
+    if failed:
+        raise RuntimeError(
+            f"profile members {failed} failed (exit codes {[p.exitcode for p in procs]})"
+        )
+    raw = json.loads(out.read_text())
+    return {int(sp): [(int(c), int(n), float(s)) for c, n, s in rows] for sp, rows in raw.items()}
