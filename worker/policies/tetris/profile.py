@@ -47,7 +47,7 @@ class ProfilePoints:
 
 
 def _member(
-    rank: int, world: int, store_path: str, model: str, points: ProfilePoints, out: str
+    rank: int, world: int, store_path: str, model: str, plans: list[list[PlannedChunk]], out: str
 ) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
@@ -59,37 +59,43 @@ def _member(
     net = load_model(spec, source, torch.device("cpu"))
     scale = spec.config.head_dim**-0.5
     gen = torch.Generator().manual_seed(0)
-    samples: dict[int, list[tuple[int, int, float]]] = {}
-    for sp in range(1, world + 1):
-        group = tuple(range(sp))
-        for history in points.histories:
-            for length in points.lengths:
-                ids = torch.randint(0, spec.config.vocab_size, (history + length,), generator=gen)
-                plan = [PlannedChunk(length, group)]
-                if history:
-                    plan.insert(0, PlannedChunk(history, group))
-                for _ in range(points.repeats):
-                    timings: list[float] = []
-                    dist.barrier()
-                    run_chunk_plan(net, comm, plan, ids, scale, timings)
-                    slowest = torch.tensor([timings[-1]], dtype=torch.float64)
-                    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-                    samples.setdefault(sp, []).append((history, length, float(slowest[0])))
+    seconds: list[list[float]] = []
+    # Untimed: the first forward pays one-off costs (allocator growth, lazy initialisation).
+    warm = plans[0] if plans else []
+    if warm:
+        ids = torch.randint(
+            0, spec.config.vocab_size, (sum(c.length for c in warm),), generator=gen
+        )
+        run_chunk_plan(net, comm, warm, ids, scale)
+    for plan in plans:
+        length = sum(c.length for c in plan)
+        ids = torch.randint(0, spec.config.vocab_size, (length,), generator=gen)
+        timings: list[float] = []
+        dist.barrier()
+        run_chunk_plan(net, comm, plan, ids, scale, timings)
+        slowest = torch.tensor(timings, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a chunk ends with its slowest member
+        seconds.append(slowest.tolist())
     if rank == 0:
-        Path(out).write_text(json.dumps({str(sp): rows for sp, rows in samples.items()}))
+        Path(out).write_text(json.dumps(seconds))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def profile_pool(
-    model: str, instances: int, points: ProfilePoints, work_dir: Path, timeout_s: float = 3600
-) -> dict[int, list[tuple[int, int, float]]]:
-    """(C, L, seconds) samples per SP size 1..``instances``, measured on a local pool."""
+def time_plans(
+    model: str,
+    instances: int,
+    plans: list[list[PlannedChunk]],
+    work_dir: Path,
+    timeout_s: float = 3600,
+) -> list[list[float]]:
+    """Each plan's per-chunk seconds (its slowest member's), run in order on a local pool of
+    ``instances`` members (random prompts of the plan's length)."""
     if instances < 1:
         raise ValueError(f"instances must be at least 1, got {instances}")
-    out = work_dir / "samples.json"
+    out = work_dir / "seconds.json"
     ctx = rank_context()
-    args = (instances, str(work_dir / "store"), model, points, str(out))
+    args = (instances, str(work_dir / "store"), model, plans, str(out))
     procs = [start_rank(ctx, _member, (r, *args), f"gs-tetris-{r}") for r in range(instances)]
     try:
         for p in procs:
@@ -99,10 +105,30 @@ def profile_pool(
             if p.is_alive():
                 p.kill()
                 p.join(10)
-    failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
-    if failed:
-        raise RuntimeError(
-            f"profile members {failed} failed (exit codes {[p.exitcode for p in procs]})"
-        )
-    raw = json.loads(out.read_text())
-    return {int(sp): [(int(c), int(n), float(s)) for c, n, s in rows] for sp, rows in raw.items()}
+    if any(p.exitcode != 0 for p in procs):
+        codes = [p.exitcode for p in procs]
+        raise RuntimeError(f"a profile member failed or hung (exit codes {codes})")
+    return [list(map(float, row)) for row in json.loads(out.read_text())]
+
+
+def profile_pool(
+    model: str, instances: int, points: ProfilePoints, work_dir: Path, timeout_s: float = 3600
+) -> dict[int, list[tuple[int, int, float]]]:
+    """(C, L, seconds) samples per SP size 1..``instances``, measured on a local pool: for each
+    point a plan of C tokens then L tokens on the first s members, timing the second chunk."""
+    keys, plans = [], []
+    for sp in range(1, instances + 1):
+        group = tuple(range(sp))
+        for history in points.histories:
+            for length in points.lengths:
+                plan = [PlannedChunk(length, group)]
+                if history:
+                    plan.insert(0, PlannedChunk(history, group))
+                for _ in range(points.repeats):
+                    keys.append((sp, history, length))
+                    plans.append(plan)
+    seconds = time_plans(model, instances, plans, work_dir, timeout_s)
+    samples: dict[int, list[tuple[int, int, float]]] = {}
+    for (sp, history, length), row in zip(keys, seconds, strict=True):
+        samples.setdefault(sp, []).append((history, length, row[-1]))
+    return samples
