@@ -1,8 +1,16 @@
-"""Shared pytest configuration: GPU tests skip cleanly without CUDA."""
+"""Shared pytest configuration: GPU tests skip cleanly without CUDA, and what counts as slow.
+
+`make test-fast` runs `-m "not slow"`: the unit tests, a few minutes on 2 cores. Slow, besides
+tests marked by hand (each over ~3 s on a loaded 2-core machine): every end-to-end test (real
+`gearshift serve` processes) and every test that starts a multi-process worker group, a replica
+group, the operator as a process, or kills a rank (the fixtures below).
+"""
 
 from __future__ import annotations
 
 import pytest
+
+SLOW_FIXTURES = frozenset({"group_factory", "replica_factory", "operator_process", "victim"})
 
 
 def _cuda_available() -> bool:
@@ -14,6 +22,11 @@ def _cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    slow = pytest.mark.slow
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if item.nodeid.startswith("tests/e2e/") or fixtures & SLOW_FIXTURES:
+            item.add_marker(slow)
     if _cuda_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

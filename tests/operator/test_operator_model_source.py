@@ -129,6 +129,7 @@ def test_hub_fields_on_other_sources_are_refused_by_the_crd_and_the_operator(fie
     assert validate(crd, _body("static", **HF_MODEL)) == []
 
 
+@pytest.mark.slow
 def test_the_rendered_init_command_downloads_from_a_hub(tmp_path: Path) -> None:
     """The init container's own command line, run here: only the mount is moved to tmp."""
     model = make_hf_checkpoint(tmp_path / "src", "smollm-tied")

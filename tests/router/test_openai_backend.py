@@ -75,7 +75,7 @@ def run(tok: Tokenizer, scenario: Callable[[Setup], Awaitable[None]], backends: 
         async with running(tok, backends) as setup:
             await scenario(setup)
 
-    asyncio.run(asyncio.wait_for(main(), 60))
+    asyncio.run(asyncio.wait_for(main(), 180))  # a bound, generous for a loaded machine
 
 
 def _sse(body: str) -> list[dict]:

@@ -201,8 +201,12 @@ def test_streams_running_past_the_drain_timeout_end_with_an_error_event_and_done
                 assert events[-1]["error"]["code"] == "service_unavailable"
                 assert "drain timeout" in events[-1]["error"]["message"]
             assert code == grpc.StatusCode.UNAVAILABLE
-            # The worker calls were cancelled, so the workers free the requests' KV.
-            await asyncio.sleep(0.3)
+            # The worker calls were cancelled, so the workers free the requests' KV (the
+            # cancellations reach the workers asynchronously: wait for them, bounded).
+            for _ in range(200):
+                if sum(len(w.cancelled) for w in s.workers) == 3:
+                    break
+                await asyncio.sleep(0.05)
             assert sum(len(w.cancelled) for w in s.workers) == 3
             # After the drain, new requests are refused.
             r = await s.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})

@@ -128,7 +128,10 @@ def test_every_4xx_and_5xx_is_counted_with_its_reason(tokenizer: Tokenizer) -> N
             asyncio.create_task(post("/v1/completions", json={"prompt": "x"}, headers=AUTH))
             for _ in range(2)
         ]
-        await asyncio.sleep(0.3)
+        for _ in range(200):  # both held requests in flight, bounded
+            if s.server.router is not None and s.server.router.pool.in_flight == 2:
+                break
+            await asyncio.sleep(0.02)
         assert (
             await post("/v1/completions", json={"prompt": "x"}, headers=AUTH)
         ).status_code == 429

@@ -41,6 +41,7 @@ def _refused(call: grpc.RpcError) -> bool:
     return isinstance(call, grpc.Call) and call.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+@pytest.mark.slow
 def test_worker_serves_health_stats_with_revision_and_stops_on_sigterm(tmp_path: Path) -> None:
     """Also: every Worker call needs the control token (health stays open), SIGUSR1 stops
     admission (preStop), SIGTERM then exits 0."""

@@ -37,12 +37,14 @@ def test_generate_prints_the_greedy_chat_completion():
     assert "Loading weights" in res.stderr  # progress goes to stderr, the text to stdout
 
 
+@pytest.mark.slow
 def test_generate_names_an_unknown_model():
     res = _run("generate", "--model", "/nonexistent/model", "--prompt", "hi")
     assert res.returncode == 2
     assert "/nonexistent/model" in res.stderr and "Traceback" not in res.stderr
 
 
+@pytest.mark.slow
 def test_generate_names_an_invalid_sampling_value():
     res = _run("generate", "--prompt", "hi", "--temperature", "-2")
     assert res.returncode == 2

@@ -45,6 +45,7 @@ def _faults_per_round(mode: str) -> float:
 
 
 @pytest.mark.skipif(not GLIBC, reason="mallopt is glibc's")
+@pytest.mark.slow
 def test_large_freed_blocks_stay_mapped_once_tuned():
     assert tune_host_allocator()
     # Untuned, glibc gives the freed blocks back to the kernel (unmapped or trimmed off the heap)

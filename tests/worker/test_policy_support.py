@@ -47,6 +47,7 @@ def test_static_and_shift_layouts_are_runnable(raw: dict) -> None:
     check_runnable(_policy(raw))
 
 
+@pytest.mark.slow
 def test_gearshift_worker_refuses_an_unrunnable_seesaw_layout_before_loading_anything() -> None:
     # Seesaw runs; gears of different sizes (2 ranks for prefill, 3 for decode) never do.
     policy = {"seesaw": {"prefill": {"pp": 2, "tp": 1}, "decode": {"tp": 3, "pp": 1}}}

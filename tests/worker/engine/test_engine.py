@@ -174,6 +174,7 @@ def test_a_failed_forward_ends_its_requests_with_an_error_and_frees_them(
     assert engine.generate([[4, 5]], GREEDY)[0].finish_reason is FinishReason.LENGTH
 
 
+@pytest.mark.slow
 def test_streamed_deltas_add_up_to_the_generate_result(smollm2_path, engine_factory):
     engine = engine_factory(smollm2_path, record=False, max_model_len=256)
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Name two fruits."}])
@@ -188,6 +189,7 @@ def test_streamed_deltas_add_up_to_the_generate_result(smollm2_path, engine_fact
     assert tokens == whole.token_ids and text == whole.text and text
 
 
+@pytest.mark.slow
 def test_stop_strings_and_stop_tokens_end_generation_exactly(smollm2_path, engine_factory):
     engine = engine_factory(smollm2_path, record=False, max_model_len=256)
     prompt = engine.tokenizer.apply_chat_template(
@@ -213,6 +215,7 @@ def test_stop_strings_and_stop_tokens_end_generation_exactly(smollm2_path, engin
     assert by_token.token_ids == free.token_ids[:4] and by_token.stop_reason == token
 
 
+@pytest.mark.slow
 def test_same_seed_gives_the_same_sampled_tokens_in_any_batch(tiny_checkpoint, engine_factory):
     engine = engine_factory(tiny_checkpoint("qwen3"), skip_tokenizer_init=True, record=False)
     p = _prompts(3, 10)

@@ -28,6 +28,7 @@ def test_backend_choice_follows_the_config(cpu_kernels):
         EngineConfig(model="m", attention_backend="flash")
 
 
+@pytest.mark.slow
 def test_tiny_model_logits_agree_across_backends_in_mixed_steps(
     cpu_kernels, kernels_off, tiny_checkpoint, engine_factory
 ):

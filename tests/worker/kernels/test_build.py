@@ -33,6 +33,7 @@ def test_cache_key_depends_on_the_compiler_and_is_stable(monkeypatch):
     assert build.build_key() != key
 
 
+@pytest.mark.slow
 def test_env_switch_disables_the_kernels_without_building(tmp_path):
     cache = tmp_path / "cache"
     code = "from gearshift.worker import kernels; print(kernels.available())"
@@ -42,6 +43,7 @@ def test_env_switch_disables_the_kernels_without_building(tmp_path):
     assert not cache.exists()
 
 
+@pytest.mark.slow
 def test_missing_compiler_falls_back_to_torch_with_a_warning(tmp_path, tiny_checkpoint):
     # A whole engine in a fresh process: the build fails, the warning is logged, and greedy
     # generation still works through the torch reference path.

@@ -120,6 +120,7 @@ def _run(args: list[str], env: dict[str, str], timeout: float) -> subprocess.Com
     )
 
 
+@pytest.mark.slow
 def test_an_unknown_isa_falls_back_to_torch_with_a_warning(tmp_path):
     code = (
         "import logging; logging.basicConfig(level=logging.WARNING)\n"

@@ -141,6 +141,7 @@ def test_an_hf_model_resolves_into_the_cache_and_loads_the_same_weights(
         assert torch.equal(value, models[1][key]), key
 
 
+@pytest.mark.slow
 def test_fetch_model_command_downloads_or_fails_with_the_reason(
     hub: HubServer, tiny: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -165,6 +166,7 @@ def test_fetch_model_command_downloads_or_fails_with_the_reason(
     assert "hf://org/missing: repository not found" in done.stderr
 
 
+@pytest.mark.slow
 def test_serve_with_a_missing_hf_repo_exits_naming_it(hub: HubServer, tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "gearshift.operator.cli", "serve", "--model", "hf://org/gone"],

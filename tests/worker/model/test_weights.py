@@ -26,6 +26,7 @@ def gguf_source(smollm2_path):
         "model.embed_tokens.weight",
     ],
 )
+@pytest.mark.slow
 def test_gguf_narrowed_reads_equal_slices_of_the_full_tensor(gguf_source, name):
     w = gguf_source.get(name)
     full = w.load()

@@ -100,6 +100,7 @@ def test_smollm_chat_template_matches_transformers(
     assert smollm_tokenizer.apply_chat_template(messages, add_generation_prompt) == expected_ids
 
 
+@pytest.mark.slow
 def test_gguf_metadata_reader_agrees_with_the_gguf_package(smollm_gguf: Path) -> None:
     import gguf
 
@@ -139,6 +140,7 @@ def test_sentencepiece_gguf_adds_bos_and_falls_back_to_bytes(
     assert tok.eos_token_ids == frozenset({2})
 
 
+@pytest.mark.slow
 def test_tokenizer_package_never_imports_torch(smollm_gguf: Path) -> None:
     # The router tokenises in a process that must not pay for (or depend on) torch.
     script = textwrap.dedent(
