@@ -101,7 +101,14 @@ def vllm_url(
             stderr=subprocess.STDOUT,
             cwd=work,
             start_new_session=True,
-            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+            # vLLM's ZMQ ipc sockets and scratch files go to the test's folder, not /tmp
+            # (a killed vLLM leaves them behind).
+            env={
+                **os.environ,
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_RPC_BASE_PATH": str(work),
+                "TMPDIR": str(work),
+            },
         )
         try:
             url = f"http://127.0.0.1:{port}"
