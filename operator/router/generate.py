@@ -182,6 +182,11 @@ class RequestRun:
         )
         if lease.replica is not None:
             wire.replica = lease.replica
+        try:  # the policy's per-request decisions (Tetris: chunk plan, decode instance)
+            lease.group.planning.plan_into(lease.group.stats, wire, self._max_tokens())
+        except ValueError as exc:
+            lease.release()
+            raise errors.unavailable(f"group {lease.group.name}: {exc}") from exc
         if self._cut is not None:
             lease.release()
             raise self._cut

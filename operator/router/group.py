@@ -13,7 +13,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gearshift.operator.router.config import GroupSpec
-from gearshift.operator.router.policy_control import DECISION_METADATA, PolicyControl
+from gearshift.operator.router.policy_control import (
+    DECISION_METADATA,
+    PolicyControl,
+    RequestPlanning,
+)
 from gearshift.v1 import policy_pb2, worker_pb2, worker_pb2_grpc
 from gearshift.worker.server import auth
 
@@ -159,6 +163,7 @@ class WorkerGroup(Group):
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.control = PolicyControl()  # the policy's router-side controller, if it has one
+        self.planning = RequestPlanning()  # the policy's per-request planner, if it has one
 
     async def poll(self) -> None:
         """One health check and GetStats, each bounded by rpc_timeout_s."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gearshift.operator.router.sidp_controller import ServedGroupControl
+from gearshift.operator.router.tetris_requests import TetrisRequestPlanner
 from gearshift.v1 import policy_pb2, worker_pb2
 
 DECISION_METADATA = ("gearshift-controller-decision", "1")
@@ -26,6 +27,40 @@ class GroupController(Protocol):
 
 
 CONTROLLERS: dict[str, Callable[[], GroupController]] = {"sidp": ServedGroupControl}
+
+
+class RequestPlanner(Protocol):
+    """Per-request decisions a policy takes in the router (Tetris: each request's chunk plan
+    and decode instance, §5.1); raises ValueError naming why a request cannot be planned."""
+
+    def plan_into(
+        self, stats: worker_pb2.WorkerStats, wire: worker_pb2.WorkerGenerateRequest, max_tokens: int
+    ) -> None: ...
+
+
+REQUEST_PLANNERS: dict[str, Callable[[], RequestPlanner]] = {"tetris": TetrisRequestPlanner}
+
+
+@dataclass
+class RequestPlanning:
+    """One group's request planner, made anew when the group's policy kind changes."""
+
+    kind: str = ""
+    planner: RequestPlanner | None = None
+
+    def plan_into(
+        self,
+        stats: worker_pb2.WorkerStats | None,
+        wire: worker_pb2.WorkerGenerateRequest,
+        max_tokens: int,
+    ) -> None:
+        kind = (stats.policy.WhichOneof("kind") if stats is not None else None) or ""
+        if kind != self.kind:
+            self.kind = kind
+            factory = REQUEST_PLANNERS.get(kind)
+            self.planner = factory() if factory is not None else None
+        if self.planner is not None and stats is not None:
+            self.planner.plan_into(stats, wire, max_tokens)
 
 
 @dataclass

@@ -38,6 +38,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         # (a non-empty list makes this a replica group, as a SiDP worker reports itself).
         self.outstanding = 0
         self.replica_outstanding: list[int] = []
+        # A policy to report instead of shift's, and per-instance loads (a tetris group).
+        self.policy: policy_pb2.Policy | None = None
+        self.instances: list[worker_pb2.InstanceStats] = []
         self.server: grpc.aio.Server | None = None
         self.port = 0
 
@@ -104,6 +107,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         )
         for index, tokens in enumerate(self.replica_outstanding):
             stats.replicas.add(index=index, outstanding_tokens=tokens)
+        if self.policy is not None:
+            stats.policy.CopyFrom(self.policy)
+        stats.instances.extend(self.instances)
         return stats
 
     async def ApplyPolicy(

@@ -1,0 +1,133 @@
+"""The router's Tetris planning for one group (Tetris §5.1–5.2): a chunk plan and a decode
+instance for each request, from the router's global view of the group's instances.
+
+The view is the group's last ``WorkerStats.instances`` (prefill queue times T_k, decode KV slots
+and batch sizes). Between two polls the router keeps it current itself: the queues advance by the
+time passed (Eq. (2)), every plan it makes books its chunks onto the prefill instances and its KV
+onto the decode instance as virtual usage (§5.2), so a burst of requests between polls is spread
+as the paper's planner spreads it. Parameters (latency models, candidates, improvement rate and
+its table, decode placement) come from the group's active ``TetrisPolicy``: a live change applies
+at the next request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gearshift.operator.planner.cdsp import ChunkPlan, plan_request
+from gearshift.operator.planner.decode_placement import DecodeLoad, DecodePlacer
+from gearshift.operator.planner.improvement_rate import ImprovementRate
+from gearshift.operator.planner.instance_pool import Pool
+from gearshift.operator.planner.settings import PlannerSettings
+from gearshift.v1 import worker_pb2
+
+PREFILL = worker_pb2.InstanceStats.PREFILL
+DECODE = worker_pb2.InstanceStats.DECODE
+
+
+class TetrisPlanningError(ValueError):
+    """The group's policy or instances cannot be planned for (the message names why)."""
+
+
+@dataclass
+class TetrisRequestPlanner:
+    """Plans the requests the router sends to one tetris group."""
+
+    clock: Callable[[], float] = time.monotonic
+    _policy: bytes = b""
+    _settings: PlannerSettings | None = None
+    _rate: ImprovementRate | None = None
+    _placer: DecodePlacer | None = None
+    _stats: worker_pb2.WorkerStats | None = None
+    _pool: Pool | None = None
+    _pool_at: float = 0.0
+    _decode: list[DecodeLoad] = field(default_factory=list)
+    _decode_index: list[int] = field(default_factory=list)
+
+    def plan_into(
+        self, stats: worker_pb2.WorkerStats, wire: worker_pb2.WorkerGenerateRequest, max_tokens: int
+    ) -> None:
+        """Set the request's ``tetris_plan`` (raises TetrisPlanningError)."""
+        wire.tetris_plan.CopyFrom(self.plan(stats, len(wire.prompt_token_ids), max_tokens))
+
+    def plan(
+        self, stats: worker_pb2.WorkerStats, prompt_tokens: int, max_tokens: int
+    ) -> worker_pb2.TetrisPlan:
+        """The request's chunk plan and decode instance (raises TetrisPlanningError)."""
+        now = self.clock()
+        self._configure(stats)
+        assert self._settings is not None and self._rate is not None and self._placer is not None
+        self._view(stats, now)
+        assert self._pool is not None
+        self._rate.record_arrival(now)
+        pool = self._pool.advance(now - self._pool_at)
+        try:
+            chunks = plan_request(
+                prompt_tokens, pool, self._settings.rules, self._rate.current(now)
+            )
+        except ValueError as exc:
+            raise TetrisPlanningError(f"tetris plan: {exc}") from exc
+        slots = prompt_tokens + max_tokens
+        decode = self._placer.choose(self._decode, slots)
+        if decode is None:
+            raise TetrisPlanningError(
+                f"no decode instance has {slots} free KV slots for this request"
+            )
+        self._book(pool, now, chunks, decode, slots)
+        out = worker_pb2.TetrisPlan(decode_instance=self._decode_index[decode])
+        for chunk in chunks.chunks:
+            out.chunks.add(num_tokens=chunk.length, prefill_instances=list(chunk.group))
+        return out
+
+    def _configure(self, stats: worker_pb2.WorkerStats) -> None:
+        if stats.policy.WhichOneof("kind") != "tetris":
+            raise TetrisPlanningError("the group does not run the tetris policy")
+        raw = stats.policy.tetris.SerializeToString(deterministic=True)
+        if raw == self._policy and self._settings is not None:
+            return
+        try:
+            settings = PlannerSettings.from_proto(stats.policy.tetris)
+        except ValueError as exc:
+            raise TetrisPlanningError(str(exc)) from exc
+        self._policy, self._settings = raw, settings
+        # A changed policy starts its rate window afresh (live parameters are rare).
+        self._rate = ImprovementRate(
+            settings.rate_table, settings.improvement_rate, settings.rate_window_seconds
+        )
+        if self._placer is None or self._placer.strategy is not settings.placement:
+            self._placer = DecodePlacer(settings.placement)
+
+    def _view(self, stats: worker_pb2.WorkerStats, now: float) -> None:
+        """A new poll replaces the view; otherwise the router's own bookings stand."""
+        if stats is self._stats and self._pool is not None:
+            return
+        prefill = sorted((i for i in stats.instances if i.role == PREFILL), key=lambda i: i.index)
+        decode = sorted((i for i in stats.instances if i.role == DECODE), key=lambda i: i.index)
+        if not prefill or not decode:
+            raise TetrisPlanningError(
+                f"the group reports {len(prefill)} prefill and {len(decode)} decode instances"
+            )
+        ids = [i.index for i in prefill]
+        if ids != list(range(len(ids))):
+            raise TetrisPlanningError(f"prefill instance indices {ids} are not 0..n-1")
+        self._pool = Pool(
+            {i.index: max(0.0, i.queued_seconds) for i in prefill}, tuple(i.node for i in prefill)
+        )
+        self._pool_at = now
+        self._decode = [
+            DecodeLoad(i.kv_slots_free, i.batch_size, i.kv_slots_reserved) for i in decode
+        ]
+        self._decode_index = [i.index for i in decode]
+        self._stats = stats
+
+    def _book(self, pool: Pool, now: float, plan: ChunkPlan, decode: int, slots: int) -> None:
+        """Eq. (2) for the plan's chunks; the KV it sends counts as the decode instance's
+        virtual usage until the next poll reports it."""
+        self._pool = pool.commit((c.group, c.end) for c in plan.chunks)
+        self._pool_at = now
+        load = self._decode[decode]
+        self._decode[decode] = DecodeLoad(
+            load.free_slots, load.active + 1, load.in_flight_slots + slots
+        )
