@@ -1,11 +1,13 @@
 """A worker group of several engine replicas (``Policy.engine_replicas() > 1``), on one host.
 
-Every replica is a process with its own engine (scheduler, block manager, KV cache, sampler);
-together they form one torch.distributed group, whose rendezvous store this (the calling)
-process hosts. A replica meets its peers only through the policy's ``ReplicaSync`` at step
-boundaries. The caller drives replicas over pipes: queue requests on a replica, collect the
-finished ones, read stats, stop the group. A replica that dies ends the group (its peers'
-watchdogs stop them) and the next call here raises ``GroupFailure`` naming it.
+Every replica has its own engine (scheduler, block manager, KV cache, sampler) in the process of
+its leading rank; a replica of several ranks (tensor parallel inside, ranks ``r * n .. r * n +
+n - 1`` for ``n`` ranks per replica) drives its other ranks as a plain group's leader does, over
+a control channel of its own. Together they form one torch.distributed group, whose rendezvous
+store this (the calling) process hosts. A replica meets its peers only through the policy's
+``ReplicaSync`` at step boundaries. The caller drives replicas over pipes: queue requests on a
+replica, collect the finished ones, read stats, stop the group. A replica that dies ends the
+group (its peers' watchdogs stop them) and the next call here raises ``GroupFailure`` naming it.
 """
 
 from __future__ import annotations
@@ -16,13 +18,17 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gearshift.worker.comm import CommGroup
 from gearshift.worker.config import EngineConfig
 from gearshift.worker.engine.contract import IdleResult, ReplicaSync
+from gearshift.worker.engine.control import SHUTDOWN, STEP, ControlChannel
+from gearshift.worker.engine.executor import follow
 from gearshift.worker.engine.model_runner import Done, ModelRunner, StepHandle
 from gearshift.worker.engine.plan import StepPlan
 from gearshift.worker.errors import GroupFailure, InvalidRequestError
@@ -48,12 +54,15 @@ class ReplicaExecutor:
 
     runner: ModelRunner
     sync: ReplicaSync | None
-    rank: int = 0
+    rank: int = 0  # the replica's index
+    channel: ControlChannel | None = None  # to the replica's other ranks, if it has some
 
     def submit(self, plan: StepPlan) -> StepHandle:
         try:
             if self.sync is not None:
                 self.sync.before_step(plan.num_tokens)
+            if self.channel is not None:
+                self.channel.send(STEP, plan)
             logits = self.runner.execute(plan)
         except RuntimeError as exc:
             if self.sync is None or "gloo" not in str(exc):
@@ -65,10 +74,31 @@ class ReplicaExecutor:
         return Done(logits)
 
     def keepalive(self) -> None:
-        """Replicas keep no follower waiting."""
+        """Keep the replica's idle followers inside their receive timeout."""
+        if self.channel is not None:
+            self.channel.keepalive()
 
     def shutdown(self) -> None:
+        if self.channel is not None:
+            self.runner.flush()
+            self.channel.send(SHUTDOWN)
         self.runner.shutdown()
+
+
+def replica_channel(policy: Policy, rank: int, timeout_s: float) -> ControlChannel | None:
+    """This rank's replica's control channel (None for one-rank replicas): every rank creates
+    every replica's gloo group, in order (new_group is collective)."""
+    n = policy.world_size // policy.engine_replicas()
+    if n == 1:
+        return None
+    mine = None
+    for r in range(policy.engine_replicas()):
+        members = list(range(r * n, (r + 1) * n))
+        pg = dist.new_group(members, backend="gloo", timeout=timedelta(seconds=timeout_s))
+        if rank in members:
+            mine = CommGroup(n, members.index(rank), tuple(members), pg)
+    assert mine is not None
+    return ControlChannel(mine, keepalive_interval=min(5.0, timeout_s / 4))
 
 
 def _serve(
@@ -113,6 +143,7 @@ def _serve(
             if stopping:
                 return
             continue
+        engine.keepalive()
         result = sync.idle(stopping)
         if result is IdleResult.STOP:
             return
@@ -130,19 +161,29 @@ def replica_main(
     cores: Sequence[int],
     stream: bool = False,
 ) -> None:
-    """One replica's process (tp = 1: the replica is this rank)."""
+    """One rank's process: a replica's leading rank runs its engine, driven over ``conn``; any
+    other rank (``conn`` None) follows its leader's plans."""
     die_with_parent()
-    logging.basicConfig(
-        level=logging.WARNING, format=f"replica {rank} %(levelname)s %(name)s: %(message)s"
-    )
     world = policy.world_size
+    n = world // policy.engine_replicas()
+    replica = rank // n
+    name = f"replica {replica}" + (f" rank {rank}" if n > 1 else "")
+    logging.basicConfig(level=logging.WARNING, format=f"{name} %(levelname)s %(name)s: %(message)s")
     set_threads(config, group, world)
     bind_rank_cores(config, group, world, rank, cores)
     try:
         store = group.join_store(world, port)
         state = join_group(config, policy, group, rank, store, port)
-        sync = policy.replica_sync(store)
-        engine = _engine(config, policy, state, ReplicaExecutor(state.runner, sync, rank))
+        channel = replica_channel(policy, rank, group.timeout_s)
+        assert state.watchdog is not None
+        if conn is None:
+            assert channel is not None
+            follow(state.runner, channel, state.watchdog)
+            return
+        send = None if channel is None else (lambda plan: channel.send(STEP, plan))
+        sync = policy.replica_sync(store, send)
+        executor = ReplicaExecutor(state.runner, sync, replica, channel)
+        engine = _engine(config, policy, state, executor)
         conn.send(
             ("ready", {"num_blocks": state.num_blocks, "max_model_len": engine.max_model_len})
         )
@@ -150,16 +191,17 @@ def replica_main(
         leaked = engine.blocks.leaked_blocks()
         free = engine.blocks.num_free_blocks == engine.blocks.num_blocks
         engine.shutdown()
-        assert state.watchdog is not None
         state.watchdog.stop()
+        if channel is not None:
+            dist.barrier(group=channel.group.group)  # the followers' close_group meets here
         dist.destroy_process_group()
         conn.send(("closed", {"leaked_blocks": len(leaked), "all_free": free}))
     except GroupFailure as exc:
         print(f"gearshift replica group: {exc}", file=sys.stderr, flush=True)
         os._exit(EXIT_PEER_FAILED)
     except Exception as exc:  # any failure ends this replica, loudly
-        log.exception("replica %d failed", rank)
-        print(f"gearshift replica group: replica {rank} failed: {exc}", file=sys.stderr)
+        log.exception("%s failed", name)
+        print(f"gearshift replica group: {name} failed: {exc}", file=sys.stderr)
         os._exit(1)
 
 
@@ -168,8 +210,8 @@ class ReplicaGroup:
     """The calling process's handle on a running replica group."""
 
     policy: Policy
-    procs: list[Any]
-    conns: list[Any]
+    procs: list[Any]  # every rank's process, in rank order
+    conns: list[Any]  # one per replica, to its leading rank
     store: Any
     timeout_s: float
     ready: list[dict[str, Any]] = field(default_factory=list)
@@ -182,11 +224,12 @@ class ReplicaGroup:
         return len(self.conns)
 
     def _check(self) -> None:
-        for r, proc in enumerate(self.procs):
+        n = len(self.procs) // max(1, self.replicas)
+        for rank, proc in enumerate(self.procs):
             if not proc.is_alive() and not self._closed:
                 raise GroupFailure(
-                    f"replica group: replica {r} (rank {r}) exited with code {proc.exitcode}; "
-                    "the group's replicas fail together"
+                    f"replica group: replica {rank // n} (rank {rank}) exited with code "
+                    f"{proc.exitcode}; the group's replicas fail together"
                 )
 
     def _recv(self, r: int, kind: str) -> Any:
@@ -280,30 +323,33 @@ def start_replicas(
     send every step's outputs (a server's replicas, see worker/server/replica_engine.py)."""
     group = group or GroupConfig()
     world = policy.world_size
-    if policy.engine_replicas() != world:
+    replicas = policy.engine_replicas()
+    if world % replicas:
         raise InvalidRequestError(
-            "policy", "a replica group needs one rank per replica (tp = 1) on this host"
+            "policy", f"{world} ranks do not form {replicas} replicas of equal size"
         )
+    n = world // replicas
     store = group.host_store(world)
     port = int(store.port)
     ctx = mp.get_context("spawn")
     cores = usable_cores()
     procs, conns = [], []
     for rank in range(world):
-        parent, child = ctx.Pipe()
+        parent, child = ctx.Pipe() if rank % n == 0 else (None, None)
         proc = ctx.Process(
             target=replica_main,
             args=(config, policy, group, rank, port, child, cores, stream),
-            name=f"gearshift-replica-{rank}",
+            name=f"gearshift-replica-{rank // n}" + (f"-rank-{rank}" if n > 1 else ""),
             daemon=True,
         )
         proc.start()
-        child.close()
         procs.append(proc)
-        conns.append(parent)
+        if child is not None:
+            child.close()
+            conns.append(parent)
     handle = ReplicaGroup(policy, procs, conns, store, group.timeout_s)
     try:
-        handle.ready = [handle._recv(r, "ready")[1] for r in range(world)]
+        handle.ready = [handle._recv(r, "ready")[1] for r in range(replicas)]
     except BaseException:
         handle.kill()
         raise
