@@ -14,11 +14,13 @@ import torch
 
 from gearshift.worker.config import EngineConfig
 from gearshift.worker.engine.loading import inspect_model
-from gearshift.worker.errors import InvalidRequestError
+from gearshift.worker.errors import GroupFailure, InvalidRequestError
 from gearshift.worker.kv.cache import KVCacheSpec
+from gearshift.worker.launch.group_config import GroupConfig
 from gearshift.worker.policies.registry import make_policy
 from gearshift.worker.policies.sidp.ffn import Mode
 from gearshift.worker.policies.sidp.ownership import Ownership, weight_bytes
+from gearshift.worker.policies.sidp.shared_weights import clean_stale, segments
 from tests.worker.policies.test_sidp_replicas import (
     ENGINE,
     _assert_all_equal,
@@ -127,3 +129,26 @@ def test_a_tp_size_the_heads_do_not_split_over_is_refused(tiny_checkpoint) -> No
     policy = make_policy({"sidp": {"dp": 2, "tp": 3}})
     with pytest.raises(InvalidRequestError, match=r"policy\.sidp\.tp"):
         policy.check_model(spec.config)
+
+
+def test_a_killed_tp_follower_ends_the_group_naming_its_replica(
+    tiny_checkpoint,
+    replica_factory,  # noqa: F811
+) -> None:
+    folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=4)
+    group = replica_factory(
+        folder,
+        {**SIDP, "mode": "CAS"},
+        group=GroupConfig(timeout_s=30, heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0),
+    )
+    group.procs[3].kill()  # replica 1's second TP rank
+    group.procs[3].join(10)
+    with pytest.raises(GroupFailure, match=r"replica 1 \(rank 3\)"):
+        group.generate(_work(2, _prompts(2), 4))
+    # Shared weights make the whole group one failure domain (§4.4): every other rank ends.
+    for proc in group.procs:
+        proc.join(30)
+        assert not proc.is_alive()
+    group.kill()
+    clean_stale()
+    assert segments() == []
