@@ -1,4 +1,5 @@
-"""SiDP with tensor parallelism inside each replica: dp 2 × tp 2 (fp32, gloo, real processes).
+"""SiDP with tensor parallelism inside each replica: dp 2 × tp 2 (and dp 3 × tp 2, dp 2 × tp 4)
+(fp32, gloo, real processes).
 
 Every replica's greedy tokens equal the one-process engine's in WaS (each TP rank fetches its own
 shard of the owner's layers), in CaS (TP rank t ships its rows to the owner's TP rank t) and
@@ -34,20 +35,27 @@ from tests.worker.policies.test_sidp_replicas import (
 SIDP = {"dp": 2, "tp": 2}
 
 
-@pytest.mark.parametrize("mode", ["WAS", "CAS"])
-def test_two_replicas_of_two_tp_ranks_match_the_reference(
+@pytest.mark.parametrize(
+    ("dp", "tp", "layers", "mode"),
+    [(2, 2, 4, "WAS"), (2, 2, 4, "CAS"), (3, 2, 5, "CAS"), (2, 4, 4, "WAS")],
+)
+def test_replicas_of_tp_ranks_match_the_reference(
     tiny_checkpoint,
     replica_factory,  # noqa: F811
+    dp: int,
+    tp: int,
+    layers: int,
     mode: str,
 ) -> None:
-    folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=4)
+    # tp 4 over 2 KV heads: each KV head replicated on two ranks of a replica.
+    folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=layers)
     prompts = _prompts(4)
     want = dict(zip(map(tuple, prompts), _reference(folder, prompts, 8), strict=True))
-    group = replica_factory(folder, {**SIDP, "mode": mode})
-    assert group.replicas == 2 and len(group.procs) == 4
-    work = _work(2, prompts, 8)
+    group = replica_factory(folder, {"dp": dp, "tp": tp, "mode": mode})
+    assert group.replicas == dp and len(group.procs) == dp * tp
+    work = _work(dp, prompts, 8)
     _assert_all_equal(group.generate(work), work, want)
-    stats = [group.stats(r)["policy"] for r in range(2)]
+    stats = [group.stats(r)["policy"] for r in range(dp)]
     if mode == "WAS":
         assert all(s["sidp_fetched_weight_bytes"] > 0 for s in stats)
         assert all(s["sidp_cas_fused_rows"] == 0 for s in stats)
