@@ -1,6 +1,7 @@
 """`gearshift serve --policy-config` (the CRD's spec.policy) for every policy the engine runs:
 the openai client gets one rank's greedy text from TP 2 x PP 2 (static.yaml's layout), from
-the shift policy and from seesaw (P2 -> T2), on a random model that speaks SmolLM2's vocabulary."""
+the shift policy, from seesaw (P2 -> T2) and from sidp (2 replicas of TP 2), on a random model
+that speaks SmolLM2's vocabulary."""
 
 from __future__ import annotations
 
@@ -75,8 +76,10 @@ def serve_policy(model: Path, tmp_path: Path) -> Iterator[object]:
         "shift:\n  sp: 2\n  threshold: 8\n",
         '{"seesaw": {"prefill": {"tp": 1, "pp": 2}, "decode": {"tp": 2, "pp": 1}, '
         '"hostKvCapacityBytes": 67108864}}',
+        # sidp.yaml's replicas of TP 2 (two of them, not four: 4 CPU ranks).
+        '{"sidp": {"dp": 2, "tp": 2}}',
     ],
-    ids=["static-tp2pp2", "shift-sp2-yaml", "seesaw-p2-t2"],
+    ids=["static-tp2pp2", "shift-sp2-yaml", "seesaw-p2-t2", "sidp-dp2-tp2"],
 )
 def test_policy_config_serves_one_ranks_greedy_text(policy, serve_policy, one_rank_text):
     from openai import OpenAI
@@ -96,6 +99,23 @@ def test_policy_config_serves_one_ranks_greedy_text(policy, serve_policy, one_ra
     assert got == one_rank_text
     if policy.startswith('{"seesaw"'):
         _seesaw_thresholds_apply_live(proc)
+    if policy.startswith('{"sidp"'):
+        _sidp_group_runs_as_asked(proc)
+
+
+def _sidp_group_runs_as_asked(proc: ServeProcess) -> None:
+    """The served group is the layout asked: 2 replicas of 2 TP ranks, each holding FFN shards."""
+    with grpc.insecure_channel(proc.admin_address) as channel:
+        groups = (
+            router_pb2_grpc.AdminStub(channel)
+            .GetStatus(router_pb2.GetStatusRequest(), timeout=10, metadata=proc.metadata)
+            .groups
+        )
+    sidp = groups[0].policy.sidp
+    assert (sidp.dp, sidp.tp) == (2, 2)
+    stats = dict(groups[0].stats.policy_stats)
+    assert stats["replica0_sidp_resident_weight_bytes"] > 0, stats
+    assert stats["replica1_sidp_resident_weight_bytes"] > 0, stats
 
 
 def _apply(proc: ServeProcess, **fields: float) -> router_pb2.AdminApplyPolicyResponse:

@@ -10,7 +10,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.e2e.serve_process import ServeProcess, wait_for
+from tests.e2e.serve_process import ServeProcess, named_descendants, wait_for
 
 
 @pytest.fixture
@@ -41,9 +41,8 @@ def sidp_serve(tmp_path):
 
 
 def _replicas(worker_pid: int) -> list[psutil.Process]:
-    """The worker's replica processes (multiprocessing spawn children, not its helpers)."""
-    kids = psutil.Process(worker_pid).children()
-    return [p for p in kids if "spawn_main" in " ".join(p.cmdline())]
+    """The worker's replica processes (by the names they set, gs-replica-N)."""
+    return named_descendants(worker_pid, "gs-replica-")
 
 
 def test_a_killed_replica_ends_the_group_and_the_router_stops_routing(

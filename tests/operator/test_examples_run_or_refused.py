@@ -74,8 +74,13 @@ EXAMPLES: dict[str, Side] = {
         "PP 8 -> TP 8 on 8 GPUs becomes PP 3 -> TP 3 on 3 CPU ranks (SmolLM2's 9 heads and 3 KV "
         "heads split over 3); tests/worker/policies/test_seesaw_layouts.py runs that layout",
     ),
-    # SiDP runs as an in-process replica group with tp 1 only; the example asks for tp 2.
-    "sidp.yaml": Refused("spec.policy.sidp.tp"),
+    "sidp.yaml": Runs(
+        ("--policy-config", '{"sidp": {"dp": 2, "tp": 2}}'),
+        "DP 4 x TP 2 on 8 GPUs becomes DP 2 x TP 2 on 4 CPU ranks; SmolLM2's 3 KV heads allow no "
+        "TP 2, so tests/operator/test_sidp_example_worker.py runs the example's rendered worker "
+        "command (and tests/e2e/test_policy_config.py `serve`) on a random model with SmolLM2's "
+        "vocabulary",
+    ),
     "tetris.yaml": Refused("spec.policy.tetris"),
 }
 

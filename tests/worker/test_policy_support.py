@@ -22,7 +22,10 @@ def _policy(raw: dict) -> policy_pb2.Policy:
     ("raw", "field"),
     [
         ({"seesaw": {"prefill": {"pp": 2}, "decode": {"tp": 3}}}, "spec.policy.seesaw"),
-        ({"sidp": {"dp": 2, "tp": 2}}, "spec.policy.sidp.tp"),
+        (
+            {"sidp": {"dp": 3, "wasCacheSlots": 1, "prefetchDepth": 1}},
+            "spec.policy.sidp.was_cache_slots",
+        ),
         ({"tetris": {"decodeTp": 1}}, "spec.policy.tetris"),
         ({"static": {"dp": 4}}, "spec.policy.static.dp"),
     ],
@@ -41,6 +44,7 @@ def test_unrunnable_policies_are_refused_naming_the_field(raw: dict, field: str)
         {"static": {"tp": 2, "sp": 2, "pp": 1, "dp": 1}},
         {"static": {"tp": 2, "pp": 2}},
         {"shift": {"sp": 4, "tp": 2, "threshold": 0}},
+        {"sidp": {"dp": 2, "tp": 2}},
     ],
 )
 def test_static_and_shift_layouts_are_runnable(raw: dict) -> None:

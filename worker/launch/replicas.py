@@ -1,166 +1,34 @@
 """A worker group of several engine replicas (``Policy.engine_replicas() > 1``), on one host.
 
-Every replica is a process with its own engine (scheduler, block manager, KV cache, sampler);
-together they form one torch.distributed group, whose rendezvous store this (the calling)
-process hosts. A replica meets its peers only through the policy's ``ReplicaSync`` at step
-boundaries. The caller drives replicas over pipes: queue requests on a replica, collect the
-finished ones, read stats, stop the group. A replica that dies ends the group (its peers'
-watchdogs stop them) and the next call here raises ``GroupFailure`` naming it.
+Every replica has its own engine (scheduler, block manager, KV cache, sampler) in the process of
+its leading rank; a replica of several ranks (tensor parallel inside, ranks ``r * n .. r * n +
+n - 1`` for ``n`` ranks per replica) drives its other ranks as a plain group's leader does, over
+a control channel of its own. Together they form one torch.distributed group, whose rendezvous
+store this (the calling) process hosts. A replica meets its peers only through the policy's
+``ReplicaSync`` at step boundaries. The caller drives replicas over pipes: queue requests on a
+replica, collect the finished ones, read stats, stop the group. A replica that dies ends the
+group (its peers' watchdogs stop them) and the next call here raises ``GroupFailure`` naming it.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
 from gearshift.worker.config import EngineConfig
-from gearshift.worker.engine.contract import IdleResult, ReplicaSync
-from gearshift.worker.engine.model_runner import Done, ModelRunner, StepHandle
-from gearshift.worker.engine.plan import StepPlan
 from gearshift.worker.errors import GroupFailure, InvalidRequestError
 from gearshift.worker.launch.group_config import GroupConfig
-from gearshift.worker.launch.host import bind_rank_cores, die_with_parent, set_threads, usable_cores
-from gearshift.worker.launch.leader import _engine
-from gearshift.worker.launch.processes import stop_processes
-from gearshift.worker.launch.rank import join_group
-from gearshift.worker.parallel.watchdog import EXIT_PEER_FAILED
+from gearshift.worker.launch.host import usable_cores
+from gearshift.worker.launch.processes import rank_context, start_rank, stop_processes
+from gearshift.worker.launch.replica_rank import replica_main
 from gearshift.worker.policies.base import Policy
 from gearshift.worker.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-IDLE_WAIT_S = 0.005  # an idle replica's pause between polls of its pipe and its peers
 Pending = dict[int, set[str]]  # request ids not yet finished, per replica
 Results = dict[str, tuple[list[int], str]]  # request id -> (tokens, finish reason or error)
-
-
-@dataclass
-class ReplicaExecutor:
-    """A replica's executor: its peers agree on the step (``sync``), then its rank runs it."""
-
-    runner: ModelRunner
-    sync: ReplicaSync | None
-    rank: int = 0
-
-    def submit(self, plan: StepPlan) -> StepHandle:
-        try:
-            if self.sync is not None:
-                self.sync.before_step(plan.num_tokens)
-            logits = self.runner.execute(plan)
-        except RuntimeError as exc:
-            if self.sync is None or "gloo" not in str(exc):
-                raise
-            # A peer is gone mid-step: the group is one failure domain.
-            first = str(exc).splitlines()[0][-200:]
-            raise GroupFailure(f"replica {self.rank}: a peer replica failed ({first})") from exc
-        assert logits is not None
-        return Done(logits)
-
-    def keepalive(self) -> None:
-        """Replicas keep no follower waiting."""
-
-    def shutdown(self) -> None:
-        self.runner.shutdown()
-
-
-def _serve(
-    engine: Any, sync: ReplicaSync | None, policy: Policy, conn: Any, stream: bool = False
-) -> None:
-    """The replica's loop: commands from the pipe, steps, and idle boundaries. ``stream``: send
-    every step's RequestOutput (("out", output), for a server) instead of finished token lists."""
-    stopping = False
-    tokens: dict[str, list[int]] = {}  # generated so far, per running request
-    while True:
-        busy = engine.has_unfinished_requests()
-        while conn.poll(0 if busy or sync is not None else IDLE_WAIT_S):
-            cmd = conn.recv()
-            if cmd[0] == "add":
-                _, rid, ids, params = cmd
-                try:
-                    engine.add_request(rid, ids, params)
-                except InvalidRequestError as exc:
-                    conn.send(("finished", rid, [], f"error: {exc}"))
-            elif cmd[0] == "abort":
-                engine.abort_request(cmd[1])
-            elif cmd[0] == "stats":
-                extra = sync.stats() if sync is not None else {}
-                stats = engine.stats()
-                conn.send(("stats", {"policy": policy.stats(), "sync": extra, "engine": stats}))
-            elif cmd[0] == "snapshot":  # a server's periodic stats (no mode tags)
-                conn.send(("snapshot", engine.stats()))
-            elif cmd[0] == "stop":
-                stopping = True
-            busy = engine.has_unfinished_requests()
-        if busy:
-            for out in engine.step():
-                if stream:
-                    conn.send(("out", out))
-                    continue
-                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-                if out.finished:
-                    reason = out.error or (out.finish_reason.value if out.finish_reason else "")
-                    conn.send(("finished", out.request_id, tokens.pop(out.request_id), reason))
-            continue
-        if sync is None:
-            if stopping:
-                return
-            continue
-        result = sync.idle(stopping)
-        if result is IdleResult.STOP:
-            return
-        if result is IdleResult.WAIT:
-            time.sleep(IDLE_WAIT_S)
-
-
-def replica_main(
-    config: EngineConfig,
-    policy: Policy,
-    group: GroupConfig,
-    rank: int,
-    port: int,
-    conn: Any,
-    cores: Sequence[int],
-    stream: bool = False,
-) -> None:
-    """One replica's process (tp = 1: the replica is this rank)."""
-    die_with_parent()
-    logging.basicConfig(
-        level=logging.WARNING, format=f"replica {rank} %(levelname)s %(name)s: %(message)s"
-    )
-    world = policy.world_size
-    set_threads(config, group, world)
-    bind_rank_cores(config, group, world, rank, cores)
-    try:
-        store = group.join_store(world, port)
-        state = join_group(config, policy, group, rank, store, port)
-        sync = policy.replica_sync(store)
-        engine = _engine(config, policy, state, ReplicaExecutor(state.runner, sync, rank))
-        conn.send(
-            ("ready", {"num_blocks": state.num_blocks, "max_model_len": engine.max_model_len})
-        )
-        _serve(engine, sync, policy, conn, stream)
-        leaked = engine.blocks.leaked_blocks()
-        free = engine.blocks.num_free_blocks == engine.blocks.num_blocks
-        engine.shutdown()
-        assert state.watchdog is not None
-        state.watchdog.stop()
-        dist.destroy_process_group()
-        conn.send(("closed", {"leaked_blocks": len(leaked), "all_free": free}))
-    except GroupFailure as exc:
-        print(f"gearshift replica group: {exc}", file=sys.stderr, flush=True)
-        os._exit(EXIT_PEER_FAILED)
-    except Exception as exc:  # any failure ends this replica, loudly
-        log.exception("replica %d failed", rank)
-        print(f"gearshift replica group: replica {rank} failed: {exc}", file=sys.stderr)
-        os._exit(1)
 
 
 @dataclass
@@ -168,8 +36,8 @@ class ReplicaGroup:
     """The calling process's handle on a running replica group."""
 
     policy: Policy
-    procs: list[Any]
-    conns: list[Any]
+    procs: list[Any]  # every rank's process, in rank order
+    conns: list[Any]  # one per replica, to its leading rank
     store: Any
     timeout_s: float
     ready: list[dict[str, Any]] = field(default_factory=list)
@@ -182,11 +50,12 @@ class ReplicaGroup:
         return len(self.conns)
 
     def _check(self) -> None:
-        for r, proc in enumerate(self.procs):
+        n = len(self.procs) // max(1, self.replicas)
+        for rank, proc in enumerate(self.procs):
             if not proc.is_alive() and not self._closed:
                 raise GroupFailure(
-                    f"replica group: replica {r} (rank {r}) exited with code {proc.exitcode}; "
-                    "the group's replicas fail together"
+                    f"replica group: replica {rank // n} (rank {rank}) exited with code "
+                    f"{proc.exitcode}; the group's replicas fail together"
                 )
 
     def _recv(self, r: int, kind: str) -> Any:
@@ -280,30 +149,32 @@ def start_replicas(
     send every step's outputs (a server's replicas, see worker/server/replica_engine.py)."""
     group = group or GroupConfig()
     world = policy.world_size
-    if policy.engine_replicas() != world:
+    replicas = policy.engine_replicas()
+    if world % replicas:
         raise InvalidRequestError(
-            "policy", "a replica group needs one rank per replica (tp = 1) on this host"
+            "policy", f"{world} ranks do not form {replicas} replicas of equal size"
         )
+    n = world // replicas
     store = group.host_store(world)
     port = int(store.port)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     cores = usable_cores()
     procs, conns = [], []
     for rank in range(world):
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(
-            target=replica_main,
-            args=(config, policy, group, rank, port, child, cores, stream),
-            name=f"gearshift-replica-{rank}",
-            daemon=True,
+        parent, child = ctx.Pipe() if rank % n == 0 else (None, None)
+        proc = start_rank(
+            ctx,
+            replica_main,
+            (config, policy, group, rank, port, child, cores, stream),
+            f"gs-replica-{rank // n}" + (f"r{rank}" if n > 1 else ""),
         )
-        proc.start()
-        child.close()
         procs.append(proc)
-        conns.append(parent)
+        if child is not None:
+            child.close()
+            conns.append(parent)
     handle = ReplicaGroup(policy, procs, conns, store, group.timeout_s)
     try:
-        handle.ready = [handle._recv(r, "ready")[1] for r in range(world)]
+        handle.ready = [handle._recv(r, "ready")[1] for r in range(replicas)]
     except BaseException:
         handle.kill()
         raise

@@ -41,6 +41,7 @@ from gearshift.worker.model.config import ModelConfig
 if TYPE_CHECKING:
     from gearshift.worker.engine.loading import ModelSpec
     from gearshift.worker.engine.model_runner import Gear, RankHook
+    from gearshift.worker.engine.plan import StepPlan
     from gearshift.worker.engine.scheduler import ScheduledBatch, Scheduler
     from gearshift.worker.kv.block_manager import BlockManager
     from gearshift.worker.kv.cache import LayerKV
@@ -142,10 +143,13 @@ class Policy(ABC):
         group is one engine led by rank 0. Ranks ``r * (world / n)`` lead replica ``r``."""
         return 1
 
-    def replica_sync(self, store: Any) -> ReplicaSync | None:
+    def replica_sync(
+        self, store: Any, followers: Callable[[StepPlan], None] | None = None
+    ) -> ReplicaSync | None:
         """After ``build_rank``, on a replica's leading rank: how it meets its peers at step
-        boundaries (``store``: the group's rendezvous store); None: replicas never meet."""
-        del store
+        boundaries (``store``: the group's rendezvous store; ``followers``: sends a plan to the
+        replica's other ranks, when it has some); None: replicas never meet."""
+        del store, followers
         return None
 
     def step_request(self, queues: QueueView) -> StepRequest:

@@ -73,3 +73,20 @@ def test_weight_formula_counts_replicated_owned_and_slots() -> None:
     # Plain DP holds all 6 FFN layers; SiDP 2 owned + 2 slots: 2 layers freed.
     assert wb.freed(6) == 2 * wb.ffn_layer
     assert ffn_layer_numel(_cfg()) == 3 * 64 * 128
+
+
+def test_weight_formula_with_tp_counts_each_ranks_shard() -> None:
+    cfg = _cfg(mlp_bias=True, tie_word_embeddings=True)
+    own = Ownership(2, 6)
+    one = weight_bytes(cfg, own, replica=0, slots=1, element_size=4)
+    two = weight_bytes(cfg, own, replica=0, slots=1, element_size=4, tp=2)
+    # gate/up rows and down columns halve; down's bias (64) stays whole on every TP rank.
+    assert two.ffn_layer == 4 * (3 * 64 * 64 + 2 * 64 + 64)
+    # Per layer: q 4 heads, kv 1 head of 8, o over 32 inputs, two norms; embedding 64 rows.
+    attn = 64 * (32 + 2 * 8) + 32 * 64 + 2 * 64
+    assert two.replicated == 4 * (64 * 64 + 6 * attn + 64)
+    assert two.replicated < one.replicated and two.owned_layers == one.owned_layers == 3
+    # TP 4 over 2 KV heads: one replicated KV head per rank.
+    four = weight_bytes(cfg, own, replica=0, slots=1, element_size=4, tp=4)
+    attn4 = 64 * (16 + 2 * 8) + 16 * 64 + 2 * 64
+    assert four.replicated == 4 * (32 * 64 + 6 * attn4 + 64)

@@ -5,6 +5,14 @@ Replicas step together in this mode: the step's control exchange (``group_step.p
 rank how many rows each replica has. A replica with none (idle, running a dummy step) sends
 nothing and its owner skips it (dummy skipping); with skipping off it sends one zero row per
 layer that the owner computes and discards, as a plain lock-step implementation would.
+
+With ``tp`` ranks per replica (the paper runs e.g. TP 2 × DP 4 but does not spell out the
+exchange) it runs per TP rank: TP rank t of each replica sends its rows (the full hidden state,
+which every TP rank of a replica holds after attention) to TP rank t of the owner, which runs its
+FFN shard over the fused rows and returns each sender the partial sums of its rows. Every replica
+then all-reduces its partial sums within its own TP group, as in a plain TP FFN, so the owner
+never reduces rows that are not its own, and the dp × tp ranks form tp independent exchanges of
+dp ranks each.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ class CasExchange:
 
     own: Ownership
     rank: int
-    world: CommGroup  # the group's ranks, one per replica (tp = 1)
+    world: CommGroup  # this TP rank's peers: TP rank t of every replica, group rank = replica
     cas_slots: int
     layout: FfnLayout
     dtype: torch.dtype
@@ -40,6 +48,7 @@ class CasExchange:
     owned_weights: dict[int, FfnWeights] = field(default_factory=dict)  # layers this rank owns
     rows: list[int] = field(default_factory=list)  # this step's rows per replica
     stats: CasStats = field(default_factory=CasStats)
+    tp_rank: int = 0  # TP rank 0's partial sums carry down's bias
 
     def __post_init__(self) -> None:
         # Staging buffers, used in turn, so a layer's buffer is not reused while an earlier
@@ -101,7 +110,7 @@ class CasExchange:
         for work in recvs:
             if work is not None:
                 work.wait()
-        fused = run_ffn(staging, owned)
+        fused = run_ffn(staging, owned, self.tp_rank == 0)
         self.stats.fused_rows += fused.shape[0]
         out = list(fused.split(sizes))
         sends = [

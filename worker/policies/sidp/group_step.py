@@ -7,6 +7,8 @@ ones poll), and all adopt the newest epoch's mode from the same point. In CaS th
 together: every step starts with one small all-gather (the step's control message) carrying each
 replica's row count (so owners skip idle replicas) and the epoch it has seen; a mode change there
 applies to that very step on every replica. Each step's mode tag is recorded for tests and stats.
+Only a replica's leading rank takes part; with tp > 1 it tells its TP followers each decision
+(``followers.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from gearshift.worker.comm import CommGroup
 from gearshift.worker.engine.contract import IdleResult
 from gearshift.worker.policies.sidp.cas import CasExchange
 from gearshift.worker.policies.sidp.ffn import FfnService, Mode
+from gearshift.worker.policies.sidp.followers import SendToFollowers, step_plan
 
 EPOCH_KEY = "sidp/epoch"
 _COUNTER_KEY = "sidp/epochs"
@@ -55,7 +58,7 @@ class GroupStep:
 
     service: FfnService
     cas: CasExchange
-    world: CommGroup
+    world: CommGroup  # the replicas' leading ranks, group rank = replica
     store: Any
     initial: Mode  # the mode of epoch 0 (the policy's ``mode``)
     epoch: int = 0
@@ -64,6 +67,7 @@ class GroupStep:
     # (switches so far, mode, CaS group step or -1) of the recent steps this replica ran or
     # joined with work somewhere in the group.
     tags: deque[tuple[int, int, int]] = field(default_factory=lambda: deque(maxlen=8192))
+    followers: SendToFollowers | None = None  # this replica's TP followers (tp > 1)
 
     def __post_init__(self) -> None:
         self._all_stopping = False
@@ -81,14 +85,8 @@ class GroupStep:
         mode = self.initial if epoch == 0 else Mode(int(self.store.get(_mode_key(epoch))))
         self.epoch = epoch
         self.store.set(f"sidp/applied/{self.world.rank}", str(epoch))
-        if mode != self.service.mode:
+        if self.service.set_mode(mode):
             self.switches += 1
-            self.service.mode = mode
-            if mode == Mode.WAS:
-                # The CaS steps in between consumed no slots: restart the prefetch window.
-                self.service.housekeeper.reset()
-            else:
-                self.service.housekeeper.close()  # CaS fetches no weights
 
     def _gather(self, values: list[int]) -> torch.Tensor:
         mine = torch.tensor(values, dtype=torch.int64)
@@ -119,9 +117,14 @@ class GroupStep:
         self.group_steps += 1
         return True
 
+    def _tell(self, cas_step: bool, dummy: bool) -> None:
+        if self.followers is not None:
+            self.followers(step_plan(self.mode, cas_step, dummy, self.cas.rows))
+
     def before_step(self, num_tokens: int) -> None:
         """Called by the replica before each step it runs."""
         cas_step = self._boundary(num_tokens)
+        self._tell(cas_step, dummy=False)
         self.tags.append((self.switches, int(self.mode), self.group_steps if cas_step else -1))
 
     def idle(self, stopping: bool) -> IdleResult:
@@ -133,6 +136,7 @@ class GroupStep:
             return IdleResult.STOP
         if any(self.cas.rows):
             self.tags.append((self.switches, int(self.mode), self.group_steps))
+            self._tell(cas_step=True, dummy=True)
             self.cas.dummy_step()
             return IdleResult.BUSY
         return IdleResult.WAIT

@@ -67,10 +67,10 @@ class Ownership:
 
 @dataclass(frozen=True)
 class WeightBytes:
-    """Weight bytes of one replica rank (tp = 1), from the model config alone (§4.1, §4.4)."""
+    """Weight bytes of one rank of a replica, from the model config alone (§4.1, §4.4)."""
 
-    replicated: int  # embeddings, attention, norms, LM head: every replica holds them
-    ffn_layer: int  # one layer's FFN (gate, up, down and their biases)
+    replicated: int  # embeddings, attention, norms, LM head: every replica holds its TP shard
+    ffn_layer: int  # one rank's TP shard of one layer's FFN (gate, up, down and their biases)
     owned_layers: int
     slots: int
 
@@ -92,29 +92,38 @@ class WeightBytes:
         return (num_layers - self.owned_layers) * self.ffn_layer - self.slot_bytes
 
 
-def ffn_layer_numel(cfg: ModelConfig) -> int:
-    h, i = cfg.hidden_size, cfg.intermediate_size
+def ffn_layer_numel(cfg: ModelConfig, tp: int = 1) -> int:
+    """One TP rank's share of a layer's FFN: gate, up (and their biases) split by output rows,
+    down by input columns; down's bias is whole on every rank (added once, by TP rank 0)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size // tp
     return 3 * h * i + ((2 * i + h) if cfg.mlp_bias else 0)
 
 
 def weight_bytes(
-    cfg: ModelConfig, ownership: Ownership, replica: int, slots: int, element_size: int
+    cfg: ModelConfig,
+    ownership: Ownership,
+    replica: int,
+    slots: int,
+    element_size: int,
+    tp: int = 1,
 ) -> WeightBytes:
-    """The formula the tests hold a loaded rank to."""
+    """The formula the tests hold a loaded rank (one of the replica's ``tp`` ranks) to."""
     h, d = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    # Query heads split over TP; KV heads split, or one replicated head per rank (GQA).
+    q = cfg.num_heads // tp * d
+    kv = (cfg.num_kv_heads // tp if tp < cfg.num_kv_heads else 1) * d
     attn = h * (q + 2 * kv) + q * h
     attn += (q + 2 * kv) if cfg.qkv_bias else 0
     attn += h if cfg.o_bias else 0
     attn += 2 * d if cfg.qk_norm else 0
     per_layer = attn + 2 * h  # two RMSNorms
-    embed = cfg.vocab_size * h
+    embed = -(-cfg.vocab_size // tp) * h  # vocab rows split over TP (padded)
     replicated = embed + cfg.num_layers * per_layer + h  # final norm
     if not cfg.tie_word_embeddings:
         replicated += embed
     return WeightBytes(
         replicated=replicated * element_size,
-        ffn_layer=ffn_layer_numel(cfg) * element_size,
+        ffn_layer=ffn_layer_numel(cfg, tp) * element_size,
         owned_layers=len(ownership.owned(replica)),
         slots=slots,
     )

@@ -1,6 +1,7 @@
 """SiDP: dp engine replicas that share FFN weights (SiDP §4).
 
-Each rank is an independent engine replica (own scheduler, block manager, KV cache, sampler).
+Each replica (``tp`` ranks, tensor-parallel inside) is an independent engine (own scheduler, block
+manager, KV cache, sampler).
 Attention, norms, embeddings and the LM head are replicated; layer ℓ's FFN lives only on replica
 ℓ mod dp (§4.1), in shared memory the other replicas of the host read (§4.2). The KV cache gets
 the FFN bytes a replica does not hold. A step runs in one of two modes, the same on every replica:
@@ -11,6 +12,7 @@ owner, §4.3); ``mode`` pins one, AUTO leaves it to the router's controller.
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -23,9 +25,11 @@ from gearshift.worker.engine.loading import load_model
 from gearshift.worker.engine.model_runner import Gear
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.model.config import ModelConfig
+from gearshift.worker.parallel.layout import Layout
 from gearshift.worker.policies.base import Policy, RankContext, RankModel
 from gearshift.worker.policies.sidp.cas import CasExchange
 from gearshift.worker.policies.sidp.ffn import FfnService, Mode, SidpFFN
+from gearshift.worker.policies.sidp.followers import FollowerHook, SendToFollowers
 from gearshift.worker.policies.sidp.group_step import GroupStep, request_mode
 from gearshift.worker.policies.sidp.housekeeper import Housekeeper
 from gearshift.worker.policies.sidp.ownership import Ownership, WeightBytes, weight_bytes
@@ -41,7 +45,7 @@ log = logging.getLogger(__name__)
 
 
 class SidpPolicy(Policy):
-    """dp replicas (tp = 1 each) sharing FFN weights; ``mode`` and thresholds are live."""
+    """dp replicas of tp ranks each sharing FFN weights; ``mode`` and thresholds are live."""
 
     kind = "sidp"
     # The replicas share FFN weights through the host's shared memory (and the worker endpoint
@@ -51,11 +55,8 @@ class SidpPolicy(Policy):
     def __init__(self, policy: policy_pb2.Policy, world_size: int) -> None:
         super().__init__(policy, world_size)
         msg = self.message
-        if msg.tp != 1:
-            raise InvalidRequestError(
-                "policy.sidp.tp", "policy.sidp.tp > 1 is not implemented yet (use tp: 1)"
-            )
         self.dp = int(msg.dp)
+        self.tp = int(msg.tp)
         self.gear_names = ("sidp",)
         if msg.peak_shifting and msg.was_cache_slots < self.dp - 1:
             # A peak-shifted cycle is fetched out of layer order: all dp - 1 remote layers of a
@@ -84,38 +85,72 @@ class SidpPolicy(Policy):
                 "policy.sidp.dp",
                 f"policy.sidp.dp ({self.dp}) exceeds the model's {cfg.num_layers} layers",
             )
+        try:
+            Layout(tp=self.tp).check_model(cfg.num_heads, cfg.num_kv_heads)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError("policy.sidp.tp", f"policy.sidp.tp: {exc}") from exc
+        if cfg.intermediate_size % self.tp:
+            raise InvalidRequestError(
+                "policy.sidp.tp",
+                f"policy.sidp.tp ({self.tp}) does not divide the FFN's {cfg.intermediate_size} "
+                "intermediate features",
+            )
+
+    def _groups(self, rank: int, timeout: timedelta) -> tuple[CommGroup, CommGroup]:
+        """(this replica's TP group, this TP rank's peers: TP rank t of every replica).
+
+        Replica r is ranks [r * tp, (r + 1) * tp) (its leader first, as engine_replicas says);
+        every rank creates every group in the same order (new_group is collective)."""
+        dp, tp = self.dp, self.tp
+        if tp == 1:
+            everyone = tuple(range(self.world_size))
+            return CommGroup.single(), CommGroup(dp, rank, everyone, dist.group.WORLD)
+        mine = {}
+        for kind, groups in (
+            ("tp", [[r * tp + t for t in range(tp)] for r in range(dp)]),
+            ("peers", [[r * tp + t for r in range(dp)] for t in range(tp)]),
+        ):
+            for members in groups:
+                pg = dist.new_group(members, timeout=timeout) if len(members) > 1 else None
+                if rank in members:
+                    mine[kind] = CommGroup(len(members), members.index(rank), tuple(members), pg)
+        return mine["tp"], mine["peers"]
 
     def build_rank(self, ctx: RankContext) -> RankModel:
         cfg = ctx.spec.config
         self.check_model(cfg)
         msg = self.message
         own = Ownership(self.dp, cfg.num_layers)
-        layout = FfnLayout.of(cfg)
+        tp_group, peers = self._groups(ctx.rank, ctx.timeout)
+        replica, tp_rank = ctx.rank // self.tp, ctx.rank % self.tp
+        layout = FfnLayout.of(cfg, self.tp)
         dtype = ctx.spec.dtype
         nbytes = layout.numel * torch.tensor([], dtype=dtype).element_size()
         clean_stale()
         key = shm_segments.group_key()
         mine = {
-            layer: Segment(new_segment_name(key, layer), nbytes, create=True)
-            for layer in own.owned(ctx.rank)
+            layer: Segment(new_segment_name(key, layer, tp_rank), nbytes, create=True)
+            for layer in own.owned(replica)
         }
         segments = list(mine.values())
         try:
-            names = {layer: seg.name for layer, seg in mine.items()}
+            names = {(layer, tp_rank): seg.name for layer, seg in mine.items()}
             if self.world_size > 1:
                 everyone: list[Any] = [None] * self.world_size
                 dist.all_gather_object(everyone, names)
                 for part in everyone:
                     names.update(part)
+            # TP rank t reads TP rank t's shard of each owner (§4.2 per TP rank).
             remote = {
-                layer: Segment(names[layer], nbytes, create=False) for layer in own.remote(ctx.rank)
+                layer: Segment(names[(layer, tp_rank)], nbytes, create=False)
+                for layer in own.remote(replica)
             }
             segments += list(remote.values())
             owned = {layer: layout.views(seg.tensor(dtype)) for layer, seg in mine.items()}
             housekeeper = Housekeeper(
                 layout=layout,
                 num_layers=cfg.num_layers,
-                order=own.fetch_order(ctx.rank, msg.peak_shifting),
+                order=own.fetch_order(replica, msg.peak_shifting),
                 cycle_start={layer: c.start for c in own.cycles() for layer in c},
                 sources={layer: seg.tensor(dtype) for layer, seg in remote.items()},
                 slots=int(msg.was_cache_slots) if self.dp > 1 else 0,
@@ -123,17 +158,23 @@ class SidpPolicy(Policy):
                 peak_shifting=msg.peak_shifting,
                 dtype=dtype,
             )
-            world = CommGroup(
-                self.world_size, ctx.rank, tuple(range(self.world_size)), dist.group.WORLD
-            )
             cas = CasExchange(
-                own, ctx.rank, world, int(msg.cas_slots), layout, dtype, msg.dummy_skipping, owned
+                own,
+                replica,
+                peers,
+                int(msg.cas_slots),
+                layout,
+                dtype,
+                msg.dummy_skipping,
+                owned,
+                tp_rank=tp_rank,
             )
-            service = FfnService(owned, housekeeper, cas, self.initial_mode)
+            service = FfnService(owned, housekeeper, cas, self.initial_mode, tp_group)
             model = load_model(
                 ctx.spec,
-                HideRemoteFfn(ctx.open_source(), set(own.remote(ctx.rank))),
+                HideRemoteFfn(ctx.open_source(), set(own.remote(replica))),
                 ctx.device,
+                tp=tp_group,
                 show_progress=ctx.show_progress,
                 mlp_factory=lambda layer: SidpFFN(layer, service, owned.get(layer)),
             )
@@ -145,13 +186,14 @@ class SidpPolicy(Policy):
             raise
         if service.mode == Mode.WAS:
             housekeeper.start()
-        self._service, self._world = service, world
-        self.bytes = weight_bytes(cfg, own, ctx.rank, housekeeper.slots, dtype.itemsize)
+        self._service, self._world = service, peers
+        self.bytes = weight_bytes(cfg, own, replica, housekeeper.slots, dtype.itemsize, self.tp)
         log.info(
-            "sidp replica %d: owns FFN of layers %s; weights %.1f MiB resident (%d slots), "
-            "%.1f MiB freed for KV",
-            ctx.rank,
-            own.owned(ctx.rank),
+            "sidp replica %d tp rank %d: owns FFN of layers %s; weights %.1f MiB resident "
+            "(%d slots), %.1f MiB freed for KV",
+            replica,
+            tp_rank,
+            own.owned(replica),
             self.bytes.resident / 2**20,
             housekeeper.slots,
             self.bytes.freed(cfg.num_layers) / 2**20,
@@ -170,18 +212,24 @@ class SidpPolicy(Policy):
         return RankModel(
             gears=[gear],
             kv_layers=cfg.num_layers,
-            kv_heads=cfg.num_kv_heads,
+            kv_heads=Layout(tp=self.tp).kv_heads_per_rank(cfg.num_kv_heads),
             kv_extra_bytes=max(0, self.bytes.freed(cfg.num_layers)),
             closers=[close],
+            # A TP follower takes each step's mode from its replica's leader.
+            hook=FollowerHook(service, cas) if tp_rank else None,
             extra={"service": service, "weight_bytes": self.bytes},
         )
 
-    def replica_sync(self, store: Any) -> GroupStep | None:
+    def replica_sync(
+        self, store: Any, followers: SendToFollowers | None = None
+    ) -> GroupStep | None:
         if self._service is None or self._world is None:
             return None
         cas = self._service.cas
         assert isinstance(cas, CasExchange)
-        self._sync = GroupStep(self._service, cas, self._world, store, self.initial_mode)
+        self._sync = GroupStep(
+            self._service, cas, self._world, store, self.initial_mode, followers=followers
+        )
         return self._sync
 
     def stats(self) -> dict[str, float]:

@@ -1,9 +1,11 @@
 """FFN weights in named POSIX shared memory: the owner writes them once, other ranks of the host
 read them one-sided (SiDP §4.2 on CPU; on GPUs the same role falls to CUDA IPC).
 
-One segment per owned layer, named ``gearshift-sidp-<group>-<pid>-<random>-l<layer>``: the group
-key keeps two deployments apart, the random part two starts of one group, and the creator's pid
-lets the next start unlink segments whose creator died without cleaning up.
+One segment per owned layer and TP rank of the owner, named
+``gearshift-sidp-<group>-<pid>-<random>-l<layer>-t<tp rank>``: each holds that TP rank's shard, the
+one the same TP rank of every other replica reads. The group key keeps two deployments apart, the
+random part two starts of one group, and the creator's pid lets the next start unlink segments
+whose creator died without cleaning up.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ def group_key(text: str) -> str:
     return shm_segments.safe_key(text)
 
 
-def new_segment_name(key: str, layer: int) -> str:
-    return shm_segments.segment_name(PREFIX, key, f"-l{layer}")
+def new_segment_name(key: str, layer: int, tp_rank: int = 0) -> str:
+    return shm_segments.segment_name(PREFIX, key, f"-l{layer}-t{tp_rank}")
 
 
 def clean_stale(shm_dir: Path = SHM_DIR) -> list[str]:
@@ -44,15 +46,16 @@ def segments(key: str | None = None, shm_dir: Path = SHM_DIR) -> list[str]:
 
 @dataclass(frozen=True)
 class FfnLayout:
-    """Where gate|up, down and their biases sit in one layer's flat buffer (tp = 1)."""
+    """Where gate|up, down and their biases sit in one TP rank's shard of a layer's FFN (flat):
+    ``inter`` is that rank's share of the intermediate size; down's bias is whole."""
 
     hidden: int
     inter: int
     bias: bool
 
     @staticmethod
-    def of(cfg: ModelConfig) -> FfnLayout:
-        return FfnLayout(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+    def of(cfg: ModelConfig, tp: int = 1) -> FfnLayout:
+        return FfnLayout(cfg.hidden_size, cfg.intermediate_size // tp, cfg.mlp_bias)
 
     @property
     def numel(self) -> int:
