@@ -111,7 +111,7 @@ def test_aborts_in_every_state_free_every_page_and_block(
     states = {
         "waiting": lambda: [s.request_id for s in engine.scheduler.waiting],
         "host-resident": lambda: list(lead.on_host),
-        "being swapped in": lambda: list(lead._swapping),
+        "being swapped in": lambda: list(lead.queue.pending),
         "decoding": lambda: [
             r.request_id for r in lead._resident() if lead.phase.value == "decode"
         ],
