@@ -160,8 +160,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _start(folder: Path, tag: str) -> tuple[subprocess.Popen[str], list[int]]:
-    env = dict(os.environ, GEARSHIFT_GROUP_NAME=tag)
+def _start(folder: Path, tag: str, **env_vars: str) -> tuple[subprocess.Popen[str], list[int]]:
+    env = dict(os.environ, GEARSHIFT_GROUP_NAME=tag, **env_vars)
     cmd = [sys.executable, "-m", "tests.worker.policies.seesaw_driver", "--model", str(folder)]
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
