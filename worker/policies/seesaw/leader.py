@@ -97,6 +97,7 @@ class SeesawLeader:
         self.async_swap = async_swap
         self.queue = SwapInQueue(board, self._release_blocks, pages.give_back)
         self.plans = 0  # plans submitted (the index of the next one)
+        self.stall_seconds = 0.0  # the engine had nothing to run but sequences being copied in
         self._ticket = 0  # of this plan's swap-ins
         self._await = False  # this plan carries no work: it only checks that every rank lives
         self.phase = Phase.PREFILL
@@ -271,8 +272,12 @@ class SeesawLeader:
     def _wait(self, queues: QueueView) -> StepRequest:
         """Nothing to run until swap-ins are reported: wait for the board a little, then (if
         still nothing) send a plan without tokens, whose broadcast fails if a rank is gone."""
-        if not queues.in_flight and not self.queue.wait(AWAIT_SLICE_S):
+        if queues.in_flight:
+            return StepRequest(StepKind.NONE)
+        start = time.monotonic()
+        if not self.queue.wait(AWAIT_SLICE_S):
             self._await = True
+        self.stall_seconds += time.monotonic() - start
         return StepRequest(StepKind.NONE)
 
     def _parked_usage(self) -> float:

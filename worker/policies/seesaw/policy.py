@@ -259,5 +259,6 @@ class SeesawPolicy(Policy):
             "swap_in_bytes": float(lead.swap_in_bytes),
             "swap_wait_seconds": wait,
             "swap_waiting_sequences": float(len(lead.queue)),
+            "swap_stall_seconds": lead.stall_seconds,
             "host_kv_usage": lead.host_usage,
         }
