@@ -97,6 +97,7 @@ class SeesawLeader:
         self.async_swap = async_swap
         self.queue = SwapInQueue(board, self._release_blocks, pages.give_back)
         self.plans = 0  # plans submitted (the index of the next one)
+        self._stuck_at = -1  # the board's value when an abort's wait last timed out
         self.stall_seconds = 0.0  # the engine had nothing to run but sequences being copied in
         self._ticket = 0  # of this plan's swap-ins
         self._await = False  # this plan carries no work: it only checks that every rank lives
@@ -135,7 +136,11 @@ class SeesawLeader:
         if rid in self.queue:
             # Ranks may still write its blocks and read its pages: both wait for the copies.
             self.queue.retire(rid, self.pages.detach(rid))
-            self.queue.wait(RETIRE_WAIT_S)
+            # Copies take milliseconds: wait, unless a wait already timed out with the board
+            # standing still since (a dead rank: failing every request must not take minutes).
+            stuck = self.queue.board.finished() == self._stuck_at
+            if not stuck and not self.queue.wait(RETIRE_WAIT_S):
+                self._stuck_at = self.queue.board.finished()
             self.queue.collect(self.plans)
             return
         self.pages.release(rid)

@@ -72,6 +72,16 @@ class _Pending:
 
 
 @dataclass
+class _Retired:
+    """A sequence that ended while its copies ran: blocks and pages wait for ``ticket``."""
+
+    ticket: int
+    blocks: list[int]
+    pages: list[int]
+    request_id: str
+
+
+@dataclass
 class SwapInQueue:
     """The leader's swap-ins in flight: sequences wait here until every rank has reported their
     ticket. Device blocks under copy stay referenced by the queue, so a sequence aborted mid
@@ -81,7 +91,7 @@ class SwapInQueue:
     release_blocks: Callable[[list[int]], None]
     release_pages: Callable[[list[int]], object]
     pending: dict[str, _Pending] = field(default_factory=dict)
-    retired: list[tuple[int, list[int], list[int], str]] = field(default_factory=list)
+    retired: list[_Retired] = field(default_factory=list)
     log: list[SwapEvent] = field(default_factory=list)
     next_ticket: int = 1
     wait_seconds: float = 0.0  # summed over sequences: sent until every rank had copied them
@@ -117,23 +127,22 @@ class SwapInQueue:
             self.wait_seconds += now - p.since
             self.release_blocks(p.blocks)
             self.log.append(SwapEvent(plan, "ready", p.ticket, (rid,), board))
-        for entry in [e for e in self.retired if e[0] <= done]:
+        for entry in [e for e in self.retired if e.ticket <= done]:
             self.retired.remove(entry)
-            ticket, blocks, pages, rid = entry
-            self.release_blocks(blocks)
-            self.release_pages(pages)
-            self.log.append(SwapEvent(plan, "retired", ticket, (rid,), board))
+            self.release_blocks(entry.blocks)
+            self.release_pages(entry.pages)
+            self.log.append(SwapEvent(plan, "retired", entry.ticket, (entry.request_id,), board))
         return ready
 
     def retire(self, request_id: str, pages: list[int]) -> None:
         """``request_id`` ended while its copies run: its pages and blocks wait for them."""
         p = self.pending.pop(request_id)
-        self.retired.append((p.ticket, p.blocks, pages, request_id))
+        self.retired.append(_Retired(p.ticket, p.blocks, pages, request_id))
 
     def wait(self, seconds: float, poll: float = 0.001) -> bool:
         """Sleep until some pending or retired ticket is done, at most ``seconds``; whether one
         is."""
-        tickets = [p.ticket for p in self.pending.values()] + [e[0] for e in self.retired]
+        tickets = [p.ticket for p in self.pending.values()] + [e.ticket for e in self.retired]
         if not tickets:
             return False
         first = min(tickets)
