@@ -83,7 +83,9 @@ def run_pass(engine: Any, work: list[tuple[list[int], int]]) -> dict[str, float]
             prefill_seconds=phase["prefill"],
             decode_seconds=phase["decode"],
             reshard_seconds=after["reshard_seconds"] - before.get("reshard_seconds", 0.0),
-            swap_wait_seconds=after["swap_wait_seconds"] - before.get("swap_wait_seconds", 0.0),
+            # The engine's time with nothing to run but swap-ins outstanding (wall time lost);
+            # swap_wait_seconds sums every sequence's wait, which overlaps other work.
+            swap_wait_seconds=after["swap_stall_seconds"] - before.get("swap_stall_seconds", 0.0),
             transitions=after["transitions"] - before.get("transitions", 0.0),
         )
     return out

@@ -160,6 +160,18 @@ class BlockManager:
             self.free_rows.append(table.row)
             table.row = -1
 
+    def retain(self, block_ids: Sequence[int]) -> None:
+        """One more reference to blocks a table holds, dropped by ``release``: they stay
+        allocated even if their table is freed meanwhile (e.g. a copy still writes into them)."""
+        for b in block_ids:
+            if self.ref_counts[b] == 0:
+                raise ValueError(f"block {b} is free: only a held block can be retained")
+            self.ref_counts[b] += 1
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drop the references ``retain`` took."""
+        self.free_table(BlockTable(list(block_ids)))
+
     def leaked_blocks(self) -> list[int]:
         """Blocks still referenced; empty once every sequence has been freed."""
         return [b for b, n in enumerate(self.ref_counts) if n]

@@ -97,3 +97,21 @@ def test_reset_prefix_cache_hands_the_uncached_blocks_out_before_untouched_ones(
     bm.allocate(b, 8)
     assert sorted(b.block_ids) == sorted(used)  # warm blocks first, not blocks 2..7
     bm.free_table(b)
+
+
+def test_retained_blocks_stay_allocated_after_their_table_is_freed_until_released():
+    import pytest
+
+    bm = _bm(4, prefix=False)
+    a = BlockTable()
+    assert bm.allocate(a, 8)
+    held = list(a.block_ids)
+    bm.retain(held)
+    bm.free_table(a)  # e.g. the request was aborted while a copy still writes its blocks
+    assert bm.num_free_blocks == 2 and sorted(bm.leaked_blocks()) == sorted(held)
+    b = BlockTable()
+    assert not bm.allocate(b, 9)  # the retained blocks are not handed out
+    bm.release(held)
+    assert bm.num_free_blocks == 4 and bm.leaked_blocks() == []
+    with pytest.raises(ValueError, match="is free"):
+        bm.retain([0])

@@ -35,6 +35,8 @@ STATS = (
     "swap_out_bytes",
     "swap_in_bytes",
     "swap_wait_seconds",
+    "swap_waiting_sequences",
+    "swap_stall_seconds",
     "host_kv_usage",
     "phase_decode",
 )
@@ -81,7 +83,9 @@ def test_every_stat_moves_and_reaches_the_metrics(
             seen[k] = max(seen[k], stats.policy_stats[k])
         if stats.policy_stats["host_kv_usage"] > 0 and snapshot is None:
             snapshot = stats
-    assert all(v > 0 for v in seen.values()), seen
+    # The engine stalls only if copies are slower than its look at the board: it may not here.
+    moved = {k: v for k, v in seen.items() if k != "swap_stall_seconds"}
+    assert all(v > 0 for v in moved.values()), [k for k, v in moved.items() if v <= 0]
     assert _thread_names() == {"seesaw-swap-out", "seesaw-prefetch"}
     assert snapshot is not None
     proto = worker_stats(
@@ -111,7 +115,7 @@ def test_aborts_in_every_state_free_every_page_and_block(
     states = {
         "waiting": lambda: [s.request_id for s in engine.scheduler.waiting],
         "host-resident": lambda: list(lead.on_host),
-        "being swapped in": lambda: list(lead._swapping),
+        "being swapped in": lambda: list(lead.queue.pending),
         "decoding": lambda: [
             r.request_id for r in lead._resident() if lead.phase.value == "decode"
         ],
@@ -160,8 +164,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _start(folder: Path, tag: str) -> tuple[subprocess.Popen[str], list[int]]:
-    env = dict(os.environ, GEARSHIFT_GROUP_NAME=tag)
+def _start(folder: Path, tag: str, **env_vars: str) -> tuple[subprocess.Popen[str], list[int]]:
+    env = dict(os.environ, GEARSHIFT_GROUP_NAME=tag, **env_vars)
     cmd = [sys.executable, "-m", "tests.worker.policies.seesaw_driver", "--model", str(folder)]
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

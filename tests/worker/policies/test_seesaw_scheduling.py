@@ -51,8 +51,9 @@ def test_kv_after_swap_out_in_c_p_and_swap_in_in_c_d_equals_one_process(
     engine.add_request("r", prompt, params)
     got = list(engine.step()[0].new_token_ids)  # the prefill, on the PP gear
     assert lead.phase is Phase.PREFILL
-    # Swap out and re-shard (a plan without tokens), then swap in and the first decode.
-    for _ in range(4):
+    # Swap out and re-shard (a plan without tokens), then swap in (asynchronously: plans
+    # without tokens until every rank reported the copies) and the first decode.
+    for _ in range(200):
         got += [t for out in engine.step() for t in out.new_token_ids]
         if len(got) == 2:
             break

@@ -7,6 +7,9 @@ decode gear reads another shard of the same pages. Pages hold ``block_size`` tok
 device's blocks, laid out ``[layers, 2, kv_heads, block_size, head_dim]`` (head-major, §5.2), so
 one head's run of a page is contiguous and a head shard is a few contiguous copies.
 
+The segment ends with the swap-in readiness board (``readiness.py``): one int64 slot per rank
+and one for the leader, after the pages.
+
 The segment's name is ``gearshift-kv-<group>-<leader pid>-<random>``: never fixed, so two groups
 on one node never share it; the leader unlinks it when the group ends, and the next start of
 the same group unlinks segments whose leader is no longer alive (a SIGKILLed leader).
@@ -24,6 +27,7 @@ from pathlib import Path
 import torch
 
 from gearshift.worker import shm_segments
+from gearshift.worker.policies.seesaw.readiness import ReadinessBoard, board_bytes
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +72,9 @@ class HostKVStore:
     """The shared pages of one group, as a tensor [pages, layers, 2, kv_heads, block, D] on every
     rank; page bookkeeping (which sequence holds which page) lives on the leader."""
 
-    def __init__(self, name: str, shape: PageShape, num_pages: int, create: bool) -> None:
+    def __init__(
+        self, name: str, shape: PageShape, num_pages: int, create: bool, world_size: int = 1
+    ) -> None:
         self.name = name
         self.shape = shape
         self.num_pages = num_pages
@@ -77,21 +83,24 @@ class HostKVStore:
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
-            size = max(1, num_pages * shape.nbytes)
+            board_at = -(-num_pages * shape.nbytes // 64) * 64
+            size = board_at + board_bytes(world_size)
             if create:
                 os.ftruncate(fd, size)  # sparse: pages cost memory once written
             self._mmap: mmap.mmap | None = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        flat = torch.frombuffer(self._mmap, dtype=torch.uint8)[: num_pages * shape.nbytes]
+        whole = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        flat = whole[: num_pages * shape.nbytes]
         self.pages = flat.view(shape.dtype).view(
             num_pages, shape.num_layers, 2, shape.num_kv_heads, shape.block_size, shape.head_dim
         )
+        self.board = ReadinessBoard(whole[board_at:].view(torch.int64))
 
     @staticmethod
-    def create(tag: str, shape: PageShape, num_pages: int) -> HostKVStore:
+    def create(tag: str, shape: PageShape, num_pages: int, world_size: int = 1) -> HostKVStore:
         clean_stale(tag)
-        return HostKVStore(segment_name(tag), shape, num_pages, create=True)
+        return HostKVStore(segment_name(tag), shape, num_pages, True, world_size)
 
     def write_shard(
         self,
@@ -139,6 +148,8 @@ class HostKVStore:
     def close(self) -> None:
         """Unmap; the creator also unlinks the segment (the group is over)."""
         self.pages = torch.empty(0)
+        # In place: the leader's queue holds the board, and a live view would keep the mapping.
+        self.board.slots = torch.zeros_like(self.board.slots)
         if self._mmap is not None:
             # A tensor view still alive keeps the mapping; it goes with the process then.
             with contextlib.suppress(BufferError):
@@ -173,6 +184,12 @@ class PageAllocator:
         return pages
 
     def release(self, request_id: str) -> int:
-        pages = self.held.pop(request_id, [])
+        return self.give_back(self.detach(request_id))
+
+    def detach(self, request_id: str) -> list[int]:
+        """The pages ``request_id`` holds, no longer under its name (still not free)."""
+        return self.held.pop(request_id, [])
+
+    def give_back(self, pages: list[int]) -> int:
         self.free.extend(reversed(pages))
         return len(pages)

@@ -16,6 +16,13 @@ KV when the gear changes.
 
 Host usage counts the pages of sequences whose KV lives only on the host. A swapped-in sequence
 keeps its pages until its first decode step has come back (then every rank has read them).
+
+Swap-in (§5.2): with ``async_swap`` the plan that on-boards a sequence only starts its copies;
+the sequence waits in the swap-in queue (readiness.py), neither scheduled nor preempted, while
+the resident sequences keep decoding, and decodes from the first plan after every rank has
+reported it copied. With nothing else to run the leader waits for the reports, sending a plan
+without tokens now and then so that a rank that died shows in that plan's broadcast. Without
+``async_swap`` the copies run before the forward of the very plan that on-boards the sequence.
 """
 
 from __future__ import annotations
@@ -31,13 +38,19 @@ import torch
 from gearshift.worker.engine.contract import QueueView, StepKind, StepRequest
 from gearshift.worker.engine.sequence import Sequence, SequenceStatus
 from gearshift.worker.policies.seesaw.host_kv import PageAllocator
-from gearshift.worker.policies.seesaw.rank_hook import SWAP_IN, SWAP_OUT
+from gearshift.worker.policies.seesaw.rank_hook import AWAIT, SWAP_IN, SWAP_OUT
+from gearshift.worker.policies.seesaw.readiness import ReadinessBoard, SwapInQueue
 
 if TYPE_CHECKING:
     from gearshift.worker.engine.scheduler import Scheduler
     from gearshift.worker.kv.block_manager import BlockManager
 
 PREFILL_GEAR, DECODE_GEAR = 0, 1
+# How long the leader sleeps on the board, with nothing else to run, before it sends a plan
+# without tokens (which fails if a rank died); and how long an abort waits for the copies of a
+# sequence being swapped in before leaving its blocks to a later step.
+AWAIT_SLICE_S = 0.05
+RETIRE_WAIT_S = 0.5
 
 
 class Phase(enum.StrEnum):
@@ -73,6 +86,7 @@ class SeesawLeader:
         pipeline_depths: tuple[int, int],
         thresholds: Callable[[], Thresholds],
         page_bytes: int,
+        board: ReadinessBoard,
         async_swap: bool = False,
     ) -> None:
         self.pages = pages
@@ -80,10 +94,13 @@ class SeesawLeader:
         self.depths = pipeline_depths
         self.thresholds = thresholds  # live: read at every decision
         self.page_bytes = page_bytes
-        # §5.2: with asynchronous swap-in a sequence's KV is copied while the plan that sent it
-        # runs; every rank finishes that copy before its next plan, so it decodes from then on.
         self.async_swap = async_swap
-        self._swapping: set[str] = set()
+        self.queue = SwapInQueue(board, self._release_blocks, pages.give_back)
+        self.plans = 0  # plans submitted (the index of the next one)
+        self._stuck_at = -1  # the board's value when an abort's wait last timed out
+        self.stall_seconds = 0.0  # the engine had nothing to run but sequences being copied in
+        self._ticket = 0  # of this plan's swap-ins
+        self._await = False  # this plan carries no work: it only checks that every rank lives
         self.phase = Phase.PREFILL
         self.transitions: list[Transition] = []
         self.launches = 0
@@ -102,6 +119,10 @@ class SeesawLeader:
         self.scheduler, self.blocks = scheduler, blocks
         scheduler.on_finish.append(self.forget)
 
+    def _release_blocks(self, block_ids: list[int]) -> None:
+        assert self.blocks is not None
+        self.blocks.release(block_ids)
+
     @property
     def host_usage(self) -> float:
         held = sum(len(self.pages.held.get(r, ())) for r in self.on_host)
@@ -109,17 +130,27 @@ class SeesawLeader:
 
     def forget(self, seq: Sequence) -> None:
         """A sequence ended (finished, aborted, failed): its host pages are free."""
-        self.on_host.pop(seq.request_id, None)
-        self.draining.pop(seq.request_id, None)
-        self._swapping.discard(seq.request_id)
-        self.pages.release(seq.request_id)
+        rid = seq.request_id
+        self.on_host.pop(rid, None)
+        self.draining.pop(rid, None)
+        if rid in self.queue:
+            # Ranks may still write its blocks and read its pages: both wait for the copies.
+            self.queue.retire(rid, self.pages.detach(rid))
+            # Copies take milliseconds: wait, unless a wait already timed out with the board
+            # standing still since (a dead rank: failing every request must not take minutes).
+            stuck = self.queue.board.finished() == self._stuck_at
+            if not stuck and not self.queue.wait(RETIRE_WAIT_S):
+                self._stuck_at = self.queue.board.finished()
+            self.queue.collect(self.plans)
+            return
+        self.pages.release(rid)
 
     # ---- the engine's calls, in order: step_request, held, plan_sections, step_submitted ----
 
     def step_request(self, queues: QueueView) -> StepRequest:
         assert self.scheduler is not None
         self.launches += 1
-        self._swapping.clear()  # resident on every rank before the next plan's forward
+        self.queue.collect(self.plans)  # resident on every rank: they may decode now
         self._release_drained()
         if self.phase is Phase.PREFILL:
             return self._prefill_step(queues)
@@ -127,20 +158,26 @@ class SeesawLeader:
 
     def held(self) -> frozenset[str]:
         leaving = frozenset(s.request_id for s in self._to_free)
-        return frozenset(self.on_host) | leaving | frozenset(self._swapping)
+        return frozenset(self.on_host) | leaving | frozenset(self.queue.pending)
 
     def plan_sections(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         if self._out:
             out[SWAP_OUT] = torch.tensor(self._out, dtype=torch.int64)
         if self._in:
-            out[SWAP_IN] = torch.tensor(self._in, dtype=torch.int64)
+            out[SWAP_IN] = torch.tensor([self._ticket, *self._in], dtype=torch.int64)
+        if self._await:
+            out[AWAIT] = torch.zeros(0, dtype=torch.int64)
         return out
 
     def step_submitted(self) -> None:
         assert self.blocks is not None
         self.swap_out_bytes += len(self._out) // 2 * self.page_bytes
         self.swap_in_bytes += len(self._in) // 2 * self.page_bytes
+        if self._in and self.async_swap:
+            self.queue.sent(self._ticket, self.plans)
+        self.plans += 1
+        self._await = False
         for seq in self._to_free:
             self.blocks.free_table(seq.blocks)
         if self._switched:
@@ -218,8 +255,8 @@ class SeesawLeader:
         waiting = len(self.scheduler.waiting)
         usage = self.host_usage
         if waiting and usage <= t.to_prefill and self._parked_usage() < t.to_decode:
-            if queues.in_flight:
-                return StepRequest(StepKind.NONE)
+            if queues.in_flight or self.queue.busy:
+                return self._wait(queues)  # no copy may run into the next gear's view
             for seq in self._resident():
                 if not self._swap_out(seq):
                     self.scheduler.preempt(seq)
@@ -230,10 +267,23 @@ class SeesawLeader:
             # still carry prefix hashes of the decode gear's view until it has been submitted.
             return StepRequest(StepKind.NONE)
         self._swap_in(t.prefetch_max)
+        if not self._in and self.queue and not self._resident():
+            return self._wait(queues)
         pp = self.depths[DECODE_GEAR]
         if pp > 1:
             return StepRequest(StepKind.DECODE, max_seqs=max(1, -(-len(self._resident()) // pp)))
         return StepRequest(StepKind.DECODE)
+
+    def _wait(self, queues: QueueView) -> StepRequest:
+        """Nothing to run until swap-ins are reported: wait for the board a little, then (if
+        still nothing) send a plan without tokens, whose broadcast fails if a rank is gone."""
+        if queues.in_flight:
+            return StepRequest(StepKind.NONE)
+        start = time.monotonic()
+        if not self.queue.wait(AWAIT_SLICE_S):
+            self._await = True
+        self.stall_seconds += time.monotonic() - start
+        return StepRequest(StepKind.NONE)
 
     def _parked_usage(self) -> float:
         """Host usage once the sequences decoding now are parked there: switching to prefill
@@ -248,6 +298,7 @@ class SeesawLeader:
         leaving = {s.request_id for s in self._to_free}  # its blocks free after this plan
         ready = [(r, s) for r, s in self.on_host.items() if r not in leaving]
         decoding = len(self._resident())
+        ticket = self.queue.next_ticket
         for rid, seq in ready[:limit]:
             # Room for the KV it has and the token its next decode step writes, leaving a block
             # per decoding sequence free: on-boarding must not cause preemptions (recomputes).
@@ -263,7 +314,12 @@ class SeesawLeader:
             del self.on_host[rid]
             self.draining[rid] = (seq, seq.num_computed_tokens)
             if self.async_swap:
-                self._swapping.add(rid)
+                # Until every rank reports the copies, the queue holds a reference to the blocks.
+                self.blocks.retain(seq.blocks.block_ids)
+                self.queue.add(rid, ticket, seq.blocks.block_ids)
+        if self._in:
+            self._ticket = ticket
+            self.queue.next_ticket += 1
 
     def _release_drained(self) -> None:
         """Pages of swapped-in sequences whose first decode came back (every rank read them),

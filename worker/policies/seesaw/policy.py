@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GEARS = ("prefill", "decode")
+# Tests only: each rank's prefetcher reports a swap-in done only once the rank has begun this
+# many more plans (at most rank_hook.HOLD_LIMIT_S), so overlap shows in the plan order.
+PREFETCH_HOLD_ENV = "GEARSHIFT_SEESAW_PREFETCH_HOLD"
 
 
 def memory_limit() -> int:
@@ -162,7 +165,15 @@ class SeesawPolicy(Policy):
                           ctx.device)  # fmt: skip
             m = self.message
             self.hook = SeesawRankHook(
-                weights, kv, gear_kv, store, barrier, m.async_swap, int(m.pinned_staging_bytes)
+                weights,
+                kv,
+                gear_kv,
+                store,
+                barrier,
+                ctx.rank,
+                m.async_swap,
+                int(m.pinned_staging_bytes),
+                int(os.environ.get(PREFETCH_HOLD_ENV, "0")),
             )
             held.hook = self.hook
             return kv.views[PREFILL_GEAR]
@@ -175,6 +186,7 @@ class SeesawPolicy(Policy):
                 (self.layouts[0].pp, self.layouts[1].pp),
                 self._thresholds,
                 page.nbytes,
+                store.board,
                 self.message.async_swap,
             )
         return held
@@ -192,13 +204,13 @@ class SeesawPolicy(Policy):
                     f"of {ctx.block_size} tokens, less than one sequence of max_model_len "
                     f"({ctx.spec.max_model_len} tokens) needs ({need})",
                 )
-            store = HostKVStore.create(group_tag(), page, pages)
+            store = HostKVStore.create(group_tag(), page, pages, self.world_size)
             info = [store.name, pages]
         if self.world_size > 1:
             dist.broadcast_object_list(info, src=0)
         if ctx.rank == 0:
             return store
-        return HostKVStore(str(info[0]), page, int(str(info[1])), create=False)
+        return HostKVStore(str(info[0]), page, int(str(info[1])), False, self.world_size)
 
     # ---- the leader ------------------------------------------------------------------------
 
@@ -235,7 +247,10 @@ class SeesawPolicy(Policy):
             return {}
         lead = self.leader
         reshard = sum(r.seconds for r in self.weights.history[1:]) if self.weights else 0.0
-        wait = self.hook.counters.seconds if self.hook is not None else 0.0
+        if lead.async_swap:
+            wait = lead.queue.wait_seconds  # summed over sequences, until every rank had them
+        else:  # the steps that carried synchronous swap-ins waited for them this long
+            wait = self.hook.counters.sync_in_seconds if self.hook is not None else 0.0
         return {
             "phase_decode": float(lead.phase is Phase.DECODE),
             "transitions": float(len(lead.transitions)),
@@ -243,5 +258,7 @@ class SeesawPolicy(Policy):
             "swap_out_bytes": float(lead.swap_out_bytes),
             "swap_in_bytes": float(lead.swap_in_bytes),
             "swap_wait_seconds": wait,
+            "swap_waiting_sequences": float(len(lead.queue)),
+            "swap_stall_seconds": lead.stall_seconds,
             "host_kv_usage": lead.host_usage,
         }

@@ -6,11 +6,17 @@ as its stage's layers x its heads, the decode gear as its own. The scheduler swi
 when no sequence's KV is on the device, so a view never reads the other's data. Order inside one
 plan: swap-outs (written by the gear that ran the previous plan), the switch, then swap-ins
 (read into the new gear's view).
+
+With ``async_swap`` a swap-in is not waited for: the prefetcher thread copies this rank's shard
+while the main thread runs the plans that follow (decode steps of resident sequences), then
+reports the plan's ticket on the readiness board; the leader schedules those sequences only
+once every rank has (readiness.py, §5.2).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,12 +29,15 @@ from gearshift.worker.engine.plan import StepPlan
 from gearshift.worker.kv.cache import LayerKV, zeroed
 from gearshift.worker.policies.seesaw.async_copy import CopyWorker, Staging
 from gearshift.worker.policies.seesaw.host_kv import HostKVStore
+from gearshift.worker.policies.seesaw.readiness import ReadinessBoard
 from gearshift.worker.policies.seesaw.weights import WeightSet
 
 log = logging.getLogger(__name__)
 
 SWAP_OUT = "seesaw.swap_out"  # pairs (host page, device block), gear of the previous plan
-SWAP_IN = "seesaw.swap_in"  # pairs (host page, device block), gear of this plan
+SWAP_IN = "seesaw.swap_in"  # the ticket, then pairs (host page, device block), gear of this plan
+AWAIT = "seesaw.await"  # no values: the leader waits for swap-ins (the plan proves ranks live)
+HOLD_LIMIT_S = 5.0  # the longest a report waits for ``hold_plans`` (tests only)
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,7 @@ class SwapCounters:
     bytes_out: int = 0
     bytes_in: int = 0
     seconds: float = 0.0
+    sync_in_seconds: float = 0.0  # synchronous swap-ins: the plans carrying them waited this long
     reshards: list[float] = field(default_factory=list)
 
 
@@ -83,9 +93,13 @@ class SeesawRankHook:
         gears: list[GearKV],
         store: HostKVStore,
         barrier: Callable[[], None],
+        rank: int = 0,
         async_swap: bool = False,
         staging_bytes: int = 0,
+        hold_plans: int = 0,
     ) -> None:
+        self.rank = rank
+        self.board: ReadinessBoard = store.board
         self.barrier = barrier  # every rank of the group, in plan order
         self.weights = weights
         self.kv = kv
@@ -101,6 +115,12 @@ class SeesawRankHook:
             self.staging = Staging(staging_bytes, pin)
             self.writer = CopyWorker("seesaw-swap-out")
             self.prefetcher = CopyWorker("seesaw-prefetch")
+        # Tests only: a report waits until this rank has begun ``hold_plans`` more plans (at
+        # most HOLD_LIMIT_S), so plans provably run while a swap-in is outstanding.
+        self.hold_plans = hold_plans
+        self.plans_begun = 0
+        self._begun = threading.Condition()
+        self._closing = False
 
     @staticmethod
     def _pairs(values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -111,24 +131,31 @@ class SeesawRankHook:
 
     def before_step(self, runner: ModelRunner, plan: StepPlan) -> None:
         start = time.perf_counter()
-        if self.prefetcher is not None:
-            # §5.2: swap-ins of earlier plans overlapped their steps; they are resident now.
-            self.prefetcher.join()
+        with self._begun:
+            self.plans_begun += 1
+            self._begun.notify_all()
         out = self._pairs(plan.section(SWAP_OUT))
         if out is not None:
-            # A page may be written again once its sequence ended (even mid swap-in): no rank
-            # may still be reading it from an earlier plan.
-            self.barrier()
+            if self.prefetcher is None:
+                # A page may be written again once its sequence ended (even mid swap-in): no
+                # rank may still be reading it from an earlier plan. (Asynchronously, the
+                # leader frees such pages only once every rank reported the swap-in done.)
+                self.barrier()
             if self.gears[self.active].writer:
                 self._swap_out(out[0], out[1])
         if plan.gear != self.active:
+            if self.prefetcher is not None:
+                # The leader switches gears only once every swap-in was reported: this returns
+                # at once, and guards the device KV the next gear views differently.
+                self.prefetcher.join()
             runner.flush()  # no pipeline send of the old gear may still read its weights
             self.counters.reshards.append(self.weights.activate(plan.gear).seconds)
             self.active = plan.gear
             runner.kv_caches = self.kv.views[plan.gear]
-        swap_in = self._pairs(plan.section(SWAP_IN))
-        if swap_in is not None:
-            self._swap_in(swap_in[0], swap_in[1])
+        section = plan.section(SWAP_IN)
+        swap_in = self._pairs(section[1:]) if section is not None else None
+        if section is not None and swap_in is not None:
+            self._swap_in(int(section[0]), swap_in[0], swap_in[1])
         if out is not None or swap_in is not None:
             self.counters.seconds += time.perf_counter() - start
 
@@ -159,7 +186,7 @@ class SeesawRankHook:
                 )
                 self.counters.bytes_out += src.numel() * src.element_size()
 
-    def _swap_in(self, pages: torch.Tensor, blocks: torch.Tensor) -> None:
+    def _swap_in(self, ticket: int, pages: torch.Tensor, blocks: torch.Tensor) -> None:
         if self.writer is not None:
             self.writer.join()  # this rank's own swap-outs are in the store
             self.staging.reset()
@@ -169,19 +196,41 @@ class SeesawRankHook:
         g, views = self.gears[self.active], self.kv.views[self.active]
         read = partial(self.store.read_shard, pages, blocks, views, g.layers, g.heads)
         if self.prefetcher is None:
+            start = time.perf_counter()
             self.counters.bytes_in += read()
+            self.counters.sync_in_seconds += time.perf_counter() - start
+            self.board.report(self.rank, ticket)
             return
         block = views[0][0][0]  # one block of one layer's keys on this rank
         self.counters.bytes_in += (
             len(blocks) * len(g.layers) * 2 * block.numel() * block.element_size()
         )
+        device = block.device
+        until = self.plans_begun + self.hold_plans
 
         def prefetch() -> None:
-            read()
+            if device.type == "cuda":
+                # A stream of its own: the copies overlap the main thread's kernels, and are
+                # complete (synchronize) before the report lets the leader schedule them.
+                stream = torch.cuda.Stream(device)
+                with torch.cuda.stream(stream):
+                    read()
+                stream.synchronize()
+            else:
+                read()
+            if self.hold_plans:
+                with self._begun:
+                    self._begun.wait_for(
+                        lambda: self.plans_begun >= until or self._closing, HOLD_LIMIT_S
+                    )
+            self.board.report(self.rank, ticket)
 
         self.prefetcher.submit(prefetch)
 
     def close(self) -> None:
+        with self._begun:
+            self._closing = True
+            self._begun.notify_all()
         for worker in (self.writer, self.prefetcher):
             if worker is not None:
                 worker.close()

@@ -1,0 +1,154 @@
+"""Seesaw §5.2 asynchronous swap-in: which sequences are resident on every rank and may decode.
+
+"Once the prefetcher completes moving the KV cache for certain sequences, it notifies the
+scheduler via a shared queue, allowing those sequences to be scheduled for decoding tasks later."
+Here the queue is a board in the group's host KV segment (one node's shared memory, like the
+pages): every plan that carries swap-ins gives them a ticket (1, 2, ...); each rank's
+prefetcher copies its shard in ticket order and then writes the ticket into its own slot; the
+leader's scheduler lets a sequence decode once every rank's slot has reached its ticket. One
+writer per slot and monotonic values: no lock, and a reader never sees a ticket whose copies
+are not done (the slot is written after the copies, on the same thread).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+SLOT_BYTES = 8
+
+
+def board_bytes(world_size: int) -> int:
+    """Slot 0: the last ticket the leader sent; slot 1 + r: the last one rank r finished."""
+    return SLOT_BYTES * (world_size + 1)
+
+
+class ReadinessBoard:
+    """The shared slots, as an int64 tensor view of the segment's tail."""
+
+    def __init__(self, slots: torch.Tensor) -> None:
+        self.slots = slots
+
+    @property
+    def world_size(self) -> int:
+        return int(self.slots.numel()) - 1
+
+    def sent(self, ticket: int) -> None:
+        """Leader: a plan with swap-ins of ``ticket`` went out (for operators and tests)."""
+        self.slots[0] = ticket
+
+    def report(self, rank: int, ticket: int) -> None:
+        """Rank ``rank``'s prefetcher: every copy of ``ticket`` (and of the ones before) is done."""
+        self.slots[1 + rank] = ticket
+
+    def finished(self) -> int:
+        """The last ticket every rank has finished."""
+        return int(self.slots[1:].min())
+
+    def snapshot(self) -> tuple[int, ...]:
+        """(sent, rank 0's, rank 1's, ...) at one moment."""
+        return tuple(int(v) for v in self.slots.tolist())
+
+
+@dataclass(frozen=True)
+class SwapEvent:
+    """One entry of the swap-in log: a ticket sent with a plan, or found ready by the leader."""
+
+    plan: int  # plans submitted before it: "sent" rides in that plan, "ready" may decode in it
+    what: str  # "sent" | "ready" | "retired" (aborted while copying: its blocks are free now)
+    ticket: int
+    request_ids: tuple[str, ...]
+    board: tuple[int, ...]  # ReadinessBoard.snapshot() when the leader looked
+
+
+@dataclass
+class _Pending:
+    ticket: int
+    since: float  # time.monotonic() when its swap-in was sent
+    blocks: list[int]  # device blocks the copies write; held by the queue until they are done
+
+
+@dataclass
+class _Retired:
+    """A sequence that ended while its copies ran: blocks and pages wait for ``ticket``."""
+
+    ticket: int
+    blocks: list[int]
+    pages: list[int]
+    request_id: str
+
+
+@dataclass
+class SwapInQueue:
+    """The leader's swap-ins in flight: sequences wait here until every rank has reported their
+    ticket. Device blocks under copy stay referenced by the queue, so a sequence aborted mid
+    swap-in gives its blocks (and host pages) back only once no rank writes or reads them."""
+
+    board: ReadinessBoard
+    release_blocks: Callable[[list[int]], None]
+    release_pages: Callable[[list[int]], object]
+    pending: dict[str, _Pending] = field(default_factory=dict)
+    retired: list[_Retired] = field(default_factory=list)
+    log: list[SwapEvent] = field(default_factory=list)
+    next_ticket: int = 1
+    wait_seconds: float = 0.0  # summed over sequences: sent until every rank had copied them
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    @property
+    def busy(self) -> bool:
+        """Copies some rank may still run (of waiting or of retired sequences)."""
+        return bool(self.pending or self.retired)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self.pending
+
+    def add(self, request_id: str, ticket: int, blocks: list[int]) -> None:
+        self.pending[request_id] = _Pending(ticket, time.monotonic(), list(blocks))
+
+    def sent(self, ticket: int, plan: int) -> None:
+        self.board.sent(ticket)
+        rids = tuple(r for r, p in self.pending.items() if p.ticket == ticket)
+        self.log.append(SwapEvent(plan, "sent", ticket, rids, self.board.snapshot()))
+
+    def collect(self, plan: int) -> list[str]:
+        """Sequences every rank has copied since the last call (they may decode from ``plan``
+        on); retired copies that are done give their blocks and pages back."""
+        board = self.board.snapshot()
+        done = min(board[1:])
+        now = time.monotonic()
+        ready = [r for r, p in self.pending.items() if p.ticket <= done]
+        for rid in ready:
+            p = self.pending.pop(rid)
+            self.wait_seconds += now - p.since
+            self.release_blocks(p.blocks)
+            self.log.append(SwapEvent(plan, "ready", p.ticket, (rid,), board))
+        for entry in [e for e in self.retired if e.ticket <= done]:
+            self.retired.remove(entry)
+            self.release_blocks(entry.blocks)
+            self.release_pages(entry.pages)
+            self.log.append(SwapEvent(plan, "retired", entry.ticket, (entry.request_id,), board))
+        return ready
+
+    def retire(self, request_id: str, pages: list[int]) -> None:
+        """``request_id`` ended while its copies run: its pages and blocks wait for them."""
+        p = self.pending.pop(request_id)
+        self.retired.append(_Retired(p.ticket, p.blocks, pages, request_id))
+
+    def wait(self, seconds: float, poll: float = 0.001) -> bool:
+        """Sleep until some pending or retired ticket is done, at most ``seconds``; whether one
+        is."""
+        tickets = [p.ticket for p in self.pending.values()] + [e.ticket for e in self.retired]
+        if not tickets:
+            return False
+        first = min(tickets)
+        deadline = time.monotonic() + seconds
+        while self.board.finished() < first:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll)
+        return True
