@@ -159,38 +159,71 @@ def gguf_to_hf_name(name: str) -> str | None:
     return f"{top}.{suffix}" if top else None
 
 
-def read_gguf_fields(reader: Any) -> dict[str, Any]:
-    """GGUF metadata as plain Python values."""
-    fields: dict[str, Any] = {}
-    for key, fld in reader.fields.items():
-        try:
-            fields[key] = fld.contents()
-        except Exception:  # noqa: BLE001 - an undecodable optional field is skipped, not fatal
-            continue
-    return fields
+@dataclass(frozen=True)
+class GGUFTensor:
+    """A tensor of a GGUF file as ``gguf``'s reader presents it: ``shape`` in GGUF order
+    (innermost first) and ``data`` a read-only memory-mapped view, shaped [rows..., elements]
+    for float types and [rows..., bytes per row] for quantised ones."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: np.ndarray
+    data: np.ndarray
+
+
+def read_gguf_tensors(path: Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
+    """Metadata and tensors of a GGUF file. ``gguf.GGUFReader`` builds a numpy view per element
+    of every metadata array (seconds for a 49k-token vocabulary, on every rank at every start);
+    this walks the header with ``struct`` and maps each tensor's bytes once."""
+    import gguf
+
+    from gearshift.worker.tokenizer.errors import TokenizerLoadError
+    from gearshift.worker.tokenizer.gguf_metadata import read_gguf_header
+
+    try:
+        header = read_gguf_header(path)
+    except TokenizerLoadError as exc:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
+    whole = np.memmap(path, dtype=np.uint8, mode="r")
+    floats = {
+        gguf.GGMLQuantizationType.F32: np.float32,
+        gguf.GGMLQuantizationType.F16: np.float16,
+    }
+    tensors = []
+    for info in header.tensors:
+        qtype = gguf.GGMLQuantizationType(info.type_id)
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        count = int(np.prod(info.dims))
+        nbytes = count * type_size // block
+        start = header.data_start + info.offset
+        raw = whole[start : start + nbytes]
+        if len(raw) != nbytes:
+            raise ModelLoadError(f"GGUF file {path}: tensor {info.name} runs past the end")
+        dims = tuple(reversed(info.dims))
+        if qtype in floats:
+            data = raw.view(floats[qtype]).reshape(dims)
+        else:
+            data = raw.reshape((*dims[:-1], dims[-1] // block * type_size))
+        tensors.append(GGUFTensor(info.name, qtype, np.array(info.dims, dtype=np.uint64), data))
+    return dict(header.metadata), tensors
 
 
 class GGUFSource(WeightSource):
     """A single GGUF file; quantised tensors are dequantised to fp32 slice by slice."""
 
     def __init__(self, path: str | Path) -> None:
-        import gguf
-
         self.path = Path(path)
-        try:
-            self.reader = gguf.GGUFReader(str(self.path))
-        except Exception as exc:
-            raise ModelLoadError(f"cannot read GGUF file {self.path}: {exc}") from exc
-        self.fields = read_gguf_fields(self.reader)
+        self.fields, tensors = read_gguf_tensors(self.path)
         self.arch = str(self.fields.get("general.architecture", ""))
+        self._all = tensors
         self._tensors: dict[str, Any] = {}
-        for tensor in self.reader.tensors:
+        for tensor in tensors:
             hf = gguf_to_hf_name(tensor.name)
             if hf is not None:
                 self._tensors[hf] = tensor
 
     def tensor_names(self) -> set[str]:
-        return {t.name for t in self.reader.tensors}
+        return {t.name for t in self._all}
 
     def names(self) -> list[str]:
         return list(self._tensors)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 from gearshift.worker.tokenizer.errors import TokenizerLoadError
@@ -76,8 +77,31 @@ class _Cursor:
         return self.scalar(fmt)
 
 
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's header: ``dims`` innermost first (GGUF order), ``offset`` from the data
+    section's start."""
+
+    name: str
+    dims: tuple[int, ...]
+    type_id: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    metadata: dict[str, MetadataValue]
+    tensors: list[TensorInfo]
+    data_start: int  # file offset of the (aligned) tensor data section
+
+
 def read_gguf_metadata(path: str | Path) -> dict[str, MetadataValue]:
     """All metadata key/value pairs of a GGUF file (v2 or v3, little-endian)."""
+    return read_gguf_header(path, tensors=False).metadata
+
+
+def read_gguf_header(path: str | Path, tensors: bool = True) -> GGUFHeader:
+    """The metadata and (``tensors``) the tensor headers of a GGUF file; no tensor data is read."""
     path = Path(path)
     try:
         with (
@@ -91,12 +115,24 @@ def read_gguf_metadata(path: str | Path) -> dict[str, MetadataValue]:
             version = int(cursor.scalar("I"))
             if version not in SUPPORTED_VERSIONS:
                 raise TokenizerLoadError(path, f"unsupported GGUF version {version}")
-            cursor.scalar("Q")  # tensor count: the tensors are not needed here
+            tensor_count = int(cursor.scalar("Q"))
             kv_count = int(cursor.scalar("Q"))
             metadata: dict[str, MetadataValue] = {}
             for _ in range(kv_count):
                 key = cursor.string()
                 metadata[key] = cursor.value(int(cursor.scalar("I")))
-            return metadata
+            infos: list[TensorInfo] = []
+            if not tensors:
+                return GGUFHeader(metadata, infos, 0)
+            for _ in range(tensor_count):
+                name = cursor.string()
+                n_dims = int(cursor.scalar("I"))
+                dims = struct.unpack_from(f"<{n_dims}Q", mm, cursor.offset)
+                cursor.offset += 8 * n_dims
+                type_id = int(cursor.scalar("I"))
+                infos.append(TensorInfo(name, tuple(dims), type_id, int(cursor.scalar("Q"))))
+            alignment = int(metadata.get("general.alignment", 32))  # type: ignore[arg-type]
+            start = -(-cursor.offset // alignment) * alignment
+            return GGUFHeader(metadata, infos, start)
     except (OSError, ValueError, struct.error) as exc:
         raise TokenizerLoadError(path, f"cannot read GGUF metadata: {exc}") from exc

@@ -44,6 +44,27 @@ def test_gguf_narrowed_reads_equal_slices_of_the_full_tensor(gguf_source, name):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_our_gguf_header_reader_agrees_with_the_gguf_package(smollm2_path):
+    """GGUFSource walks the header itself (the gguf package's reader takes seconds per open):
+    every tensor's name, type, shape and bytes, and the metadata, must be the package's."""
+    import gguf
+    import numpy as np
+
+    from gearshift.worker.model.weights import read_gguf_tensors
+
+    ours_fields, ours = read_gguf_tensors(smollm2_path)
+    reader = gguf.GGUFReader(str(smollm2_path))
+    assert [t.name for t in ours] == [t.name for t in reader.tensors]
+    for mine, theirs in zip(ours, reader.tensors, strict=True):
+        assert mine.tensor_type == theirs.tensor_type, mine.name
+        assert mine.shape.tolist() == theirs.shape.tolist(), mine.name
+        assert mine.data.shape == theirs.data.shape and mine.data.dtype == theirs.data.dtype
+        assert np.array_equal(mine.data, theirs.data), mine.name
+    for key in ("general.architecture", "llama.attention.head_count", "llama.block_count"):
+        assert ours_fields[key] == reader.fields[key].contents()
+
+
 def test_gguf_qk_rows_are_in_hugging_face_order(gguf_source, hf_smollm2):
     hf, _ = hf_smollm2
     ours = gguf_source.get("model.layers.5.self_attn.k_proj.weight").load()
