@@ -97,3 +97,15 @@ def test_importing_them_does_not_import_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_example_in_docs_planning_loads() -> None:
+    import re
+
+    import yaml
+
+    doc = (Path(__file__).parents[2] / "docs" / "planning.md").read_text(encoding="utf-8")
+    match = re.search(r"```yaml\n(.*?)```", doc, re.S)
+    assert match is not None
+    hw = hardware.from_dict(yaml.safe_load(match.group(1)))
+    assert (hw.count, hw.devices_per_node, hw.link(16).bandwidth) == (16, 8, 5e10)
