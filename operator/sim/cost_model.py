@@ -12,13 +12,20 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from gearshift.worker.engine.scheduler import ScheduledBatch
 
 FORMAT = "gearshift.step-cost/1"
+
+
+class StepCost(Protocol):
+    """What the simulator asks of a cost model: the seconds one scheduled step takes.
+    Implemented by the measured ``StepCostModel`` and the specified ``roofline.RooflineCost``."""
+
+    def step_time(self, batch: ScheduledBatch) -> float: ...
 
 
 class CostModelError(ValueError):

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
-from gearshift.operator.sim.cost_model import StepCostModel
+from gearshift.operator.sim.cost_model import StepCost
 from gearshift.worker.engine.contract import QueueView, StepRequest
 from gearshift.worker.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from gearshift.worker.engine.sequence import FinishReason, Sequence
@@ -76,7 +76,7 @@ class SimReplica:
         self,
         index: int,
         config: ReplicaConfig,
-        cost: StepCostModel,
+        cost: StepCost,
         step_request: StepAsk | None = None,
     ) -> None:
         self.index = index

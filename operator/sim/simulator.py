@@ -12,7 +12,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gearshift.operator.sim.cost_model import StepCostModel
+from gearshift.operator.sim.cost_model import StepCost
 from gearshift.operator.sim.events import EventLoop
 from gearshift.operator.sim.replica import ReplicaConfig, RequestTimes, SimReplica, StepAsk
 from gearshift.operator.sim.results import SimResult
@@ -26,7 +26,7 @@ class Deployment:
 
     replicas: int
     config: ReplicaConfig
-    cost: StepCostModel
+    cost: StepCost
     step_request: StepAsk | None = None  # the policy's say before each step (default: ANY)
 
     def __post_init__(self) -> None:

@@ -1,0 +1,202 @@
+"""Specified hardware for the roofline cost model (issue 16, item 1b): devices, how many, and the
+links between them, from a built-in preset (``8xH200``) or a YAML/JSON file.
+
+Figures are per direction: an NVLink "900 GB/s" on a datasheet is the sum of both directions, so a
+ring all-reduce (which sends one way per hop) sees 450 GB/s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+GB = 1e9
+TFLOPS = 1e12
+US = 1e-6
+
+
+class HardwareError(ValueError):
+    """A hardware description is invalid; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link class: bytes/s one way, and the fixed cost of one message."""
+
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator: dense FLOP/s per dtype, memory bytes and bytes/s."""
+
+    name: str
+    flops: dict[str, float]
+    memory_bytes: float
+    memory_bandwidth: float
+
+    def peak(self, dtype: str) -> float:
+        if dtype not in self.flops:
+            raise HardwareError(f"device {self.name} has no FLOP/s for dtype {dtype!r}")
+        return self.flops[dtype]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """``count`` devices, ``devices_per_node`` to a node; intra-node links within a node."""
+
+    device: Device
+    count: int
+    devices_per_node: int
+    intra_node: Link
+    inter_node: Link
+    host_device: Link
+    about: dict[str, Any] = field(default_factory=dict)
+
+    def link(self, group_size: int) -> Link:
+        """The slowest link a group of ``group_size`` consecutive ranks crosses."""
+        return self.intra_node if group_size <= self.devices_per_node else self.inter_node
+
+
+# Datasheet figures (dense, no sparsity). H100/H200: NVIDIA H100 and H200 Tensor Core GPU
+# datasheets, SXM form factor (BF16 989 TFLOPS, FP8 1979 TFLOPS; HBM3 80 GB at 3.35 TB/s, HBM3e
+# 141 GB at 4.8 TB/s; NVLink 900 GB/s both ways; PCIe Gen5 128 GB/s both ways). L4: NVIDIA L4
+# datasheet (BF16 121 TFLOPS, FP8 242 TFLOPS dense, i.e. half the "with sparsity" figures; GDDR6
+# 24 GB at 300 GB/s; PCIe Gen4 x16 64 GB/s both ways; no NVLink, so peers talk over PCIe).
+# Inter-node: one 400 Gb/s NDR InfiniBand NIC per GPU (DGX H100/H200 system guide) = 50 GB/s.
+# Latencies are not datasheet figures: typical measured per-message costs (NCCL: a few µs on
+# NVLink/PCIe, ~10 µs across InfiniBand), good to an order of magnitude.
+_NVLINK = Link(bandwidth=450 * GB, latency=3 * US)
+_PCIE5 = Link(bandwidth=64 * GB, latency=5 * US)
+_PCIE4 = Link(bandwidth=32 * GB, latency=5 * US)
+_IB_NDR = Link(bandwidth=50 * GB, latency=10 * US)
+
+PRESETS: dict[str, tuple[Device, int, Link, Link, Link]] = {
+    "H200": (
+        Device(
+            "H200",
+            {"bf16": 989 * TFLOPS, "fp16": 989 * TFLOPS, "fp8": 1979 * TFLOPS},
+            141 * GB,
+            4800 * GB,
+        ),
+        8,
+        _NVLINK,
+        _IB_NDR,
+        _PCIE5,
+    ),
+    "H100": (
+        Device(
+            "H100",
+            {"bf16": 989 * TFLOPS, "fp16": 989 * TFLOPS, "fp8": 1979 * TFLOPS},
+            80 * GB,
+            3350 * GB,
+        ),
+        8,
+        _NVLINK,
+        _IB_NDR,
+        _PCIE5,
+    ),
+    "L4": (
+        Device(
+            "L4",
+            {"bf16": 121 * TFLOPS, "fp16": 121 * TFLOPS, "fp8": 242 * TFLOPS},
+            24 * GB,
+            300 * GB,
+        ),
+        8,
+        _PCIE4,
+        Link(bandwidth=25 * GB, latency=10 * US),
+        _PCIE4,
+    ),
+}
+
+_SPEC = re.compile(r"^(?:(\d+)x)?([A-Za-z0-9]+)$")
+
+
+def preset(spec: str) -> Hardware:
+    """``8xH200``, ``H100`` (one device) or ``2xL4``."""
+    m = _SPEC.match(spec.strip())
+    if not m or m.group(2).upper() not in PRESETS:
+        known = ", ".join(sorted(PRESETS))
+        raise HardwareError(f"--hardware {spec!r}: expected NxNAME with NAME one of {known}")
+    count = int(m.group(1) or 1)
+    if count < 1:
+        raise HardwareError(f"--hardware {spec!r}: the device count must be at least 1")
+    device, per_node, intra, inter, host = PRESETS[m.group(2).upper()]
+    return Hardware(device, count, min(per_node, count), intra, inter, host, {"preset": spec})
+
+
+def _number(data: dict[str, Any], key: str, where: str) -> float:
+    value = data.get(key)
+    if isinstance(value, str):
+        # PyYAML (YAML 1.1) reads "1.0e14" (no exponent sign) as a string.
+        with contextlib.suppress(ValueError):
+            value = float(value)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise HardwareError(f"{where}.{key}: expected a positive number, got {value!r}")
+    return float(value)
+
+
+def _link(data: Any, where: str) -> Link:
+    if not isinstance(data, dict):
+        raise HardwareError(f"{where}: expected a mapping with bandwidth and latency")
+    latency = data.get("latency", 0.0)
+    if isinstance(latency, bool) or not isinstance(latency, int | float) or latency < 0:
+        raise HardwareError(f"{where}.latency: expected seconds >= 0, got {latency!r}")
+    return Link(_number(data, "bandwidth", where), float(latency))
+
+
+def from_dict(data: Any, where: str = "hardware") -> Hardware:
+    """The file format (docs/planning.md): bytes, bytes/s, FLOP/s and seconds, SI units."""
+    if not isinstance(data, dict):
+        raise HardwareError(f"{where}: expected a mapping")
+    known = {"device", "count", "devices_per_node", "intra_node", "inter_node", "host_device"}
+    extra = sorted(set(data) - known)
+    if extra:
+        raise HardwareError(f"{where}: unknown field(s) {', '.join(extra)}")
+    dev = data.get("device")
+    if not isinstance(dev, dict):
+        raise HardwareError(f"{where}.device: expected a mapping")
+    flops = dev.get("flops")
+    if not isinstance(flops, dict) or not flops:
+        raise HardwareError(f"{where}.device.flops: expected a mapping of dtype to FLOP/s")
+    device = Device(
+        str(dev.get("name", "custom")),
+        {str(k): _number(flops, k, f"{where}.device.flops") for k in flops},
+        _number(dev, "memory_bytes", f"{where}.device"),
+        _number(dev, "memory_bandwidth", f"{where}.device"),
+    )
+    count = data.get("count", 1)
+    per_node = data.get("devices_per_node", count)
+    for key, value in (("count", count), ("devices_per_node", per_node)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise HardwareError(f"{where}.{key}: expected an integer >= 1, got {value!r}")
+    intra = _link(data.get("intra_node"), f"{where}.intra_node")
+    inter = _link(data.get("inter_node", data.get("intra_node")), f"{where}.inter_node")
+    host = _link(data.get("host_device", data.get("intra_node")), f"{where}.host_device")
+    return Hardware(device, count, min(per_node, count), intra, inter, host, {"file": where})
+
+
+def load(spec: str) -> Hardware:
+    """A preset spec, or a path to a .yaml/.yml/.json file."""
+    path = Path(spec)
+    if path.suffix.lower() in (".yaml", ".yml", ".json"):
+        try:
+            text = path.read_text(encoding="utf-8")
+            data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+        except (OSError, ValueError, yaml.YAMLError) as exc:
+            raise HardwareError(f"--hardware {spec}: cannot read: {exc}") from None
+        return from_dict(data, str(path))
+    return preset(spec)
+
+
+def with_count(hw: Hardware, count: int) -> Hardware:
+    """The same machine with ``count`` devices (a layout using fewer than all of them)."""
+    return replace(hw, count=count, devices_per_node=min(hw.devices_per_node, count))

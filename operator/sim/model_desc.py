@@ -1,0 +1,105 @@
+"""A model's shape for the roofline cost model (issue 16, item 1b), read from a HF ``config.json``
+without torch: layers, hidden, heads, KV heads, FFN size, vocab and the weights' dtype.
+
+Only the dense decoder shape (Llama/Qwen/SmolLM style: attention with GQA, gated MLP) is modelled.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "fp8": 1}
+# The compute dtype whose FLOP/s apply (hardware.Device.flops keys).
+DTYPE_FLOPS_KEY = {"float32": "bf16", "float16": "fp16", "bfloat16": "bf16"}
+DTYPE_FLOPS_KEY.update({"float8_e4m3fn": "fp8", "fp8": "fp8"})
+
+
+class ModelDescError(ValueError):
+    """A model config is missing or invalid; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ModelDesc:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    dtype: str = "bfloat16"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def flops_key(self) -> str:
+        return DTYPE_FLOPS_KEY[self.dtype]
+
+    def layer_params(self) -> int:
+        """q, o (hidden²) + k, v (hidden·kv_dim) + gate, up, down (3·hidden·ffn); norms ignored."""
+        kv_dim = self.kv_heads * self.head_dim
+        return 2 * self.hidden * self.hidden + 2 * self.hidden * kv_dim + 3 * self.hidden * self.ffn
+
+    def params(self) -> int:
+        """All layers plus the LM head (the embedding lookup reads one row per token)."""
+        return self.layers * self.layer_params() + self.vocab * self.hidden
+
+    def weight_bytes(self) -> int:
+        return self.params() * self.dtype_bytes
+
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token across all layers."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+def _int(cfg: dict[str, Any], keys: tuple[str, ...], where: str) -> int:
+    for key in keys:
+        value = cfg.get(key)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ModelDescError(f"{where}: {key} must be a positive integer, got {value!r}")
+            return value
+    raise ModelDescError(f"{where}: missing {keys[0]}")
+
+
+def from_config(cfg: Any, where: str = "config.json") -> ModelDesc:
+    if not isinstance(cfg, dict):
+        raise ModelDescError(f"{where}: expected a JSON object")
+    heads = _int(cfg, ("num_attention_heads",), where)
+    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+    if dtype not in DTYPE_BYTES:
+        raise ModelDescError(f"{where}: torch_dtype {dtype!r} not one of {sorted(DTYPE_BYTES)}")
+    desc = ModelDesc(
+        name=str(cfg.get("_name_or_path") or Path(where).parent.name or "model"),
+        layers=_int(cfg, ("num_hidden_layers", "n_layer"), where),
+        hidden=_int(cfg, ("hidden_size", "n_embd"), where),
+        heads=heads,
+        kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        ffn=_int(cfg, ("intermediate_size",), where),
+        vocab=_int(cfg, ("vocab_size",), where),
+        dtype=dtype,
+    )
+    if desc.hidden % desc.heads or desc.heads % desc.kv_heads:
+        raise ModelDescError(f"{where}: heads must divide hidden_size and kv heads divide heads")
+    return desc
+
+
+def load(path: str | Path) -> ModelDesc:
+    """A config.json, or a directory holding one."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        cfg = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelDescError(f"--model {path}: cannot read a config.json: {exc}") from None
+    return from_config(cfg, str(p))

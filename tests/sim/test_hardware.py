@@ -1,0 +1,111 @@
+"""Hardware descriptions and model shapes for the roofline model: presets parse with the NxNAME
+syntax, files are validated naming the field, and a config.json gives the right sizes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gearshift.operator.sim import hardware, model_desc
+from gearshift.operator.sim.hardware import HardwareError
+from gearshift.operator.sim.model_desc import ModelDescError
+
+LLAMA3_8B = Path(__file__).parent / "fixtures" / "llama3_8b_config.json"
+
+
+def test_presets_parse_with_a_device_count() -> None:
+    hw = hardware.load("8xH200")
+    assert hw.count == 8 and hw.devices_per_node == 8
+    assert hw.device.memory_bytes == 141e9 and hw.device.memory_bandwidth == 4.8e12
+    assert hw.device.peak("bf16") == 989e12
+    one = hardware.load("h100")
+    assert one.count == 1 and one.device.name == "H100"
+    assert hardware.load("16xL4").link(16) == hardware.load("16xL4").inter_node
+    assert hw.link(8) == hw.intra_node
+
+
+@pytest.mark.parametrize("spec", ["8xA100", "x8H200", "0xH200", "", "8 H200"])
+def test_an_unknown_preset_is_refused_naming_the_flag(spec: str) -> None:
+    with pytest.raises(HardwareError, match="--hardware"):
+        hardware.load(spec)
+
+
+def test_a_yaml_file_describes_custom_hardware(tmp_path: Path) -> None:
+    f = tmp_path / "hw.yaml"
+    f.write_text(
+        "device: {name: X, flops: {bf16: 1.0e14}, memory_bytes: 4.0e10, memory_bandwidth: 1.0e12}\n"
+        "count: 4\ndevices_per_node: 2\n"
+        "intra_node: {bandwidth: 1.0e11, latency: 2.0e-6}\n"
+        "inter_node: {bandwidth: 1.0e10, latency: 1.0e-5}\n"
+    )
+    hw = hardware.load(str(f))
+    assert (hw.count, hw.devices_per_node) == (4, 2)
+    assert hw.link(2).bandwidth == 1e11 and hw.link(4).bandwidth == 1e10
+    assert hw.host_device == hw.intra_node  # defaults to the intra-node link
+    with pytest.raises(HardwareError, match="no FLOP/s for dtype 'fp8'"):
+        hw.device.peak("fp8")
+
+
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        ({"device": {"flops": {"bf16": 1e14}, "memory_bytes": 1e9}}, "memory_bandwidth"),
+        ({"device": {"flops": {}, "memory_bytes": 1, "memory_bandwidth": 1}}, "flops"),
+        ({"device": {"flops": {"bf16": -1}, "memory_bytes": 1, "memory_bandwidth": 1}}, "bf16"),
+        ({"gpus": 3}, "gpus"),
+    ],
+)
+def test_a_bad_hardware_file_is_refused_naming_the_field(
+    tmp_path: Path, data: dict[str, object], field: str
+) -> None:
+    data.setdefault("intra_node", {"bandwidth": 1e9})
+    f = tmp_path / "hw.json"
+    f.write_text(json.dumps(data))
+    with pytest.raises(HardwareError, match=field):
+        hardware.load(str(f))
+
+
+def test_llama3_8b_shape_from_its_config() -> None:
+    m = model_desc.load(LLAMA3_8B)
+    assert (m.layers, m.hidden, m.heads, m.kv_heads, m.ffn) == (32, 4096, 32, 8, 14336)
+    assert m.head_dim == 128 and m.dtype_bytes == 2
+    # 32 · (2·4096² + 2·4096·1024 + 3·4096·14336) + 128256·4096 (LM head)
+    assert m.params() == 32 * 218_103_808 + 525_336_576
+    assert m.kv_bytes_per_token() == 2 * 32 * 8 * 128 * 2  # 128 KiB per token
+
+
+def test_a_bad_config_is_refused_naming_the_field(tmp_path: Path) -> None:
+    cfg = json.loads(LLAMA3_8B.read_text())
+    del cfg["intermediate_size"]
+    with pytest.raises(ModelDescError, match="intermediate_size"):
+        model_desc.from_config(cfg)
+    cfg = json.loads(LLAMA3_8B.read_text()) | {"num_key_value_heads": 5}
+    with pytest.raises(ModelDescError, match="kv heads"):
+        model_desc.from_config(cfg)
+    with pytest.raises(ModelDescError, match="--model"):
+        model_desc.load(tmp_path / "missing")
+
+
+def test_importing_them_does_not_import_torch() -> None:
+    code = (
+        "import sys; import gearshift.operator.sim.hardware, gearshift.operator.sim.model_desc;"
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_the_example_in_docs_planning_loads() -> None:
+    import re
+
+    import yaml
+
+    doc = (Path(__file__).parents[2] / "docs" / "planning.md").read_text(encoding="utf-8")
+    match = re.search(r"```yaml\n(.*?)```", doc, re.S)
+    assert match is not None
+    hw = hardware.from_dict(yaml.safe_load(match.group(1)))
+    assert (hw.count, hw.devices_per_node, hw.link(16).bandwidth) == (16, 8, 5e10)
