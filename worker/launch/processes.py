@@ -66,6 +66,24 @@ def start_rank(ctx: Any, target: Callable[..., None], args: tuple[Any, ...], nam
     return proc
 
 
+def run_ranks(
+    target: Callable[..., None], args: list[tuple[Any, ...]], name: str, timeout_s: float
+) -> list[int | None]:
+    """Run ``target(*args[r])`` in one rank process per entry and wait (bounded) for all of
+    them; any still alive after ``timeout_s`` is killed. Returns the exit codes in rank order."""
+    ctx = rank_context()
+    procs = [start_rank(ctx, target, a, f"{name}-{r}") for r, a in enumerate(args)]
+    try:
+        for p in procs:
+            p.join(timeout_s)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    return [p.exitcode for p in procs]
+
+
 def spawn_followers(
     config: EngineConfig,
     policy: Policy,

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from gearshift.worker.comm import CommGroup
 from gearshift.worker.config import EngineConfig
 from gearshift.worker.engine.loading import inspect_model, load_model
-from gearshift.worker.launch.processes import rank_context, start_rank
+from gearshift.worker.launch.processes import run_ranks
 from gearshift.worker.policies.tetris.chunked_prefill import PlannedChunk, run_chunk_plan
 
 
@@ -94,19 +94,9 @@ def time_plans(
     if instances < 1:
         raise ValueError(f"instances must be at least 1, got {instances}")
     out = work_dir / "seconds.json"
-    ctx = rank_context()
     args = (instances, str(work_dir / "store"), model, plans, str(out))
-    procs = [start_rank(ctx, _member, (r, *args), f"gs-tetris-{r}") for r in range(instances)]
-    try:
-        for p in procs:
-            p.join(timeout_s)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
-    if any(p.exitcode != 0 for p in procs):
-        codes = [p.exitcode for p in procs]
+    codes = run_ranks(_member, [(r, *args) for r in range(instances)], "gs-tetris", timeout_s)
+    if any(code != 0 for code in codes):
         raise RuntimeError(f"a profile member failed or hung (exit codes {codes})")
     return [list(map(float, row)) for row in json.loads(out.read_text())]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gearshift.worker.launch.processes import rank_context
+from gearshift.worker.launch.processes import run_ranks
 from gearshift.worker.policies.tetris.chunked_prefill import PlannedChunk, check_plan
 from tests.worker.policies.tetris import chunk_driver
 
@@ -17,25 +17,9 @@ TOL = 2e-4  # fp32, a different summation order than Hugging Face's
 
 
 def _run_pool(world: int, checkpoint: Path, tmp: Path) -> None:
-    ctx = rank_context()
-    procs = [
-        ctx.Process(
-            target=chunk_driver.run_rank,
-            args=(r, world, str(tmp / "store"), str(checkpoint), str(tmp)),
-        )
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=300)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
-    assert [p.exitcode for p in procs] == [0] * world, "a pool member failed or hung"
+    args = (world, str(tmp / "store"), str(checkpoint), str(tmp))
+    codes = run_ranks(chunk_driver.run_rank, [(r, *args) for r in range(world)], "pool", 300)
+    assert codes == [0] * world, "a pool member failed or hung"
 
 
 def _hf_reference(checkpoint: Path, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,25 +81,9 @@ def test_kv_handed_to_a_tp2_decode_instance_continues_like_one_process(tiny_chec
     from tests.worker.policies.tetris import handoff_driver
 
     checkpoint = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=2)
-    ctx = rank_context()
-    procs = [
-        ctx.Process(
-            target=handoff_driver.run_rank,
-            args=(r, str(tmp_path / "store"), str(checkpoint), str(tmp_path)),
-        )
-        for r in range(4)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=300)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
-    assert [p.exitcode for p in procs] == [0] * 4, "a rank failed or hung"
+    args = (str(tmp_path / "store"), str(checkpoint), str(tmp_path))
+    codes = run_ranks(handoff_driver.run_rank, [(r, *args) for r in range(4)], "rank", 300)
+    assert codes == [0] * 4, "a rank failed or hung"
     from transformers import AutoModelForCausalLM
 
     ids = chunk_driver.prompt(128)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gearshift.worker.comm import CommGroup
-from gearshift.worker.launch.processes import rank_context
+from gearshift.worker.launch.processes import run_ranks
 from gearshift.worker.policies.tetris.ring import History, Ring, ring_attention_with_history
 from gearshift.worker.policies.tetris.zigzag import ZigZag, even_split
 from tests.worker.policies.tetris import ring_driver
@@ -20,22 +20,9 @@ TOL = 2e-5  # fp32 against a float64 reference
 
 
 def _run_world(world: int, tmp: Path) -> dict[int, dict[str, dict[str, float]]]:
-    ctx = rank_context()  # torch imported once, not per rank
-    procs = [
-        ctx.Process(target=ring_driver.run_rank, args=(r, world, str(tmp / "store"), str(tmp)))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=240)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
-    assert [p.exitcode for p in procs] == [0] * world, "a rank failed or hung"
+    args = (world, str(tmp / "store"), str(tmp))
+    codes = run_ranks(ring_driver.run_rank, [(r, *args) for r in range(world)], "ring", 240)
+    assert codes == [0] * world, "a rank failed or hung"
     return {r: json.loads((tmp / f"rank-{r}.json").read_text()) for r in range(world)}
 
 
