@@ -1,8 +1,10 @@
-"""Tetris planner latency (issue 15, Measure (a)); part (b), CDSP prefill timing, is not built.
+"""Tetris planner latency (issue 15, Measure (a)); part (b) is ``tetris_prefill.py``.
 
 Paper Table 2 (C++ scheduler): average 22.8–30.6 µs and at most 86.8 µs per request for max SP
-8 … 128, over 1000 random requests and queue states each. This script times our pure-Python
-Algorithm 1 (``operator/planner/cdsp.py``) the same way: for each max SP N, a pool of N prefill
+8 … 128, over 1000 random requests and queue states each. This script times our Algorithm 1
+(``operator/planner/cdsp.py``) the same way, in the same run for both of its searches: the C++
+build (``cdsp_native.cpp``, what the router runs) and the Python reference; it also checks that
+both give the same plan for every request. The cases: for each max SP N, a pool of N prefill
 instances (8 per node, like the paper's A100 nodes), power-of-two SP sizes, max_chunks 4,
 chunk_granularity 1024, improvement rate 0.3; per request a prompt length uniform in 4k–190k
 tokens (the paper's Long trace range) and every instance's queue idle with probability 0.3, else
@@ -51,7 +53,7 @@ def table1_model(sp: int) -> LatencyModel:
     return LatencyModel(sp, 0.023 * sp, 6.5e-5 / sp, 2.4e-9 / sp, 1.2e-9 / sp)
 
 
-def measure(max_sp: int, requests: int, seed: int) -> dict[str, Any]:
+def measure(max_sp: int, requests: int, seed: int, search: str) -> dict[str, Any]:
     rules = PlannerRules({s: table1_model(s) for s in sp_sizes(max_sp, True)}, 1024, 4)
     rng = random.Random(seed)
     node_of = tuple(i // PER_NODE for i in range(max_sp))
@@ -66,12 +68,13 @@ def measure(max_sp: int, requests: int, seed: int) -> dict[str, Any]:
     cpu_ns: list[int] = []
     search_ns: list[int] = []
     chunks: list[int] = []
+    plans = []
     for k, (queue, length) in enumerate(cases):
         c0 = time.thread_time_ns()
         t0 = time.perf_counter_ns()
         pool = Pool(dict(enumerate(queue)), node_of)
         t1 = time.perf_counter_ns()
-        plan = plan_request(length, pool, rules, 0.3)
+        plan = plan_request(length, pool, rules, 0.3, search)
         t2 = time.perf_counter_ns()
         c1 = time.thread_time_ns()
         if k >= 100:  # warm-up done
@@ -79,6 +82,7 @@ def measure(max_sp: int, requests: int, seed: int) -> dict[str, Any]:
             cpu_ns.append(c1 - c0)
             search_ns.append(t2 - t1)
             chunks.append(len(plan.chunks))
+            plans.append(plan)
 
     def us(xs: list[int]) -> dict[str, float]:
         xs = sorted(xs)
@@ -90,6 +94,7 @@ def measure(max_sp: int, requests: int, seed: int) -> dict[str, Any]:
         }
 
     return {
+        "search": search,
         "max_sp": max_sp,
         "plan_us": us(plan_ns),
         "plan_cpu_us": us(cpu_ns),
@@ -97,6 +102,7 @@ def measure(max_sp: int, requests: int, seed: int) -> dict[str, Any]:
         "paper_us": {"avg": PAPER_US[max_sp][0], "max": PAPER_US[max_sp][1]},
         "chunks_per_request": round(statistics.fmean(chunks), 3),
         "multi_chunk_share": round(sum(c > 1 for c in chunks) / len(chunks), 3),
+        "plans": plans,  # compared across searches in main(), not saved
     }
 
 
@@ -106,13 +112,16 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    xs = [str(r["max_sp"]) for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(xs, [r["plan_us"]["avg"] for r in rows], "o-", label="Python plan, avg")
-    ax.plot(xs, [r["plan_us"]["p99"] for r in rows], "o--", label="Python plan, p99")
-    ax.plot(xs, [r["search_us"]["avg"] for r in rows], "s-", label="Python search only, avg")
-    ax.plot(xs, [r["paper_us"]["avg"] for r in rows], "^-", label="paper C++, avg")
-    ax.plot(xs, [r["paper_us"]["max"] for r in rows], "^--", label="paper C++, max")
+    for search, mark in (("native", "o"), ("python", "s")):
+        mine = [r for r in rows if r["search"] == search]
+        xs = [str(r["max_sp"]) for r in mine]
+        ax.plot(xs, [r["plan_us"]["avg"] for r in mine], f"{mark}-", label=f"{search} plan, avg")
+        ax.plot(xs, [r["plan_us"]["p99"] for r in mine], f"{mark}--", label=f"{search} plan, p99")
+    paper = [r for r in rows if r["search"] == "native"]
+    xs = [str(r["max_sp"]) for r in paper]
+    ax.plot(xs, [r["paper_us"]["avg"] for r in paper], "^-", label="paper C++, avg")
+    ax.plot(xs, [r["paper_us"]["max"] for r in paper], "^--", label="paper C++, max")
     ax.set_yscale("log")
     ax.set_xlabel("max SP size (= prefill instances)")
     ax.set_ylabel("µs per request")
@@ -129,7 +138,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "tetris.json")
     args = ap.parse_args()
     load_before = os.getloadavg()
-    rows = [measure(n, args.requests, args.seed + n) for n in MAX_SP]
+    rows = []
+    for n in MAX_SP:
+        mine = [measure(n, args.requests, args.seed + n, search) for search in ("native", "python")]
+        same = mine[0].pop("plans") == mine[1].pop("plans")
+        if not same:
+            raise SystemExit(f"max SP {n}: the C++ and Python searches planned differently")
+        rows += mine
     result = {
         "command": f"python benchmarks/tetris.py --requests {args.requests} --seed {args.seed}",
         "machine": {
@@ -138,22 +153,22 @@ def main() -> None:
             "load_average_before": [round(x, 2) for x in load_before],
             "load_average_after": [round(x, 2) for x in os.getloadavg()],
         },
+        "same_plans": True,
         "planner_latency": rows,
     }
     print(
-        f"{'max SP':>6} | {'plan avg':>8} {'p50':>7} {'p99':>7} {'max':>8} | {'CPU avg':>7} "
-        f"{'p99':>6} | "
-        f"{'search avg':>10} {'max':>8} | {'paper avg/max':>13} | chunks/req"
+        f"{'search':>6} {'max SP':>6} | {'plan avg':>8} {'p50':>7} {'p99':>7} {'max':>8} | "
+        f"{'CPU avg':>7} {'p99':>6} {'max':>7} | {'paper avg/max':>13} | chunks/req"
     )
     for r in rows:
-        p, s, c, u = r["plan_us"], r["search_us"], r["paper_us"], r["plan_cpu_us"]
+        p, c, u = r["plan_us"], r["paper_us"], r["plan_cpu_us"]
         print(
-            f"{r['max_sp']:>6} | {p['avg']:>8} {p['p50']:>7} {p['p99']:>7} {p['max']:>8} | "
-            f"{u['avg']:>7} {u['p99']:>6} | "
-            f"{s['avg']:>10} {s['max']:>8} | {c['avg']:>6}/{c['max']:<6} | "
-            f"{r['chunks_per_request']}"
+            f"{r['search']:>6} {r['max_sp']:>6} | {p['avg']:>8} {p['p50']:>7} {p['p99']:>7} "
+            f"{p['max']:>8} | {u['avg']:>7} {u['p99']:>6} {u['max']:>7} | "
+            f"{c['avg']:>6}/{c['max']:<6} | {r['chunks_per_request']}"
         )
-    print("µs per request; load average before/after:", load_before, os.getloadavg())
+    print("µs per request; both searches gave the same plans; load average before/after:")
+    print(load_before, os.getloadavg())
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     plot(rows, args.out.with_suffix(".png"))
     print("wrote", args.out, "and", args.out.with_suffix(".png"))

@@ -5,9 +5,12 @@ Algorithm 1 starts from the best single-chunk plan (Algorithm 2), then for every
 until the next group frees up (Algorithm 3), and recurses on the rest with the pool's queues
 advanced past the chunk (Eq. (2)). The plan with the lowest estimated TTFT wins.
 
-Two exact shortcuts keep it fast in Python: a branch is skipped when a lower bound on its TTFT
-already reaches the best plan found (ties keep the earlier plan, as Algorithm 1's strict
-comparison does), and the groups and waits of the pair loop are computed once per s_current.
+The search runs in C++ (``cdsp_native.cpp`` through ``native.py``, the same algorithm in the
+same floating-point order) when that builds, for the paper's latency bar; this module's search is
+the reference and the fallback. Two exact shortcuts keep it fast in Python: a branch is skipped
+when a lower bound on its TTFT already reaches the best plan found (ties keep the earlier plan,
+as Algorithm 1's strict comparison does), and the groups and waits of the pair loop are computed
+once per s_current.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gearshift.operator.planner import native
 from gearshift.operator.planner.instance_pool import Pool
 from gearshift.operator.planner.latency_model import LatencyModel
 
@@ -81,15 +85,35 @@ _Raw = tuple[float, tuple[tuple[int, tuple[int, ...], float, float], ...]]
 
 
 def plan_request(
-    length: int, pool: Pool, rules: PlannerRules, improvement_rate: float
+    length: int, pool: Pool, rules: PlannerRules, improvement_rate: float, search: str = "auto"
 ) -> ChunkPlan:
-    """Algorithm 1 for a new request of ``length`` prompt tokens over ``pool``."""
+    """Algorithm 1 for a new request of ``length`` prompt tokens over ``pool``.
+
+    ``search``: ``auto`` runs the C++ build when it loads, else Python; ``python`` / ``native``
+    pick one (``native`` raises ``native.NativeBuildError`` when it cannot be built)."""
     if length < 1:
         raise ValueError(f"a request needs at least one prompt token, got {length}")
     if not 0.0 <= improvement_rate <= 1.0:
         raise ValueError(f"improvement_rate must be in [0, 1], got {improvement_rate}")
-    search = _Search(rules, improvement_rate)
-    raw = search.schedule(length, 0, (), rules.sizes, pool, rules.max_chunks)
+    if search not in ("auto", "python", "native"):
+        raise ValueError(f"search must be auto, python or native, got {search!r}")
+    fn = None if search == "python" else native.planner()
+    if fn is None and search == "native":
+        raise native.NativeBuildError("the C++ CDSP planner is not available (see the log)")
+    if fn is not None:
+        found = native.plan(
+            fn,
+            length,
+            pool.queue,
+            pool.node_of,
+            rules.models,
+            rules.chunk_granularity,
+            rules.max_chunks,
+            improvement_rate,
+        )
+        raw: _Raw | None = None if found is None else (0.0, tuple(found))
+    else:
+        raw = python_search(length, pool, rules, improvement_rate)
     if raw is None:
         raise ValueError(f"no SP size in {rules.sizes} fits a pool of {len(pool.queue)} instances")
     chunks = []
@@ -98,6 +122,15 @@ def plan_request(
         chunks.append(Chunk(n, group, clock + wait, seconds))
         clock += wait + seconds
     return ChunkPlan(tuple(chunks))
+
+
+def python_search(
+    length: int, pool: Pool, rules: PlannerRules, improvement_rate: float
+) -> _Raw | None:
+    """Algorithm 1 in Python (the reference the C++ build in ``cdsp_native.cpp`` matches)."""
+    return _Search(rules, improvement_rate).schedule(
+        length, 0, (), rules.sizes, pool, rules.max_chunks
+    )
 
 
 def single_chunk(

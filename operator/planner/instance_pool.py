@@ -26,7 +26,7 @@ class Pool:
     them in that order; a queue update keeps the order (it is monotone), so it is not re-sorted.
     """
 
-    __slots__ = ("_groups", "_ids", "_kth", "_whole", "by_node", "largest", "node_of", "queue")
+    __slots__ = ("_by_node", "_groups", "_ids", "_kth", "_largest", "_whole", "node_of", "queue")
 
     def __init__(
         self,
@@ -36,9 +36,22 @@ class Pool:
     ) -> None:
         self.queue = queue
         self.node_of = node_of  # node of every instance id of the whole pool
-        if by_node is None:
+        # The per-node view is built on first use: the C++ search (native.py) reads ``queue``
+        # and ``node_of`` only, so a router that plans natively never pays for it.
+        self._by_node = by_node
+        self._largest = -1
+        self._kth: dict[int, list[tuple[float, int]]] = {}
+        self._whole: list[int] | None = None
+        self._ids: dict[int, tuple[int, ...]] = {}
+        self._groups: dict[tuple[tuple[int, ...], int], tuple[tuple[int, ...], float] | None] = {}
+
+    @property
+    def by_node(self) -> dict[int, list[_Entry]]:
+        """Each node's instances as (node, T, id), sorted by (T, id)."""
+        if self._by_node is None:
             # One sort of the whole pool by (node, T, id) in C, cut into runs per node: Python
             # touches nodes, not instances.
+            queue, node_of = self.queue, self.node_of
             nodes = list(map(node_of.__getitem__, queue))
             entries = sorted(zip(nodes, queue.values(), queue, strict=True))
             by_node = {}
@@ -46,12 +59,15 @@ class Pool:
             for n, count in sorted(collections.Counter(nodes).items()):
                 by_node[n] = entries[start : start + count]
                 start += count
-        self.by_node = by_node
-        self.largest = max(map(len, by_node.values()), default=0)  # instances of the fullest node
-        self._kth: dict[int, list[tuple[float, int]]] = {}
-        self._whole: list[int] | None = None
-        self._ids: dict[int, tuple[int, ...]] = {}
-        self._groups: dict[tuple[tuple[int, ...], int], tuple[tuple[int, ...], float] | None] = {}
+            self._by_node = by_node
+        return self._by_node
+
+    @property
+    def largest(self) -> int:
+        """Instances of the fullest node."""
+        if self._largest < 0:
+            self._largest = max(map(len, self.by_node.values()), default=0)
+        return self._largest
 
     @staticmethod
     def uniform(queue: Sequence[float], per_node: int) -> Pool:
@@ -86,6 +102,11 @@ class Pool:
 
     def advance(self, elapsed: float) -> Pool:
         """Eq. (2): every instance's queue after ``elapsed`` seconds, T ← max(0, T − elapsed)."""
+        if self._by_node is None:
+            # Nothing has needed the per-node view (the C++ search, or the router between
+            # plans): update the queue alone and leave the view to be built if asked for.
+            later = {i: t - elapsed if t > elapsed else 0.0 for i, t in self.queue.items()}
+            return Pool(later, self.node_of)
         by_node = {}
         queue: dict[int, float] = {}
         for n, entries in self.by_node.items():

@@ -111,8 +111,9 @@ def _check_rules(plan: ChunkPlan, length: int, rules: PlannerRules) -> None:
     assert all(c.sp in rules.models and len(set(c.group)) == c.sp for c in plan.chunks)
 
 
+@pytest.mark.parametrize("search", ["python", "auto"])  # auto: the C++ build where it builds
 @pytest.mark.parametrize("power_of_two", [True, False])
-def test_algorithm_1_finds_the_best_plan_brute_force_finds(power_of_two):
+def test_algorithm_1_finds_the_best_plan_brute_force_finds(power_of_two, search):
     rng = random.Random(1 if power_of_two else 2)
     chunked = 0
     for trial in range(120):
@@ -126,7 +127,7 @@ def test_algorithm_1_finds_the_best_plan_brute_force_finds(power_of_two):
         pool = _random_pool(rng, instances, per_node)
         length = rng.randint(1, 400) * 512 + rng.randint(0, 511)
         rate = rng.choice([0.0, 0.1, 0.3])
-        plan = plan_request(length, pool, rules, rate)
+        plan = plan_request(length, pool, rules, rate, search)
         _check_rules(plan, length, rules)
         mine = [(c.length, c.group) for c in plan.chunks]
         assert evaluate(mine, dict(pool.queue), rules) == pytest.approx(plan.ttft, abs=1e-9)
