@@ -89,15 +89,17 @@ def plan_request(
 ) -> ChunkPlan:
     """Algorithm 1 for a new request of ``length`` prompt tokens over ``pool``.
 
-    ``search``: ``auto`` runs the C++ build when it loads, else Python; ``python`` / ``native``
-    pick one (``native`` raises ``native.NativeBuildError`` when it cannot be built)."""
+    ``search``: ``auto`` runs the C++ build once it has loaded (``native.ready``), else Python;
+    ``python`` / ``native`` pick one (``native`` waits for the build and raises
+    ``native.NativeBuildError`` when it cannot be built)."""
     if length < 1:
         raise ValueError(f"a request needs at least one prompt token, got {length}")
     if not 0.0 <= improvement_rate <= 1.0:
         raise ValueError(f"improvement_rate must be in [0, 1], got {improvement_rate}")
     if search not in ("auto", "python", "native"):
         raise ValueError(f"search must be auto, python or native, got {search!r}")
-    fn = None if search == "python" else native.planner()
+    pick = {"python": lambda: None, "native": native.planner, "auto": native.ready}[search]
+    fn = pick()
     if fn is None and search == "native":
         raise native.NativeBuildError("the C++ CDSP planner is not available (see the log)")
     if fn is not None:

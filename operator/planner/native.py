@@ -4,8 +4,9 @@ module.
 The router plans every Tetris request on its event loop, and the paper's bar is tens of
 microseconds per request (Table 2); the Python search takes a few hundred. The C++ file is the
 same search in the same floating-point order, so both give the same plans; ``cdsp.plan_request``
-uses it when it loads and falls back to Python otherwise (no C++ compiler or Python headers, a
-failed build).
+uses it once it has loaded (the first call starts the build in the background and plans in
+Python meanwhile) and falls back to Python when it cannot be built (no C++ compiler or Python
+headers, a failed build).
 
 ``GEARSHIFT_PLANNER``: ``python`` never loads it, ``native`` makes a failed build an error
 (default: try, fall back with one warning). The module lands in ``$GEARSHIFT_PLANNER_CACHE``
@@ -16,7 +17,6 @@ never load a half-written file. No torch and no numpy: the router imports this.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.util
 import logging
@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sysconfig
 import tempfile
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -101,19 +102,47 @@ def load(path: Path) -> Any:
     return module
 
 
-@functools.cache
+_LOCK = threading.Lock()  # one build at a time in this process
+_LOADED: list[Any] = []  # [the module, or None when it cannot be built], once decided
+_BACKGROUND: list[threading.Thread] = []
+
+
 def planner() -> Any | None:
-    """The native module, or None when it is off or cannot be built (warned once)."""
+    """The native module, building it if needed (blocks for the build), or None when it is off
+    or cannot be built (warned once)."""
     mode = os.environ.get("GEARSHIFT_PLANNER", "")
     if mode == "python":
         return None
-    try:
-        return load(build())
-    except (NativeBuildError, OSError, ImportError) as exc:
-        if mode == "native":
-            raise NativeBuildError(f"the C++ CDSP planner is required but failed: {exc}") from exc
-        log.warning("CDSP planner: using the Python search (%s)", exc)
+    with _LOCK:
+        if not _LOADED:
+            try:
+                _LOADED.append(load(build()))
+            except (NativeBuildError, OSError, ImportError) as exc:
+                if mode == "native":
+                    raise NativeBuildError(
+                        f"the C++ CDSP planner is required but failed: {exc}"
+                    ) from exc
+                log.warning("CDSP planner: using the Python search (%s)", exc)
+                _LOADED.append(None)
+        return _LOADED[0]
+
+
+def ready() -> Any | None:
+    """The native module if it is loaded; otherwise start loading it on a background thread and
+    return None, so a caller on an event loop (the router) plans in Python for the few seconds a
+    first build takes instead of stalling. ``GEARSHIFT_PLANNER=native`` waits for it instead."""
+    if _LOADED:
+        return _LOADED[0]
+    mode = os.environ.get("GEARSHIFT_PLANNER", "")
+    if mode == "native":
+        return planner()
+    if mode == "python":
         return None
+    if not _BACKGROUND:
+        thread = threading.Thread(target=planner, name="cdsp-native-build", daemon=True)
+        _BACKGROUND.append(thread)
+        thread.start()
+    return None
 
 
 _MODELS: dict[int, tuple[Mapping[int, LatencyModel], tuple[Any, Any]]] = {}

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from gearshift.operator.planner import native
 from gearshift.operator.planner.cdsp import (
     ChunkPlan,
     PlannerRules,
@@ -111,7 +112,16 @@ def _check_rules(plan: ChunkPlan, length: int, rules: PlannerRules) -> None:
     assert all(c.sp in rules.models and len(set(c.group)) == c.sp for c in plan.chunks)
 
 
-@pytest.mark.parametrize("search", ["python", "auto"])  # auto: the C++ build where it builds
+@pytest.mark.parametrize(
+    "search",
+    [
+        "python",
+        pytest.param(
+            "native",
+            marks=pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler here"),
+        ),
+    ],
+)
 @pytest.mark.parametrize("power_of_two", [True, False])
 def test_algorithm_1_finds_the_best_plan_brute_force_finds(power_of_two, search):
     rng = random.Random(1 if power_of_two else 2)

@@ -116,7 +116,11 @@ PLAN_ONCE = """
     one, two = LatencyModel(1, 0.1, 1e-4, 0.0, 0.0), LatencyModel(2, 0.2, 5e-5, 0.0, 0.0)
     rules = PlannerRules({1: one, 2: two}, 256)
     plan = plan_request(4096, Pool.uniform([0.0, 0.0], 2), rules, 0.1)
-    print("native" if native.planner() is not None else "python", plan.chunks[0].sp)
+    # The first plan does not wait for a build (it plans in Python meanwhile); once the build
+    # is done, plans come from the loaded module.
+    module = native.planner()
+    assert native.ready() is module
+    print("native" if module is not None else "python", plan.chunks[0].sp)
 """
 
 
