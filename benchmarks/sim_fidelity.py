@@ -4,8 +4,8 @@ engine and through the simulator, and print predicted vs measured (issue 16, "Pr
 The default model is a small random Llama (hidden 256, 4 layers, SmolLM2-sized vocabulary, made
 in a temporary folder) so a run takes a few minutes on two cores; ``--model smollm2`` profiles the
 embedded SmolLM2 (slower). ``--rate`` replays Poisson arrivals in real time; 0 puts every request
-at t = 0 (offline). The policy flags are ``gearshift serve``'s (``--tp 2``, ``--sp 2``); pipeline
-layouts (``--pp``) are refused: the simulator does not model micro-batches in flight yet.
+at t = 0 (offline). The policy flags are ``gearshift serve``'s (``--tp 2``, ``--sp 2``,
+``--pp 2``: the simulator keeps the pipeline's micro-batches in flight as the engine does).
 
     python benchmarks/sim_fidelity.py                     # → sim_fidelity.json
     python benchmarks/sim_fidelity.py --rate 4 --requests 48
@@ -116,8 +116,6 @@ def main() -> None:
     add_policy_args(ap)
     args = ap.parse_args()
     policy = policy_from_args(args)
-    if args.pp and args.pp > 1:
-        sys.exit("error: --pp: the simulator does not model pipeline micro-batches yet")
 
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(random_llama(Path(tmp), hidden=256, layers=4))
@@ -161,7 +159,16 @@ def main() -> None:
             max_model_len=engine.max_model_len,
         )
         t0 = time.perf_counter()
-        predicted = simulated(simulate(Deployment(1, replica, cost), trace))
+        # The engine's own policy decides each step's share (a pipeline's micro-batches).
+        deployment = Deployment(
+            1,
+            replica,
+            cost,
+            engine.policy.step_request,
+            micro_batches=engine.policy.micro_batches(),
+            stages=max(1, args.pp or 1),
+        )
+        predicted = simulated(simulate(deployment, trace))
         sim_s = time.perf_counter() - t0
         engine.shutdown()
 

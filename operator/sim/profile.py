@@ -5,13 +5,19 @@ Steps are driven through ``LLMEngine.step`` (schedule, forward, sample: everythi
 the leader), and each step's batch is read off the engine's own scheduler as it is scheduled, so
 the features are exactly those the simulator computes for the same batch. Every grid point runs
 once untimed first: oneDNN builds kernels per shape, and that one-off cost is not a step's.
+
+A pipeline (``Policy.micro_batches() > 1``) is profiled one micro-batch at a time: each timed
+step is then one batch's whole trip through the stages, which is the cost the simulator spreads
+over the stages when it keeps micro-batches in flight (``replica.py``). Timing ``step()`` with
+several in flight would pair one batch with another's finish.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -95,8 +101,31 @@ class _StepTimer:
             (into.prefill if batch.prefills else into.decode).append((tokens, attended, seconds))
 
 
+@contextlib.contextmanager
+def _one_micro_batch(engine: LLMEngine) -> Iterator[None]:
+    """Run ``engine``'s policy one step at a time, every ready sequence in it, while profiling
+    (instance attributes shadow the policy's methods, and are removed after)."""
+    policy = engine.policy
+    if policy.micro_batches() <= 1:
+        yield
+        return
+    from gearshift.worker.engine.contract import StepRequest
+
+    policy.micro_batches = lambda: 1  # type: ignore[method-assign]
+    policy.step_request = lambda queues: StepRequest()  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del policy.micro_batches, policy.step_request
+
+
 def measure(engine: LLMEngine, grid: ProfileGrid, seed: int = 0) -> Profile:
     """Time the grid's steps on ``engine`` (which must be idle)."""
+    with _one_micro_batch(engine):
+        return _measure(engine, grid, seed)
+
+
+def _measure(engine: LLMEngine, grid: ProfileGrid, seed: int) -> Profile:
     rng = random.Random(seed)
     limit = engine.max_model_len
     vocab = engine.vocab_size

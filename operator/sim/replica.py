@@ -1,15 +1,23 @@
 """One simulated worker group: the engine's own ``Scheduler`` and ``BlockManager`` against
 simulated time, with each step's duration from the cost model.
 
-A step is scheduled when the replica is idle, takes ``cost.step_time(batch)``, and at its end the
-sequences advance exactly as ``LLMEngine._finish`` advances them (computed tokens, then one
-sampled token for every sequence whose prompt is done), so batching, chunked prefill, KV block
-allocation and preemption are the engine's, not a copy. One step in flight per replica (no
-pipeline micro-batches yet).
+A step takes ``cost.step_time(batch)``, and at its end the sequences advance exactly as
+``LLMEngine._finish`` advances them (computed tokens, then one sampled token for every sequence
+whose prompt is done), so batching, chunked prefill, KV block allocation and preemption are the
+engine's, not a copy.
+
+Pipeline micro-batches follow ``LLMEngine.step``: the replica keeps up to ``micro_batches`` steps
+in flight, each scheduled with the in-flight sequences left out (the engine's ``busy``), and
+finishes the oldest; when it finishes, new steps are launched before the next oldest is waited
+for. A step's cost is its whole trip through the pipeline (what ``gearshift profile`` times for a
+lone micro-batch); each of ``stages`` stages holds it for an equal share, so a micro-batch enters
+the first stage once the one before it has left it, and leaves the last stage no sooner than
+one stage time after the one before it.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
@@ -69,6 +77,12 @@ class RequestTimes:
 StepAsk = Callable[[QueueView], StepRequest]
 
 
+@dataclass
+class _Flight:
+    batch: ScheduledBatch
+    done: float  # when it leaves the last stage
+
+
 class SimReplica:
     """A worker group's leader: its scheduler, its KV blocks, and the step being run."""
 
@@ -78,8 +92,16 @@ class SimReplica:
         config: ReplicaConfig,
         cost: StepCost,
         step_request: StepAsk | None = None,
+        micro_batches: int = 1,
+        stages: int = 1,
     ) -> None:
+        if micro_batches < 1 or stages < 1:
+            raise ValueError(
+                f"micro_batches and stages must be >= 1, got {micro_batches}, {stages}"
+            )
         self.index = index
+        self.micro_batches = micro_batches
+        self.stages = stages
         self.config = config
         self.cost = cost
         self.step_request = step_request or (lambda _: StepRequest())
@@ -97,7 +119,9 @@ class SimReplica:
             ),
             self.blocks,
         )
-        self.batch: ScheduledBatch | None = None
+        self.in_flight: deque[_Flight] = deque()
+        self._stage0_free = 0.0  # when the first stage can take the next micro-batch
+        self._last_done = 0.0  # when the newest micro-batch leaves the last stage
         self.times: dict[str, RequestTimes] = {}
         self.steps = 0
         self.busy_s = 0.0
@@ -114,26 +138,38 @@ class SimReplica:
         )
         self.scheduler.add(seq)
 
-    def start_step(self) -> float | None:
-        """Schedule the next step; its duration, or None when there is nothing to run."""
-        assert self.batch is None, "one step at a time"
-        queues = QueueView(len(self.scheduler.running), len(self.scheduler.waiting), 0)
-        batch = self.scheduler.schedule(self.step_request(queues))
+    def launch(self, now: float) -> float | None:
+        """Launch steps at ``now`` until ``micro_batches`` are in flight (or nothing is left to
+        schedule); when the oldest in-flight step ends, or None when none is in flight."""
+        while len(self.in_flight) < self.micro_batches and self._launch_one(now):
+            pass
+        return self.in_flight[0].done if self.in_flight else None
+
+    def _launch_one(self, now: float) -> bool:
+        busy = frozenset(s.request_id for f in self.in_flight for s in _seqs(f.batch))
+        queues = QueueView(
+            len(self.scheduler.running), len(self.scheduler.waiting), len(self.in_flight)
+        )
+        batch = self.scheduler.schedule(self.step_request(queues), busy)
         for seq in batch.preempted:
             self.times[seq.request_id].preemptions += 1
         if batch.is_empty:
-            return None
-        self.batch = batch
-        duration = self.cost.step_time(batch)
+            return False
+        trip = self.cost.step_time(batch)
+        stage = trip / self.stages
+        start = max(now, self._stage0_free)
+        self._stage0_free = start + stage
+        done = max(start + trip, self._last_done + stage)
+        self._last_done = done
+        self.in_flight.append(_Flight(batch, done))
         self.steps += 1
-        self.busy_s += duration
-        return duration
+        self.busy_s += stage
+        return True
 
     def finish_step(self, now: float) -> list[tuple[str, int, bool]]:
-        """End the running step at ``now``: (request id, new tokens, finished) per progressed
-        request, in the order the engine would report them."""
-        batch, self.batch = self.batch, None
-        assert batch is not None
+        """End the oldest in-flight step at ``now``: (request id, new tokens, finished) per
+        progressed request, in the order the engine would report them."""
+        batch = self.in_flight.popleft().batch
         sampled: list[Sequence] = []
         for seq in batch.decodes:
             seq.num_computed_tokens += 1
@@ -159,4 +195,8 @@ class SimReplica:
 
     @property
     def idle(self) -> bool:
-        return self.batch is None
+        return not self.in_flight
+
+
+def _seqs(batch: ScheduledBatch) -> list[Sequence]:
+    return batch.decodes + [seq for seq, _ in batch.prefills]

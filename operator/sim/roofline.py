@@ -6,8 +6,8 @@ of the weights (read once per step) plus the KV it reads and writes. Collectives
 the α-β model on the slowest link the group crosses: a ring all-reduce of B bytes over t ranks
 costs 2(t−1)/t · B / bw + 2(t−1)·latency; an all-to-all of a rank's B bytes costs (s−1)/s · B / bw
 + (s−1)·latency. Activations, norms, kernel launch overheads and compute/comm overlap are not
-modelled, and PP is priced as one batch walking all stages (the simulator runs one step at a
-time per replica, so pipelining several micro-batches is not captured).
+modelled. PP is priced as one batch's whole trip through the stages; the simulator overlaps
+micro-batches when its ``Deployment`` says how many are in flight (``micro_batches``, ``stages``).
 """
 
 from __future__ import annotations

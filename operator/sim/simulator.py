@@ -28,6 +28,8 @@ class Deployment:
     config: ReplicaConfig
     cost: StepCost
     step_request: StepAsk | None = None  # the policy's say before each step (default: ANY)
+    micro_batches: int = 1  # steps in flight per replica (a pipeline's Policy.micro_batches())
+    stages: int = 1  # pipeline stages a step's cost is spread over
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -39,7 +41,14 @@ def simulate(deployment: Deployment, trace: Sequence[TraceRequest]) -> SimResult
     loop = EventLoop()
     router = LeastOutstandingRouter(deployment.replicas)
     replicas = [
-        SimReplica(i, deployment.config, deployment.cost, deployment.step_request)
+        SimReplica(
+            i,
+            deployment.config,
+            deployment.cost,
+            deployment.step_request,
+            deployment.micro_batches,
+            deployment.stages,
+        )
         for i in range(deployment.replicas)
     ]
     done: list[RequestTimes] = []
@@ -48,9 +57,11 @@ def simulate(deployment: Deployment, trace: Sequence[TraceRequest]) -> SimResult
     waking: set[int] = set()
 
     def start(rep: SimReplica) -> None:
-        duration = rep.start_step()
-        if duration is not None:
-            loop.at(loop.now + duration, lambda: end(rep))
+        # Called when no event is pending for the replica (idle, or its oldest step just
+        # ended): launch what fits and wait for the oldest in-flight step.
+        done = rep.launch(loop.now)
+        if done is not None:
+            loop.at(done, lambda: end(rep))
 
     def end(rep: SimReplica) -> None:
         for rid, n, finished in rep.finish_step(loop.now):
