@@ -4,11 +4,12 @@ A plan is a list of chunks, each with its instance group; each group contains th
 (§4.1), so the pool's members only ever join. For every chunk:
 
 1. The KV of the tokens before it (the history) is rebalanced evenly onto the chunk's group
-   (``rebalance``): members that just joined receive their share by point-to-point from the
-   members that hold more than theirs. History attention does not depend on the order of the
-   history's tokens (all precede the chunk; keys already carry their RoPE rotation), so any even
-   split is exact; the token positions travel with the KV so the request's KV can be handed to a
-   decode instance in prompt order.
+   (``rebalance.py``): members that just joined receive their share by point-to-point from the
+   members that hold more than theirs, layer by layer, while the chunk's earlier layers compute.
+   History attention does not depend on the order of the history's tokens (all precede the
+   chunk; keys already carry their RoPE rotation), so any even split is exact; the
+   token positions travel with the KV so the request's KV can be handed to a decode instance in
+   prompt order.
 2. The chunk's tokens are zig-zag sharded over the group and the whole model runs on each
    member's rows, with ``RingCore`` as the attention: zig-zag pass-KV ring attention over the
    chunk plus the member's history share (``ring.ring_attention_with_history``).
@@ -18,8 +19,7 @@ The member that holds the prompt's last token returns that token's logits (the f
 token comes from them). Every pool member calls ``run_chunk_plan`` with the same plan; a member
 sits a chunk out until its group includes it.
 
-What this module does not do yet (issue 15): overlapping the rebalance with the next layer's
-compute, writing the pieces into the paged KV cache, and the hand-off to a decode instance.
+The hand-off of the finished KV to a decode instance is ``handoff.py``.
 """
 
 from __future__ import annotations
@@ -29,30 +29,15 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 
 from gearshift.worker.attention.metadata import AttentionMetadata
 from gearshift.worker.comm import CommGroup
 from gearshift.worker.model.llama import LlamaForCausalLM
+from gearshift.worker.policies.tetris.rebalance import Holding, Rebalanced, rebalance
 from gearshift.worker.policies.tetris.ring import History, Ring, ring_attention_with_history
 from gearshift.worker.policies.tetris.zigzag import ZigZag, even_split
 
-
-@dataclass
-class Holding:
-    """The request's KV this member holds: ``kv`` [n, layers, 2, Hkv, D] and the prompt position
-    of each row ``positions`` [n]."""
-
-    kv: torch.Tensor
-    positions: torch.Tensor
-
-    @staticmethod
-    def empty(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> Holding:
-        kv = torch.empty((0, layers, 2, kv_heads, head_dim), dtype=dtype)
-        return Holding(kv, torch.empty(0, dtype=torch.int64))
-
-    def __len__(self) -> int:
-        return int(self.kv.shape[0])
+__all__ = ["Holding", "PlannedChunk", "PrefillResult", "RingCore", "run_chunk_plan"]
 
 
 @dataclass(frozen=True)
@@ -85,66 +70,18 @@ def check_plan(plan: list[PlannedChunk], prompt_length: int, pool_size: int) -> 
         previous = members
 
 
-def rebalance(holding: Holding, counts: dict[int, int], ring: Ring) -> Holding:
-    """Spread the history held as ``counts`` (pool rank → rows; every member of ``ring`` knows
-    them) evenly over ``ring``'s members, in ring order. Every member of the ring calls it.
-
-    The rows, taken member by member in ring order, form one virtual sequence; member i of the
-    ring ends up with the i-th of ``even_split``'s consecutive slices of it. Each overlap between
-    what a member has and what another member gets is one point-to-point message."""
-    order = ring.members
-    if set(counts) - set(order):
-        raise ValueError(f"members {sorted(set(counts) - set(order))} hold history off the ring")
-    have_lo, lo = {}, 0
-    for m in order:
-        have_lo[m], lo = lo, lo + counts.get(m, 0)
-    shares = even_split(lo, len(order))
-    want_lo, lo = {}, 0
-    for m, share in zip(order, shares, strict=True):
-        want_lo[m], lo = lo, lo + share
-    me = ring.comm.rank
-    mine = (want_lo[me], want_lo[me] + shares[ring.index])
-    pieces: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (virtual offset, kv, positions)
-    works: list[dist.Work | None] = []
-    for m in order:
-        have = (have_lo[m], have_lo[m] + counts.get(m, 0))
-        for other, share in zip(order, shares, strict=True):
-            want = (want_lo[other], want_lo[other] + share)
-            lo, hi = max(have[0], want[0]), min(have[1], want[1])
-            if lo >= hi or (m != me and other != me):
-                continue
-            if m == me and other == me:
-                rows = slice(lo - have[0], hi - have[0])
-                pieces.append((lo, holding.kv[rows], holding.positions[rows]))
-            elif m == me:  # send my rows [lo, hi) to `other`
-                rows = slice(lo - have[0], hi - have[0])
-                dst = ring.comm.ranks[other]
-                works.append(dist.isend(holding.kv[rows].contiguous(), dst, ring.comm.group))
-                works.append(dist.isend(holding.positions[rows].contiguous(), dst, ring.comm.group))
-            else:  # receive `m`'s rows [lo, hi)
-                kv = holding.kv.new_empty((hi - lo, *holding.kv.shape[1:]))
-                pos = holding.positions.new_empty(hi - lo)
-                src = ring.comm.ranks[m]
-                works.append(dist.irecv(kv, src, ring.comm.group))
-                works.append(dist.irecv(pos, src, ring.comm.group))
-                pieces.append((lo, kv, pos))
-    for work in works:
-        if work is not None:
-            work.wait()
-    pieces.sort(key=lambda p: p[0])
-    assert sum(len(p[2]) for p in pieces) == mine[1] - mine[0]
-    if not pieces:
-        return Holding(holding.kv[:0], holding.positions[:0])
-    return Holding(torch.cat([p[1] for p in pieces]), torch.cat([p[2] for p in pieces]))
-
-
 class _LayerHistory:
-    """What ``RingCore`` gets as a layer's ``kv``: the member's history for the layer, and the
-    chunk's local k/v once the layer has run."""
+    """What ``RingCore`` gets as a layer's ``kv``: the member's history for the layer (waited
+    for when the layer's attention asks, so later layers' rebalancing overlaps this one's
+    compute), and the chunk's local k/v once the layer has run."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k, self.v = k, v
+    def __init__(self, history: Rebalanced, layer: int) -> None:
+        self.history, self.index = history, layer
         self.chunk: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.history.layer(self.index)
+        return rows[:, 0], rows[:, 1]
 
 
 class RingCore:
@@ -159,7 +96,7 @@ class RingCore:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         layer = cast(_LayerHistory, kv)
         layer.chunk = (k, v)
-        history = History(layer.k, layer.v, self.lengths)
+        history = History(*layer.kv(), self.lengths)
         return ring_attention_with_history(q, k, v, history, self.ring, self.layout, self.scale)
 
     def forward(
@@ -223,13 +160,14 @@ def run_chunk_plan(
             continue
         started = time.perf_counter()
         ring = Ring(comm, chunk.group)
-        holding = rebalance(holding, counts, ring)
+        history = rebalance(holding, counts, ring)  # posted; lands layer by layer
         lengths = even_split(done, ring.size)
         layout = ZigZag(chunk.length, ring.size)
         rows = torch.tensor(layout.positions(ring.index), dtype=torch.int64) + done
-        stores = [_LayerHistory(holding.kv[:, i, 0], holding.kv[:, i, 1]) for i in range(layers)]
+        stores = [_LayerHistory(history, i) for i in range(layers)]
         core = RingCore(ring, layout, lengths, scale)
         hidden = model(prompt[rows], rows, cast(Any, stores), _metadata(len(rows)), core)
+        holding = history.finish()
         if len(rows):
             fresh = torch.stack(
                 [torch.stack(s.chunk, dim=1) for s in stores if s.chunk is not None], dim=1

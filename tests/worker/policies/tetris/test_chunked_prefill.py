@@ -114,3 +114,20 @@ def test_decode_head_split_follows_the_qkv_projection_and_bad_transfers_are_refu
         Transfer({0: 5, 1: 5}, (1, 2), 0)
     with pytest.raises(ValueError, match="sends no KV"):
         Transfer({0: 5}, (1,), 2)
+
+
+def test_a_layers_history_is_waited_for_only_when_that_layer_needs_it(tmp_path: Path) -> None:
+    # Overlap proven by order, not timing: rank 0 sends layers 1 and 2 only after rank 1 has
+    # used layer 0 (rebalance_driver.py); a rebalance that waited for every layer up front would
+    # hang here until run_ranks kills it.
+    from tests.worker.policies.tetris import rebalance_driver as drv
+
+    store = str(tmp_path / "store")
+    codes = run_ranks(drv.run_rank, [(r, store, str(tmp_path)) for r in range(2)], "rebal", 90)
+    assert codes == [0, 0]
+    got = torch.load(tmp_path / "rank1.pt")
+    want = drv.history()
+    half = slice(drv.ROWS // 2, drv.ROWS)
+    assert torch.equal(got["first"], want.kv[half, 0])
+    assert torch.equal(got["kv"], want.kv[half])
+    assert torch.equal(got["positions"], want.positions[half])
