@@ -61,8 +61,18 @@ def merge_partials(
     return out.to(outs[0].dtype), lse
 
 
+# Score elements (query heads × query rows × keys) one call materialises at most: 2^26 fp32
+# scores are 256 MiB, and the probabilities as many again. Longer blocks run in row tiles.
+MAX_SCORES = 1 << 26
+
+
 def attention_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    max_scores: int = MAX_SCORES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Query rows q [n, Hq, D] over one block of keys/values [L, Hkv, D], no cache, fp32 math.
 
@@ -70,7 +80,29 @@ def attention_lse(
     L - n + i, flash-attention's bottom-right alignment); otherwise every key is visible. GQA
     groups consecutive query heads on one KV head. Returns (out [n, Hq, D] in q's dtype,
     lse [n, Hq] fp32); a row that sees no key gets out 0 and lse -inf.
+
+    Rows are independent, so a block whose scores would exceed ``max_scores`` elements runs in
+    tiles of rows (a causal tile needs only the keys up to its last row): a 16k-token prompt's
+    attention then fits in memory.
     """
+    n, hq = q.shape[0], q.shape[1]
+    length = k.shape[0]
+    rows = max(1, max_scores // max(1, hq * length))
+    if n <= rows:
+        return _attention_block(q, k, v, scale, causal)
+    outs, lses = [], []
+    for lo in range(0, n, rows):
+        hi = min(n, lo + rows)
+        end = length - n + hi if causal else length  # keys the tile's last row may see
+        out, lse = _attention_block(q[lo:hi], k[:end], v[:end], scale, causal)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _attention_block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     n, hq, dim = q.shape
     length, hkv = k.shape[0], k.shape[1]
     if n == 0 or length == 0:

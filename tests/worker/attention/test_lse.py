@@ -3,6 +3,7 @@ and attention over disjoint pieces of a context merges into attention over all o
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gearshift.worker.attention.core import attention_lse, merge_partials
@@ -103,3 +104,20 @@ def test_attention_lse_aligns_causal_queries_to_the_block_end_with_gqa():
     # An empty block: zeros and -inf, never NaN.
     out, lse = attention_lse(q.float(), k[:0].float(), v[:0].float(), D**-0.5, False)
     assert not out.any() and bool(torch.isinf(lse).all())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("rows_per_tile", [1, 3, 7])
+def test_attention_lse_in_row_tiles_equals_one_block(causal, rows_per_tile):
+    # A block whose scores exceed the budget runs in tiles of rows (a causal tile with only the
+    # keys up to its last row); the result is the one-block result, tile edges included.
+    g = torch.Generator().manual_seed(3)
+    n, length = 11, 16
+    q = torch.randn(n, HQ, D, generator=g)
+    k = torch.randn(length, HKV, D, generator=g)
+    v = torch.randn(length, HKV, D, generator=g)
+    whole, whole_lse = attention_lse(q, k, v, D**-0.5, causal)
+    budget = rows_per_tile * HQ * length  # exactly rows_per_tile rows fit
+    tiled, tiled_lse = attention_lse(q, k, v, D**-0.5, causal, max_scores=budget)
+    torch.testing.assert_close(tiled, whole, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(tiled_lse, whole_lse, atol=1e-6, rtol=1e-5)
