@@ -187,6 +187,8 @@ class RequestRun:
         except ValueError as exc:
             lease.release()
             raise errors.unavailable(f"group {lease.group.name}: {exc}") from exc
+        if wire.HasField("tetris_plan"):
+            self.metrics.observe_tetris_plan(wire.tetris_plan)
         if self._cut is not None:
             lease.release()
             raise self._cut

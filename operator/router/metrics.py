@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 
 from gearshift.operator.router.group import Group
 from gearshift.operator.router.trace_recorder import TraceRecorder
-from gearshift.v1 import policy_fields, policy_pb2
+from gearshift.v1 import policy_fields, policy_pb2, worker_pb2
 
 # vLLM's bucket boundaries (vllm/v1/metrics/loggers.py), so dashboards carry over.
 TTFT_BUCKETS = (
@@ -180,7 +180,44 @@ class RouterMetrics:
             [*m, "group"],
             registry=r,
         )
+        # Tetris (§5.1-5.2): what the router's planner decided for each request it sent.
+        self.tetris_chunks = Histogram(
+            "gearshift_tetris_plan_chunks",
+            "Chunks per request in the Tetris planner's CDSP plans.",
+            m,
+            buckets=(1, 2, 3, 4, 6, 8),
+            registry=r,
+        )
+        self.tetris_chunk_sp = Histogram(
+            "gearshift_tetris_chunk_sp_size",
+            "SP size (prefill instances) of each planned CDSP chunk.",
+            m,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=r,
+        )
+        self.tetris_planned_prefill = Histogram(
+            "gearshift_tetris_planned_prefill_seconds",
+            "The planner's Eq. (1) estimate of each request's prefill, queueing included.",
+            m,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tetris_placements = Counter(
+            "gearshift_tetris_decode_placements",
+            "Requests planned onto each decode instance.",
+            [*m, "decode_instance"],
+            registry=r,
+        )
         self.registry.register(GroupCollector(model_name, groups))
+
+    def observe_tetris_plan(self, plan: worker_pb2.TetrisPlan) -> None:
+        """One request's Tetris plan as the router sent it."""
+        name = self.model_name
+        self.tetris_chunks.labels(name).observe(len(plan.chunks))
+        for chunk in plan.chunks:
+            self.tetris_chunk_sp.labels(name).observe(len(chunk.prefill_instances))
+        self.tetris_planned_prefill.labels(name).observe(plan.planned_prefill_seconds)
+        self.tetris_placements.labels(name, str(plan.decode_instance)).inc()
 
     def reject(self, status: int, reason: str) -> None:
         """One refused request (rejections.py calls this for every 4xx/5xx answer)."""

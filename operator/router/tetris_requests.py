@@ -76,7 +76,9 @@ class TetrisRequestPlanner:
                 f"no decode instance has {slots} free KV slots for this request"
             )
         self._book(pool, now, chunks, decode, slots)
-        out = worker_pb2.TetrisPlan(decode_instance=self._decode_index[decode])
+        out = worker_pb2.TetrisPlan(
+            decode_instance=self._decode_index[decode], planned_prefill_seconds=chunks.ttft
+        )
         for chunk in chunks.chunks:
             out.chunks.add(num_tokens=chunk.length, prefill_instances=list(chunk.group))
         return out

@@ -18,6 +18,7 @@ from gearshift.worker.tokenizer import Tokenizer
 from tests.router.fake_worker import Script
 from tests.router.test_router_routing import Setup, run
 
+MODEL = "fake"  # the routing fixture's served model name
 MODELS = {
     1: (0.01, 1e-3, 1e-8, 1e-7),
     2: (0.02, 5e-4, 5e-9, 5e-8),
@@ -120,7 +121,23 @@ def test_requests_to_a_tetris_group_carry_their_plan(tokenizer: Tokenizer) -> No
         assert r.status_code == 200, r.text
         plan = worker.requests[-1].tetris_plan
         assert sum(c.num_tokens for c in plan.chunks) == 400
-        assert _chunks(plan) == [(c.length, c.group) for c in _reference(400, [0.0] * 4).chunks]
+        reference = _reference(400, [0.0] * 4)
+        assert _chunks(plan) == [(c.length, c.group) for c in reference.chunks]
+        assert plan.planned_prefill_seconds == pytest.approx(reference.ttft)
+        # The router's metrics say what it planned: chunks, each chunk's SP size, the estimate,
+        # and the decode instance.
+        text = (await s.http.get("/metrics")).text
+        sp_sizes = [len(c.prefill_instances) for c in plan.chunks]
+        assert f'gearshift_tetris_plan_chunks_count{{model_name="{MODEL}"}} 1.0' in text
+        assert (
+            f'gearshift_tetris_chunk_sp_size_sum{{model_name="{MODEL}"}} {float(sum(sp_sizes))}'
+            in text
+        )
+        assert (
+            f'gearshift_tetris_decode_placements_total{{decode_instance="{plan.decode_instance}",'
+            f'model_name="{MODEL}"}} 1.0'
+        ) in text
+        assert f'gearshift_tetris_planned_prefill_seconds_count{{model_name="{MODEL}"}} 1.0' in text
         # A group whose policy cannot be planned for: 503 naming why, nothing sent.
         worker.policy = _policy(latency_models=[])
         await asyncio.sleep(0.4)

@@ -24,12 +24,14 @@ class WorkerGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tetris_plan: _Optional[_Union[TetrisPlan, _Mapping]] = ..., replica: _Optional[int] = ...) -> None: ...
 
 class TetrisPlan(_message.Message):
-    __slots__ = ("chunks", "decode_instance")
+    __slots__ = ("chunks", "decode_instance", "planned_prefill_seconds")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     DECODE_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     chunks: _containers.RepeatedCompositeFieldContainer[TetrisChunk]
     decode_instance: int
-    def __init__(self, chunks: _Optional[_Iterable[_Union[TetrisChunk, _Mapping]]] = ..., decode_instance: _Optional[int] = ...) -> None: ...
+    planned_prefill_seconds: float
+    def __init__(self, chunks: _Optional[_Iterable[_Union[TetrisChunk, _Mapping]]] = ..., decode_instance: _Optional[int] = ..., planned_prefill_seconds: _Optional[float] = ...) -> None: ...
 
 class TetrisChunk(_message.Message):
     __slots__ = ("num_tokens", "prefill_instances")
