@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     # The serving commands live in their own modules (gearshift.operator.commands).
     from gearshift.operator.commands import (
         fetch_model,
+        plan,
         profile,
         router,
         serve,
@@ -97,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         worker,
     )
 
-    for command in (worker, router, serve, fetch_model, profile, tetris_profile):
+    for command in (worker, router, serve, fetch_model, profile, tetris_profile, plan):
         command.add_parser(sub)
     return parser
 

@@ -1,0 +1,178 @@
+"""`gearshift plan`: simulate every legal policy and layout of a model on some hardware under
+declared traffic, print a table, recommend one, and write JSON + PNG (issue 16, item 3;
+docs/planning.md). Pure simulation: no torch, no devices."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("plan", help="simulate every policy and layout; recommend one")
+    p.add_argument("--model", required=True, help="a HF config.json or the folder holding it")
+    p.add_argument("--hardware", required=True, help="8xH200, 4xL4, ... or a YAML/JSON file")
+    p.add_argument("--traffic", help="a YAML/JSON traffic file (instead of the flags below)")
+    p.add_argument("--rate", type=float, help="requests per second")
+    p.add_argument("--burstiness", type=float, default=1.0, help="CV of the gaps (1: Poisson)")
+    p.add_argument("--prompt-len", default="sharegpt", help="a preset or a fixed token count")
+    p.add_argument("--output-len", default=None, help="a preset or a fixed token count")
+    p.add_argument("--requests", type=int, default=300, help="requests per simulated point")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--goodput", help="SLO, vLLM's syntax in ms: 'ttft:500 tpot:50'")
+    p.add_argument("--rates", help="comma-separated rates to simulate (default: a sweep)")
+    p.add_argument("--policies", help="comma-separated policy kinds to consider (static,shift)")
+    p.add_argument("--max-model-len", type=int, default=32768)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--output", "-o", type=Path, help="write the report as JSON")
+    p.add_argument("--png", type=Path, help="write p99 TTFT and TPOT vs rate per candidate")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run)
+
+
+def _length(text: str, flag: str) -> dict[str, Any]:
+    if text.isdigit():
+        return {"fixed": int(text)}
+    from gearshift.operator.sim.traffic import PRESETS
+
+    if text not in PRESETS:
+        raise ValueError(
+            f"{flag}: {text!r} is neither a token count nor one of {', '.join(PRESETS)}"
+        )
+    return {"preset": text}
+
+
+def _inputs(args: argparse.Namespace) -> tuple[Any, ...]:
+    from gearshift.operator.sim import hardware, model_desc
+    from gearshift.operator.sim.candidates import PlanSettings
+    from gearshift.operator.sim.goodput import Goodput
+    from gearshift.operator.sim.traffic import Traffic
+
+    model = model_desc.load(args.model)
+    hw = hardware.load(args.hardware)
+    if args.traffic:
+        if args.rate is not None:
+            raise ValueError("--rate: give the traffic as --traffic FILE or as flags, not both")
+        traffic = Traffic.load(args.traffic)
+    else:
+        if args.rate is None:
+            raise ValueError("--rate: required without --traffic")
+        data: dict[str, Any] = {
+            "rate": args.rate,
+            "burstiness": args.burstiness,
+            "prompt": _length(args.prompt_len, "--prompt-len"),
+            "requests": args.requests,
+            "seed": args.seed,
+        }
+        if args.output_len is not None:
+            data["output"] = _length(args.output_len, "--output-len")
+        traffic = Traffic.from_mapping(data, "traffic (flags)")
+    goodput = Goodput.parse(args.goodput) if args.goodput else None
+    rates = None
+    if args.rates:
+        try:
+            rates = [float(x) for x in args.rates.split(",")]
+        except ValueError:
+            raise ValueError(f"--rates: comma-separated numbers, got {args.rates!r}") from None
+        if any(r <= 0 for r in rates):
+            raise ValueError("--rates: every rate must be > 0")
+    kinds = None
+    if args.policies:
+        kinds = {k.strip() for k in args.policies.split(",")}
+        if kinds - {"static", "shift"}:
+            raise ValueError(
+                f"--policies: {sorted(kinds - {'static', 'shift'})} have no simulated cost yet "
+                "(static, shift)"
+            )
+    if args.max_model_len < 1 or args.max_num_batched_tokens < 1:
+        raise ValueError("--max-model-len / --max-num-batched-tokens: must be >= 1")
+    settings = PlanSettings(args.max_model_len, args.max_num_batched_tokens)
+    return model, hw, traffic, goodput, rates, kinds, settings
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from gearshift.operator.sim.planning import plan_deployment
+
+    try:
+        model, hw, traffic, goodput, rates, kinds, settings = _inputs(args)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    bar = tqdm(desc="simulating", unit="point", file=sys.stderr, disable=args.no_progress)
+    try:
+        report = plan_deployment(
+            model, hw, traffic, goodput, rates=rates, settings=settings, kinds=kinds, progress=bar
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        bar.close()
+    data = report.to_json()
+    data["model"] = model.name
+    data["hardware"] = args.hardware
+    print(table(data))
+    if args.output:
+        args.output.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    if args.png:
+        plot(data, args.png)
+    return 0
+
+
+def table(data: dict[str, Any]) -> str:
+    head = (
+        f"{'candidate':>12} {'policy':>28} {'KV tok/grp':>10} {'TTFT p50':>9} {'p99':>8} "
+        f"{'TPOT p50':>9} {'p99':>8} {'out tok/s':>10} {'max rate':>8}"
+    )
+    lines = [
+        f"{data['model']} on {data['hardware']}; declared rate {data['declared_rate']:g} "
+        f"req/s; SLO: {data['goodput'] or 'none'}",
+        head,
+    ]
+    for c in data["candidates"]:
+        at = next((p for p in c["points"] if p["declared"]), None)
+        if c["error"] or at is None or not at.get("requests"):
+            lines.append(
+                f"{c['name']:>12} {json.dumps(c['policy']):>28} {c['error'] or 'no result'}"
+            )
+            continue
+        rate = c["max_rate_meeting_slo"]
+        lines.append(
+            f"{c['name']:>12} {json.dumps(c['policy']):>28} {c['kv_tokens_per_group']:>10} "
+            f"{at['ttft_p50_s']:>9.3f} {at['ttft_p99_s']:>8.3f} {at['tpot_p50_s']:>9.4f} "
+            f"{at['tpot_p99_s']:>8.4f} {at['output_tokens_per_s']:>10.0f} "
+            f"{'-' if rate is None else f'{rate:g}':>8}"
+        )
+    lines.append(f"recommended: {data['recommended']} {json.dumps(data['recommended_policy'])}")
+    lines.append(f"why: {data['reason']}")
+    return "\n".join(lines)
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for c in data["candidates"]:
+        pts = [p for p in c["points"] if p.get("requests")]
+        if not pts:
+            continue
+        xs = [p["rate"] for p in pts]
+        a.plot(xs, [p["ttft_p99_s"] for p in pts], "o-", label=c["name"])
+        b.plot(xs, [p["tpot_p99_s"] for p in pts], "o-", label=c["name"])
+    for ax, what in ((a, "p99 TTFT (s)"), (b, "p99 TPOT (s)")):
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(what)
+        ax.set_yscale("log")
+        ax.set_xscale("log")
+    b.legend(fontsize=7, ncol=2)
+    fig.suptitle(f"gearshift plan: {data['model']} on {data['hardware']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

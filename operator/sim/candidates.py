@@ -1,0 +1,128 @@
+"""What ``gearshift plan`` compares (issue 16, item 3): every legal policy × layout × data-parallel
+replica count of a model on some hardware, each with its step cost and KV capacity.
+
+A candidate source is a function ``(model, hardware, settings) -> list[Candidate]``; ``SOURCES``
+holds them by policy kind, so a technique whose simulated cost exists adds its candidates with one
+registration line. The built-in source covers what ``roofline.py`` prices: static one-rank / TP /
+Ulysses SP / PP and Shift, every degree that divides the device count and the model's heads (PP:
+its layers), with replicas filling the devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gearshift.operator.sim.hardware import Hardware
+from gearshift.operator.sim.model_desc import ModelDesc
+from gearshift.operator.sim.replica import ReplicaConfig
+from gearshift.operator.sim.roofline import Layout, LayoutError, RooflineCost, check
+
+MEMORY_UTILIZATION = 0.9  # of each device's memory for weights and KV (vLLM's default)
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """The engine settings every candidate is simulated with (``EngineConfig``'s names)."""
+
+    max_model_len: int = 32768
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    block_size: int = 16
+    memory_utilization: float = MEMORY_UTILIZATION
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One deployment: ``replicas`` groups of ``gpus_per_group`` devices running ``policy`` (the
+    CRD's ``spec.policy`` object) with step cost ``cost``; ``kv_tokens`` KV capacity per group."""
+
+    name: str
+    kind: str
+    policy: dict[str, Any]
+    gpus_per_group: int
+    replicas: int
+    cost: Any  # a StepCost
+    config: ReplicaConfig
+    kv_tokens: int
+    micro_batches: int = 1
+    stages: int = 1
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+Source = Callable[[ModelDesc, Hardware, PlanSettings], list[Candidate]]
+
+
+def kv_tokens(
+    model: ModelDesc, hw: Hardware, weight_fraction: float, kv_split: int, s: PlanSettings
+) -> int:
+    """KV tokens one group holds: each rank's memory left after its weights (``weight_fraction``
+    of the model) over its share (1/``kv_split``) of a token's KV; 0 when the weights do not fit."""
+    free = hw.device.memory_bytes * s.memory_utilization - model.weight_bytes() * weight_fraction
+    per_token = model.kv_bytes_per_token() / kv_split
+    return max(0, int(free // per_token))
+
+
+def _layout_candidates(model: ModelDesc, hw: Hardware, s: PlanSettings) -> list[Candidate]:
+    out = []
+    for d in range(1, hw.count + 1):
+        if hw.count % d:
+            continue
+        for kind in ("one",) if d == 1 else ("tp", "sp", "pp", "shift"):
+            layout = Layout(kind, d)
+            try:
+                check(layout, model, hw)
+            except LayoutError:
+                continue
+            policy: dict[str, Any]
+            if kind == "one":
+                weights, kv_split, policy = 1.0, 1, {"static": {}}
+            elif kind == "tp":
+                weights, kv_split, policy = 1 / d, d, {"static": {"tp": d}}
+            elif kind == "sp":  # Ulysses: whole weights per rank, KV heads split
+                weights, kv_split, policy = 1.0, d, {"static": {"sp": d}}
+            elif kind == "pp":
+                weights, kv_split, policy = 1 / d, d, {"static": {"pp": d}}
+            else:  # Shift §3.3.2: the SP gear's whole weights plus the TP gear's 1/d shard
+                weights, kv_split, policy = 1 + 1 / d, d, {"shift": {"sp": d, "tp": 1}}
+            tokens = kv_tokens(model, hw, weights, kv_split, s)
+            blocks = tokens // s.block_size
+            if blocks * s.block_size < max(s.max_num_batched_tokens, s.max_model_len):
+                continue  # too little KV left for one full step or one full-length request
+            replicas = hw.count // d
+            config = ReplicaConfig(
+                num_blocks=blocks,
+                block_size=s.block_size,
+                max_num_seqs=s.max_num_seqs,
+                max_num_batched_tokens=s.max_num_batched_tokens,
+                max_model_len=s.max_model_len,
+            )
+            name = str(layout) if replicas == 1 else f"{layout}x{replicas}"
+            micro = d if kind == "pp" else 1
+            out.append(
+                Candidate(
+                    name,
+                    "shift" if kind == "shift" else "static",
+                    policy,
+                    d,
+                    replicas,
+                    RooflineCost(model, hw, layout),
+                    config,
+                    tokens,
+                    micro_batches=micro,
+                    stages=micro,
+                )
+            )
+    return out
+
+
+SOURCES: dict[str, Source] = {"static+shift": _layout_candidates}
+
+
+def enumerate_candidates(
+    model: ModelDesc, hw: Hardware, settings: PlanSettings, kinds: set[str] | None = None
+) -> list[Candidate]:
+    """Every candidate of every registered source (only policy kinds in ``kinds`` if given)."""
+    out = [c for source in SOURCES.values() for c in source(model, hw, settings)]
+    return [c for c in out if kinds is None or c.kind in kinds]
