@@ -142,11 +142,12 @@ def table(data: dict[str, Any]) -> str:
             )
             continue
         rate = c["max_rate_meeting_slo"]
+        top = ">=" if c["max_rate_at_sweep_top"] else ""
         lines.append(
             f"{c['name']:>12} {json.dumps(c['policy']):>28} {c['kv_tokens_per_group']:>10} "
             f"{at['ttft_p50_s']:>9.3f} {at['ttft_p99_s']:>8.3f} {at['tpot_p50_s']:>9.4f} "
             f"{at['tpot_p99_s']:>8.4f} {at['output_tokens_per_s']:>10.0f} "
-            f"{'-' if rate is None else f'{rate:g}':>8}"
+            f"{'-' if rate is None else f'{top}{rate:g}':>8}"
         )
     lines.append(f"recommended: {data['recommended']} {json.dumps(data['recommended_policy'])}")
     lines.append(f"why: {data['reason']}")

@@ -10,14 +10,16 @@ its layers), with replicas filling the devices.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from gearshift.operator.sim.hardware import Hardware
 from gearshift.operator.sim.model_desc import ModelDesc
-from gearshift.operator.sim.replica import ReplicaConfig
+from gearshift.operator.sim.replica import ReplicaConfig, StepAsk
 from gearshift.operator.sim.roofline import Layout, LayoutError, RooflineCost, check
+from gearshift.worker.engine.contract import pipeline_share
 
 MEMORY_UTILIZATION = 0.9  # of each device's memory for weights and KV (vLLM's default)
 
@@ -48,6 +50,7 @@ class Candidate:
     kv_tokens: int
     micro_batches: int = 1
     stages: int = 1
+    step_request: StepAsk | None = None  # the policy's say before each step
     notes: dict[str, Any] = field(default_factory=dict)
 
 
@@ -112,6 +115,8 @@ def _layout_candidates(model: ModelDesc, hw: Hardware, s: PlanSettings) -> list[
                     tokens,
                     micro_batches=micro,
                     stages=micro,
+                    # The static policy's own rule for a pipeline's micro-batches.
+                    step_request=functools.partial(pipeline_share, stages=micro),
                 )
             )
     return out

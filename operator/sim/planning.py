@@ -54,6 +54,8 @@ class CandidateResult:
             "replicas": c.replicas,
             "kv_tokens_per_group": c.kv_tokens,
             "max_rate_meeting_slo": self.max_rate,
+            # Met at the sweep's highest rate: the true maximum lies above (widen the rates).
+            "max_rate_at_sweep_top": bool(self.points) and self.max_rate == self.points[-1]["rate"],
             "points": self.points,
             "error": self.error,
         }
@@ -89,6 +91,7 @@ def _point(
         candidate.replicas,
         candidate.config,
         candidate.cost,
+        candidate.step_request,
         micro_batches=candidate.micro_batches,
         stages=candidate.stages,
     )

@@ -4,7 +4,8 @@ prompt / output length distributions, from flags, a YAML/JSON file or a CRD-styl
     {rate: 4, burstiness: 2, prompt: {preset: sharegpt}, output: {fixed: 256},
      requests: 400, seed: 0}
 
-A length is one of ``{preset: sharegpt | arxiv | tetris-short | tetris-medium | tetris-long}``,
+A length is one of ``{preset: sharegpt | arxiv | tetris-short | tetris-medium | tetris-long}``
+(an omitted output length takes the prompt preset's, else ShareGPT's answers),
 ``{fixed: N}``, ``{uniform: [low, high]}`` or ``{lognormal: {median, p90, low, high}}``. Every
 field is checked and refused naming its path (``traffic.prompt.uniform``).
 """
@@ -65,7 +66,11 @@ class Traffic:
         seed = _integer(data.get("seed", 0), f"{where}.seed", 0)
         preset = data.get("prompt", {"preset": "sharegpt"})
         prompt = _lengths(preset, f"{where}.prompt", prompt_side=True)
-        output = _lengths(data.get("output", preset), f"{where}.output", prompt_side=False)
+        # Without an output length: the prompt preset's own, else ShareGPT's answers.
+        default = preset if isinstance(preset, dict) and "preset" in preset else None
+        output = _lengths(
+            data.get("output", default or {"preset": "sharegpt"}), f"{where}.output", False
+        )
         return Traffic(rate, prompt, output, cv, requests, seed, json.dumps(data, sort_keys=True))
 
     @staticmethod

@@ -16,6 +16,7 @@ from gearshift.operator.sim.goodput import Goodput
 from gearshift.operator.sim.lengths import Fixed, Uniform
 from gearshift.operator.sim.planning import plan_deployment
 from gearshift.operator.sim.traffic import Traffic, TrafficError
+from gearshift.worker.engine.contract import QueueView
 
 LLAMA = Path(__file__).parent / "fixtures" / "llama3_8b_config.json"
 
@@ -81,6 +82,10 @@ def test_every_legal_layout_is_a_candidate_and_its_policy_is_one_the_operator_ac
     # keeps whole weights for its SP gear), and one rank holds the least.
     kv = {c.name: c.kv_tokens for c in cands}
     assert kv["tp8"] > kv["shift8"] > kv["tp4x2"] > kv["onex8"]
+    # A pipeline keeps pp micro-batches in flight, each with the static policy's share.
+    pp2 = next(c for c in cands if c.name == "pp2x4")
+    assert (pp2.micro_batches, pp2.stages) == (2, 2) and pp2.step_request is not None
+    assert pp2.step_request(QueueView(running=5, waiting=2, in_flight=0)).max_seqs == 4
     # A layout that leaves no room for one full-length request is no candidate: Llama-3-8B on
     # one L4 (24 GB, 16 GB of bf16 weights) at a 128k context.
     assert enumerate_candidates(model, hardware.load("1xL4"), PlanSettings(131072)) == []

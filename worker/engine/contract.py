@@ -46,6 +46,16 @@ class QueueView:
     in_flight: int  # micro-batches submitted and not yet finished
 
 
+def pipeline_share(queues: QueueView, stages: int) -> StepRequest:
+    """A pipeline's step: each micro-batch takes its 1/``stages`` share of the active sequences,
+    so that every stage has work (Seesaw §5.1 / vLLM's virtual engines). The static policy asks
+    this of its scheduler, and the simulator of its pipelines (no torch here)."""
+    if stages <= 1:
+        return StepRequest()
+    active = queues.running + queues.waiting
+    return StepRequest(max_seqs=max(1, -(-active // stages)))
+
+
 class ReplicaSync(Protocol):
     """How one engine replica of a multi-replica group meets its peers at step boundaries (a
     policy's, e.g. a group-wide mode that must change at the same step everywhere)."""

@@ -9,6 +9,7 @@ point-to-point send/recv; ``pp`` micro-batches are in flight, each over its own 
 from __future__ import annotations
 
 from gearshift.v1 import policy_pb2
+from gearshift.worker.engine.contract import pipeline_share
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.model.config import ModelConfig
 from gearshift.worker.parallel.groups import create_groups
@@ -56,12 +57,7 @@ class StaticPolicy(Policy):
         return self.layout.pp
 
     def step_request(self, queues: QueueView) -> StepRequest:
-        if self.layout.pp == 1:
-            return StepRequest()
-        # Each micro-batch takes its share of the requests so that every stage has work
-        # (Seesaw §5.1 / vLLM's virtual engines: 1/pp of the sequences per micro-batch).
-        active = queues.running + queues.waiting
-        return StepRequest(max_seqs=max(1, -(-active // self.layout.pp)))
+        return pipeline_share(queues, self.layout.pp)
 
     def pad_multiple(self, gear: int) -> int:
         del gear
