@@ -332,7 +332,39 @@ def status_schema() -> dict[str, Any]:
                 "x-kubernetes-list-type": "map",
                 "x-kubernetes-list-map-keys": ["type"],
             },
+            "auto": auto_status_schema(),
         }
+    )
+
+
+def auto_status_schema() -> dict[str, Any]:
+    """status.auto: what policy: auto chose, why, and the simulated figures behind it."""
+    figures = {
+        "rate": {"type": "number", "description": "Requests per second per group."},
+        "ttftP50Seconds": {"type": "number"},
+        "ttftP99Seconds": {"type": "number"},
+        "tpotP50Seconds": {"type": "number"},
+        "tpotP99Seconds": {"type": "number"},
+        "outputTokensPerSecond": {"type": "number"},
+        "maxRateMeetingSlo": {"type": "number"},
+    }
+    line = _obj({"name": {"type": "string"}, "error": {"type": "string"}, **figures})
+    return _obj(
+        {
+            "inputs": {"type": "string", "description": "Digest of what the plan was made from."},
+            "gpu": {"type": "string"},
+            "choice": {"type": "string", "description": "The chosen layout, e.g. shift8."},
+            "policy": {
+                "type": "object",
+                "x-kubernetes-preserve-unknown-fields": True,
+                "description": "The policy the groups run (spec.policy's form).",
+            },
+            "reason": {"type": "string"},
+            "predicted": _obj({**figures, "kvTokens": {"type": "integer"}}),
+            "considered": {"type": "array", "items": line, "x-kubernetes-list-type": "atomic"},
+            "plannedAt": {"type": "string", "format": "date-time"},
+        },
+        "policy: auto's choice (absent for other policies).",
     )
 
 
@@ -340,7 +372,7 @@ def build_crd(comments: dict[str, str] | None = None) -> dict[str, Any]:
     policy = crd_schema.policy_schema(comments)
     crd_rules.add_policy_rules(policy)
     policy["description"] = (
-        "The parallel-layout policy: exactly one of static, shift, seesaw, sidp, tetris "
+        "The parallel-layout policy: exactly one of static, shift, seesaw, sidp, tetris, auto "
         "(gearshift.v1.Policy in proto/gearshift/v1/policy.proto)."
     )
     schema = _obj(

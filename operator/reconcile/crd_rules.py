@@ -138,3 +138,19 @@ def add_policy_rules(schema: dict[str, Any]) -> None:
             "message": "maxSp must not exceed prefillInstances",
         }
     ]
+    auto = props["auto"]
+    auto["x-kubernetes-validations"] = [
+        {"rule": "has(self.model)", "message": "model is required", "fieldPath": ".model"},
+        {
+            "rule": "has(self.traffic) && has(self.traffic.rate) && self.traffic.rate > 0.0",
+            "message": "traffic.rate is required and must be above 0",
+            "fieldPath": ".traffic.rate",
+        },
+    ]
+    one_length = {
+        "rule": "!(has(self.preset) && has(self.fixed))",
+        "message": "set one of preset and fixed",
+    }
+    traffic = auto["properties"]["traffic"]["properties"]
+    for side in ("prompt", "output"):
+        traffic[side]["x-kubernetes-validations"] = [one_length]

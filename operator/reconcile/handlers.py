@@ -62,10 +62,27 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger
     # The timer and the change handlers may fire together for one object; one pass at a time.
     lock = memo.setdefault("lock", asyncio.Lock())
     async with lock:
-        reconciler = Reconciler(memo["kube"], SETTINGS, logger, memo.setdefault("tokens", {}))
+        reconciler = Reconciler(
+            memo["kube"],
+            SETTINGS,
+            logger,
+            memo.setdefault("tokens", {}),
+            memo.setdefault("plans", {}),
+        )
         new_status = await reconciler.reconcile(dict(body), dt.datetime.now(dt.UTC))
+    old = dict(body.get("status") or {})
     for key, value in new_status.items():
-        patch.status[key] = value
+        patch.status[key] = replacing(old.get(key), value)
+
+
+def replacing(old: Any, new: Any) -> Any:
+    """``new`` as a JSON merge patch over ``old``: a merge patch merges objects key by key, so a
+    key ``old`` has and ``new`` lacks is nulled (removed) instead of surviving; None removes."""
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return new
+    out = {k: replacing(old.get(k), v) for k, v in new.items()}
+    out.update({k: None for k in old if k not in new})
+    return out
 
 
 @kopf.on.create(*RESOURCE)
@@ -92,6 +109,7 @@ async def on_delete(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> 
         spec = parse(dict(body))
     except SpecError:
         return  # nothing was rendered for an invalid spec
+    memo.setdefault("plans", {}).pop((spec.namespace, spec.name, spec.uid), None)
     kube: Kube = memo["kube"]
     for api_version, kind in _CHILD_KINDS:
         for obj in await kube.select(

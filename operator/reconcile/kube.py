@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("v1", "Service"): "services",
     ("v1", "Pod"): "pods",
     ("v1", "Secret"): "secrets",
+    ("v1", "Node"): "nodes",  # cluster-scoped: read for policy: auto's GPU (reconcile/auto.py)
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("apps/v1", "StatefulSet"): "statefulsets",
     ("apps/v1", "Deployment"): "deployments",
@@ -126,6 +128,11 @@ class Kube:
                 return None
             raise
 
+    async def nodes(self) -> list[dict[str, Any]]:
+        """Every Node (cluster-scoped; the caller filters, kmock ignores selectors)."""
+        data = await self._acall("GET", "/api/v1/nodes")
+        return list(data.get("items") or [])
+
     async def select(
         self, api_version: str, kind: str, namespace: str, labels: dict[str, str]
     ) -> list[dict[str, Any]]:
@@ -156,6 +163,37 @@ class Kube:
             for obj in items:
                 objects[(api_version, kind, obj["metadata"]["name"])] = obj
         return Snapshot(set(kinds), objects)
+
+    async def event(
+        self, involved: dict[str, Any], type_: str, reason: str, message: str, now: str
+    ) -> None:
+        """Post a core/v1 Event about ``involved`` under a name of our own (kmock, unlike an API
+        server, gives every generateName the same name)."""
+        meta = involved.get("metadata") or {}
+        namespace = meta.get("namespace", "default")
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {
+                "name": f"{meta.get('name')}.{secrets.token_hex(8)}",
+                "namespace": namespace,
+            },
+            "involvedObject": {
+                "apiVersion": involved.get("apiVersion", ""),
+                "kind": involved.get("kind", ""),
+                "name": meta.get("name", ""),
+                "namespace": namespace,
+                "uid": meta.get("uid", ""),
+            },
+            "type": type_,
+            "reason": reason,
+            "message": message[:1024],
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+            "source": {"component": "gearshift-operator"},
+        }
+        await self._acall("POST", f"/api/v1/namespaces/{namespace}/events", body)
 
     async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
         """Delete; False when it was already gone."""

@@ -8,6 +8,7 @@ new when nothing changed.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime as dt
 import logging
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gearshift.operator.reconcile import (
+    auto,
     names,
     render_config,
     render_network,
@@ -27,7 +29,7 @@ from gearshift.operator.reconcile import (
 )
 from gearshift.operator.reconcile import render_security as security
 from gearshift.operator.reconcile.admin_client import AdminClient, AdminUnavailable
-from gearshift.operator.reconcile.kube import Kube, Snapshot
+from gearshift.operator.reconcile.kube import Kube, KubeError, Snapshot
 from gearshift.operator.reconcile.render_meta import is_owned_by
 from gearshift.operator.reconcile.settings import OperatorSettings
 from gearshift.operator.reconcile.spec import DeploymentSpec, SpecError, parse
@@ -60,13 +62,17 @@ class Reconciler:
     # (namespace, name, uid) → (token, monotonic time read); shared across passes (kopf memo)
     # so a pass does not read the Secret each time.
     tokens: dict[tuple[str, str, str], tuple[str, float]] = field(default_factory=dict)
+    # (namespace, name, uid) → the last status.auto planned: a pass that started from a body read
+    # before the previous pass wrote its status (a timer and a change handler fire together)
+    # reuses it instead of planning again.
+    plans: dict[tuple[str, str, str], dict[str, Any]] = field(default_factory=dict)
 
     async def reconcile(self, body: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
         """Converge the children of `body`; returns the status to write."""
         previous = dict(body.get("status") or {})
         meta = body.get("metadata", {})
         try:
-            spec = runnable_spec(body)
+            spec, chosen = await self._runnable(body, previous, now)
         except SpecError as exc:
             result = status.PassResult(
                 replicas=0, max_unavailable=1, groups=[], spec_error=str(exc), spec_field=exc.field
@@ -87,15 +93,47 @@ class Reconciler:
         )
         router, router_error = await self._router_status(admin)
         result = await self._converge(spec, admin, router, router_error, previous, now)
+        kind = policy_fields.kind_of(spec.policy)
         return status.build(
             result,
             name=spec.name,
-            policy_kind=policy_fields.kind_of(spec.policy),
+            policy_kind=f"auto:{kind}" if chosen is not None else kind,
             endpoint=render_router.endpoint(spec, self.settings.cluster_domain),
             generation=spec.generation,
             previous=previous,
             now=now,
+            auto=chosen.status if chosen is not None else None,
         )
+
+    async def _runnable(
+        self, body: dict[str, Any], previous: dict[str, Any], now: dt.datetime
+    ) -> tuple[DeploymentSpec, auto.Resolved | None]:
+        """runnable() with the Node list it may need; planning runs off the event loop."""
+        parsed = parse(body)
+        if not auto.is_auto(parsed):
+            return runnable(body, previous, None, now)
+        key = (parsed.namespace, parsed.name, parsed.uid)
+        nodes = None
+        if auto.needs_nodes(parsed):
+            try:
+                nodes = await self.kube.nodes()
+            except KubeError as exc:
+                field = f"{auto.auto_policy.FIELD}.gpu"
+                raise SpecError(f"{field}: not set, and the nodes cannot be read ({exc})") from exc
+        ours = self.plans.get(key)
+        if ours is not None and ours.get("inputs") != (previous.get("auto") or {}).get("inputs"):
+            previous = {**previous, "auto": ours}  # planned after this body was read
+        spec, chosen = await asyncio.to_thread(runnable, body, previous, nodes, now)
+        if chosen is not None and chosen.planned:
+            self.plans[key] = chosen.status
+            message = auto.event_message(chosen.status)
+            self.logger.info("%s", message)
+            try:
+                stamp = restarts.format_time(now)
+                await self.kube.event(body, "Normal", "PolicyPlanned", message, stamp)
+            except KubeError as exc:  # an event is a courtesy; status.auto says the same
+                self.logger.warning("could not post the PolicyPlanned event: %s", exc)
+        return spec, chosen
 
     async def _control_token(self, spec: DeploymentSpec) -> str:
         """The deployment's control token, from its Secret; created (random) when missing.
@@ -375,19 +413,39 @@ class Reconciler:
         return ""
 
 
-def runnable_spec(body: dict[str, Any]) -> DeploymentSpec:
-    """The parsed spec; SpecError when it is invalid or asks for what the engine cannot run.
+def runnable(
+    body: dict[str, Any],
+    previous: dict[str, Any] | None = None,
+    nodes: list[dict[str, Any]] | None = None,
+    now: dt.datetime | None = None,
+) -> tuple[DeploymentSpec, auto.Resolved | None]:
+    """The parsed spec, with `policy: auto` replaced by its planned choice (and that choice);
+    SpecError when it is invalid or asks for what the engine cannot run.
 
     A spec the schema accepts but no worker can run renders no children: its pods could only
     crash-loop (worker/policies/support.py holds the rule, shared with the worker and `serve`).
     """
     spec = parse(body)
+    chosen = None
+    if auto.is_auto(spec):
+        chosen = auto.resolve(spec, previous or {}, nodes, now or dt.datetime.now(dt.UTC))
+        spec = chosen.spec
+        errors = policy_fields.layout_errors(spec.policy, spec.group.ranks)
+        if errors:  # a stored choice from before a group change; the digest makes this rare
+            raise SpecError("spec." + "; spec.".join(errors))
     if spec.engine == "gearshift":  # engine: vllm runs static pp/dp through vLLM itself
         try:
             check_runnable(spec.full_policy, nodes=spec.group.nodes)
         except InvalidRequestError as exc:
             raise SpecError(exc.message, exc.field) from exc
-    return spec
+    return spec, chosen
+
+
+def runnable_spec(
+    body: dict[str, Any], nodes: list[dict[str, Any]] | None = None
+) -> DeploymentSpec:
+    """runnable() without the auto choice's status (plans afresh for `policy: auto`)."""
+    return runnable(body, None, nodes)[0]
 
 
 def _live_differs(reported: policy_pb2.Policy, desired: policy_pb2.Policy, ranks: int) -> bool:

@@ -115,8 +115,9 @@ def build(
     generation: int,
     previous: dict[str, Any],
     now: dt.datetime,
+    auto: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The whole status object for this pass."""
+    """The whole status object for this pass (``auto``: policy: auto's choice; None removes it)."""
     prev = list(previous.get("conditions") or [])
     base = [g for g in result.groups if not g.surge]
     serving = sum(g.ready for g in result.groups)
@@ -189,6 +190,7 @@ def build(
         "endpoint": endpoint,
         "groups": [g.to_status() for g in sorted(result.groups, key=lambda g: g.index)],
         "conditions": conditions,
+        "auto": auto,
     }
 
 

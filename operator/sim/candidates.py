@@ -123,6 +123,8 @@ def _layout_candidates(model: ModelDesc, hw: Hardware, s: PlanSettings) -> list[
 
 
 SOURCES: dict[str, Source] = {"static+shift": _layout_candidates}
+# The policy kinds some source simulates (the others have no simulated cost yet).
+MODELLED_KINDS: tuple[str, ...] = ("static", "shift")
 
 
 def enumerate_candidates(

@@ -15,7 +15,7 @@ rule decided.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,13 +114,16 @@ def plan_deployment(
     rates: Sequence[float] | None = None,
     settings: PlanSettings | None = None,
     kinds: set[str] | None = None,
+    only: Callable[[Candidate], bool] | None = None,
     progress: Any = None,
 ) -> PlanReport:
-    """Simulate every candidate at every rate; ``progress`` (e.g. a tqdm bar) is updated once
-    per simulated point and its ``total`` set first."""
+    """Simulate every candidate (those ``only`` keeps, when given) at every rate; ``progress``
+    (e.g. a tqdm bar) is updated once per simulated point and its ``total`` set first."""
     settings = settings or PlanSettings()
     sweep = sorted({*(rates or [traffic.rate * m for m in RATE_SWEEP]), traffic.rate})
-    candidates = enumerate_candidates(model, hardware, settings, kinds)
+    candidates = [
+        c for c in enumerate_candidates(model, hardware, settings, kinds) if only is None or only(c)
+    ]
     if not candidates:
         raise ValueError(
             f"no layout of {model.name} fits {hardware.count}x{hardware.device.name} "

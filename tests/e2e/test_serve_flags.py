@@ -17,6 +17,8 @@ import pytest
         (["--shift-threshold", "64"], "--shift-threshold is not a field of the static policy"),
         (["--policy-config", '{"static": {}}', "--tp", "2"], "drop --tp"),
         (["--policy-config", '{"tetris": {}}'], "not implemented by this engine"),
+        (["--policy-config", '{"auto": {}}'], "planned by the operator"),
+        (["--policy", "auto"], "planned by the operator"),
         (["--policy-config", '{"static": {"dp": 2}}'], "spec.policy.static.dp"),
     ],
 )

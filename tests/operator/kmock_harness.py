@@ -155,6 +155,18 @@ class Api:
         assert code == 200, data
 
 
+def cr_metadata(name: str, ns: str) -> dict[str, Any]:
+    """metadata for a test resource: kmock sets none of uid, generation, resourceVersion, and
+    kopf's finalizer JSON-patch tests the resourceVersion (which kmock then never changes)."""
+    return {
+        "name": name,
+        "namespace": ns,
+        "uid": f"uid-{name}",
+        "generation": 1,
+        "resourceVersion": "1",
+    }
+
+
 def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
     for c in ((obj or {}).get("status") or {}).get("conditions") or []:
         if c["type"] == type_:

@@ -82,7 +82,18 @@ EXAMPLES: dict[str, Side] = {
         "vocabulary",
     ),
     "tetris.yaml": Refused("spec.policy.tetris"),
+    "auto.yaml": Runs(
+        ("--policy", "shift", "--sp", "3"),
+        "auto plans Shift SP 8 for Llama-3.1-8B on 8 H100s under the example's traffic (the "
+        "H100 node label below stands in for the cluster's); SP 8 becomes SP 3 on 3 CPU ranks, "
+        "the layout shift.yaml's test serves; tests/operator/test_auto_resolve.py checks the plan",
+    ),
 }
+
+# The cluster's nodes as the operator reads them for policy: auto without a gpu.
+NODES = [
+    {"metadata": {"name": "gpu-1", "labels": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}}}
+]
 
 
 def _body(example: str, name: str | None = None) -> dict[str, Any]:
@@ -108,7 +119,7 @@ def test_the_table_lists_every_example() -> None:
 def test_each_example_is_on_its_side_of_the_table(example: str) -> None:
     side = EXAMPLES[example]
     try:
-        spec = runnable_spec(_body(example, "x"))
+        spec = runnable_spec(_body(example, "x"), NODES)
     except SpecError as exc:
         assert isinstance(side, Refused), (
             f"docs/examples/{example} is now refused ({exc}); EXAMPLES says {side}: fix the "

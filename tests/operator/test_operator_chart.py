@@ -111,9 +111,18 @@ def test_default_rbac_is_namespaced_and_the_operator_runs_locked_down(helm: Path
     assert {(r["kind"], r["metadata"]["name"]) for r in roles} == {
         ("Role", "gs-gearshift"),
         ("ClusterRole", "gs-gearshift-crd-read"),
+        ("ClusterRole", "gs-gearshift-node-read"),
     }
-    crd_read = next(r for r in roles if r["kind"] == "ClusterRole")
-    assert all(set(rule["verbs"]) <= {"get", "list", "watch"} for rule in crd_read["rules"])
+    for cluster_role in (r for r in roles if r["kind"] == "ClusterRole"):
+        rules = cluster_role["rules"]
+        assert all(set(rule["verbs"]) <= {"get", "list", "watch"} for rule in rules)
+    node_read = next(r for r in roles if r["metadata"]["name"] == "gs-gearshift-node-read")
+    assert node_read["rules"] == [
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list"]}
+    ]
+    assert not any(
+        r["metadata"]["name"].endswith("node-read") for r in _render(helm, "rbac.nodeRead=false")
+    )
     deploy = next(d for d in docs if d["kind"] == "Deployment")
     pod = deploy["spec"]["template"]["spec"]
     container = pod["containers"][0]

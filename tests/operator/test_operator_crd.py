@@ -13,7 +13,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from gearshift.operator.reconcile import crd as crd_module
 from gearshift.operator.reconcile import crd_schema
-from gearshift.v1 import policy_pb2
+from gearshift.v1 import policy_fields, policy_pb2
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "crds" / "inferencedeployments.gearshift.dev.yaml"
@@ -67,7 +67,7 @@ def test_every_example_validates_against_the_schema_and_cel_rules(
 
 def test_every_policy_has_an_example() -> None:
     kinds = {next(iter(yaml.safe_load(p.read_text())["spec"]["policy"])) for p in EXAMPLES}
-    assert kinds == {"static", "shift", "seesaw", "sidp", "tetris"}
+    assert kinds == set(policy_fields.POLICY_KINDS)
 
 
 def _mutate(body: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
@@ -111,6 +111,12 @@ INVALID = [
     ("sidp", "spec.policy.sidp.dp", 3, "policy.sidp: dp × tp must equal"),
     ("tetris", "spec.policy.tetris.decodeTp", 8, "policy.tetris"),
     ("tetris", "spec.policy.tetris.improvementRate", 1.5, "spec.policy.tetris.improvementRate"),
+    ("auto", "spec.policy.auto.model", _DELETE, "model is required"),
+    ("auto", "spec.policy.auto.traffic.rate", 0, "traffic.rate is required"),
+    ("auto", "spec.policy.auto.traffic", _DELETE, "traffic.rate is required"),
+    ("auto", "spec.policy.auto.traffic.prompt.fixed", 100, "set one of preset and fixed"),
+    ("auto", "spec.policy.auto.requests", 5, "spec.policy.auto.requests"),
+    ("auto", "spec.policy.auto.model.hiddenSize", 0, "spec.policy.auto.model.hiddenSize"),
     ("shift", "metadata.name", "x" * 41, "metadata.name: at most 40"),
     ("shift", "spec.restartPolicy", {"backoffSeconds": 600}, "maxBackoffSeconds must be at least"),
     ("static", "spec.router", {"protectMetrics": True}, "router.protectMetrics: needs"),

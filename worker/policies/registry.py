@@ -89,6 +89,12 @@ def make_policy(
     proto = parse_policy(policy)
     kind = policy_fields.kind_of(proto)
     cls = _POLICIES.get(kind)
+    if kind == "auto":
+        raise InvalidRequestError(
+            "policy.auto",
+            "auto is planned by the operator into a concrete policy, which is what workers run; "
+            "`gearshift plan` shows the choice for given traffic",
+        )
     if cls is None:
         raise InvalidRequestError(
             f"policy.{kind}",

@@ -235,6 +235,8 @@ def layout_errors(policy: policy_pb2.Policy, group_gpus: int) -> list[str]:
     kind = kind_of(policy)
     if not kind:
         return ["policy: exactly one of " + ", ".join(POLICY_KINDS) + " must be set"]
+    if kind == "auto":
+        return []  # planned into a concrete policy first, which is checked in turn
     full = with_defaults(policy, group_gpus)
     msg = getattr(full, kind)
     errors = []

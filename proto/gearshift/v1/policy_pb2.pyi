@@ -9,18 +9,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Policy(_message.Message):
-    __slots__ = ("static", "shift", "seesaw", "sidp", "tetris")
+    __slots__ = ("static", "shift", "seesaw", "sidp", "tetris", "auto")
     STATIC_FIELD_NUMBER: _ClassVar[int]
     SHIFT_FIELD_NUMBER: _ClassVar[int]
     SEESAW_FIELD_NUMBER: _ClassVar[int]
     SIDP_FIELD_NUMBER: _ClassVar[int]
     TETRIS_FIELD_NUMBER: _ClassVar[int]
+    AUTO_FIELD_NUMBER: _ClassVar[int]
     static: StaticPolicy
     shift: ShiftPolicy
     seesaw: SeesawPolicy
     sidp: SidpPolicy
     tetris: TetrisPolicy
-    def __init__(self, static: _Optional[_Union[StaticPolicy, _Mapping]] = ..., shift: _Optional[_Union[ShiftPolicy, _Mapping]] = ..., seesaw: _Optional[_Union[SeesawPolicy, _Mapping]] = ..., sidp: _Optional[_Union[SidpPolicy, _Mapping]] = ..., tetris: _Optional[_Union[TetrisPolicy, _Mapping]] = ...) -> None: ...
+    auto: AutoPolicy
+    def __init__(self, static: _Optional[_Union[StaticPolicy, _Mapping]] = ..., shift: _Optional[_Union[ShiftPolicy, _Mapping]] = ..., seesaw: _Optional[_Union[SeesawPolicy, _Mapping]] = ..., sidp: _Optional[_Union[SidpPolicy, _Mapping]] = ..., tetris: _Optional[_Union[TetrisPolicy, _Mapping]] = ..., auto: _Optional[_Union[AutoPolicy, _Mapping]] = ...) -> None: ...
 
 class StaticPolicy(_message.Message):
     __slots__ = ("tp", "pp", "sp", "dp")
@@ -177,3 +179,57 @@ class TetrisPolicy(_message.Message):
     layerwise_transfer: bool
     latency_models: _containers.RepeatedCompositeFieldContainer[TetrisPolicy.LatencyModel]
     def __init__(self, prefill_instances: _Optional[int] = ..., prefill_tp: _Optional[int] = ..., decode_instances: _Optional[int] = ..., decode_tp: _Optional[int] = ..., chunk_granularity: _Optional[int] = ..., max_sp: _Optional[int] = ..., power_of_two_sp: _Optional[bool] = ..., max_chunks: _Optional[int] = ..., improvement_rate: _Optional[float] = ..., improvement_rate_table: _Optional[_Iterable[_Union[TetrisPolicy.ImprovementRateStep, _Mapping]]] = ..., rate_window_seconds: _Optional[int] = ..., decode_placement: _Optional[_Union[TetrisPolicy.DecodePlacement, str]] = ..., transfer_backends: _Optional[int] = ..., transfer_buffer_bytes: _Optional[int] = ..., layerwise_transfer: _Optional[bool] = ..., latency_models: _Optional[_Iterable[_Union[TetrisPolicy.LatencyModel, _Mapping]]] = ...) -> None: ...
+
+class AutoPolicy(_message.Message):
+    __slots__ = ("model", "gpu", "traffic", "goodput", "policies", "requests")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    TRAFFIC_FIELD_NUMBER: _ClassVar[int]
+    GOODPUT_FIELD_NUMBER: _ClassVar[int]
+    POLICIES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    model: AutoModel
+    gpu: str
+    traffic: AutoTraffic
+    goodput: str
+    policies: _containers.RepeatedScalarFieldContainer[str]
+    requests: int
+    def __init__(self, model: _Optional[_Union[AutoModel, _Mapping]] = ..., gpu: _Optional[str] = ..., traffic: _Optional[_Union[AutoTraffic, _Mapping]] = ..., goodput: _Optional[str] = ..., policies: _Optional[_Iterable[str]] = ..., requests: _Optional[int] = ...) -> None: ...
+
+class AutoModel(_message.Message):
+    __slots__ = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size", "torch_dtype")
+    NUM_HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_ATTENTION_HEADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KEY_VALUE_HEADS_FIELD_NUMBER: _ClassVar[int]
+    INTERMEDIATE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TORCH_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    num_hidden_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    torch_dtype: str
+    def __init__(self, num_hidden_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., torch_dtype: _Optional[str] = ...) -> None: ...
+
+class AutoTraffic(_message.Message):
+    __slots__ = ("rate", "burstiness", "prompt", "output")
+    RATE_FIELD_NUMBER: _ClassVar[int]
+    BURSTINESS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    rate: float
+    burstiness: float
+    prompt: AutoLengths
+    output: AutoLengths
+    def __init__(self, rate: _Optional[float] = ..., burstiness: _Optional[float] = ..., prompt: _Optional[_Union[AutoLengths, _Mapping]] = ..., output: _Optional[_Union[AutoLengths, _Mapping]] = ...) -> None: ...
+
+class AutoLengths(_message.Message):
+    __slots__ = ("preset", "fixed")
+    PRESET_FIELD_NUMBER: _ClassVar[int]
+    FIXED_FIELD_NUMBER: _ClassVar[int]
+    preset: str
+    fixed: int
+    def __init__(self, preset: _Optional[str] = ..., fixed: _Optional[int] = ...) -> None: ...

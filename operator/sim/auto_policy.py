@@ -1,0 +1,205 @@
+"""``policy: auto``'s choice (issue 16, item 4): the ``AutoPolicy`` of an InferenceDeployment
+turned into ``gearshift plan``'s inputs for one worker group, simulated, and the winner returned as
+a concrete ``spec.policy`` with the reason and the predicted figures.
+
+The operator fixes the group's shape (``spec.group``: nodes × GPUs per node) and the number of
+groups (``spec.replicas``); ``auto`` chooses the policy and layout inside one group. So only
+candidates that occupy the whole group compete (the engine runs no data-parallel replicas inside
+a static group: ``static.dp`` must be 1), and each group is simulated under its even share of the
+declared traffic, as the router spreads requests over the groups. Pure: no Kubernetes, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from google.protobuf import json_format
+
+from gearshift.operator.sim import hardware as hw_mod
+from gearshift.operator.sim import model_desc
+from gearshift.operator.sim.candidates import MODELLED_KINDS, PlanSettings
+from gearshift.operator.sim.goodput import Goodput
+from gearshift.operator.sim.planning import PlanReport, plan_deployment
+from gearshift.operator.sim.traffic import Traffic
+from gearshift.v1 import policy_fields, policy_pb2
+
+FIELD = "spec.policy.auto"
+DEFAULT_MAX_MODEL_LEN = 32768
+
+
+class AutoError(ValueError):
+    """The auto policy cannot be planned; ``field`` names the spec field at fault."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    """What the operator fixes: the group's GPUs, how they sit on nodes, how many groups."""
+
+    gpus: int
+    gpus_per_node: int
+    replicas: int
+    max_model_len: int | None = None
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    policy: dict[str, Any]  # the chosen spec.policy, e.g. {"shift": {"sp": 8, "tp": 1}}
+    candidate: str  # gearshift plan's name for it, e.g. "shift8"
+    reason: str
+    predicted: dict[str, Any]  # the winner's figures at the declared rate (camelCase)
+    considered: list[dict[str, Any]]  # one line per candidate that competed
+    report: PlanReport
+
+
+def model_of(auto: policy_pb2.AutoPolicy) -> model_desc.ModelDesc:
+    where = f"{FIELD}.model"
+    if not auto.HasField("model"):
+        raise AutoError(where, "required: the model's shape (its config.json's fields)")
+    cfg = json_format.MessageToDict(auto.model, preserving_proto_field_name=True)
+    cfg.setdefault("torch_dtype", "bfloat16")
+    cfg["_name_or_path"] = "model"
+    try:
+        return model_desc.from_config(cfg, where)
+    except model_desc.ModelDescError as exc:
+        raise AutoError(where, str(exc).removeprefix(f"{where}: ")) from None
+
+
+def hardware_of(gpu: str, shape: GroupShape) -> hw_mod.Hardware:
+    where = f"{FIELD}.gpu"
+    name = gpu.strip().upper()
+    if name not in hw_mod.PRESETS:
+        known = ", ".join(sorted(hw_mod.PRESETS))
+        raise AutoError(where, f"{gpu!r} is not a device the planner describes ({known})")
+    hw = hw_mod.preset(f"{shape.gpus}x{name}")
+    # The group's own node shape, not the preset's: the links a layout crosses depend on it.
+    return replace(hw, devices_per_node=min(shape.gpus_per_node, shape.gpus))
+
+
+def _lengths(msg: policy_pb2.AutoLengths) -> dict[str, Any]:
+    if msg.HasField("preset") and msg.HasField("fixed"):
+        raise ValueError("set one of preset and fixed")
+    return {"preset": msg.preset} if msg.HasField("preset") else {"fixed": msg.fixed}
+
+
+def traffic_of(auto: policy_pb2.AutoPolicy, shape: GroupShape) -> Traffic:
+    where = f"{FIELD}.traffic"
+    if not auto.HasField("traffic"):
+        raise AutoError(where, "required: at least traffic.rate (requests per second)")
+    t = auto.traffic
+    full = policy_fields.with_defaults(_wrap(auto)).auto
+    # Each group's share: the router spreads requests evenly over spec.replicas groups.
+    data: dict[str, Any] = {
+        "rate": t.rate / max(shape.replicas, 1),
+        "burstiness": full.traffic.burstiness,
+        "requests": full.requests,
+        "seed": 0,
+    }
+    for side in ("prompt", "output"):
+        if t.HasField(side):
+            try:
+                data[side] = _lengths(getattr(t, side))
+            except ValueError as exc:
+                raise AutoError(f"{where}.{side}", str(exc)) from None
+    try:
+        return Traffic.from_mapping(data, where)
+    except ValueError as exc:
+        field, _, message = str(exc).partition(": ")
+        if field == f"{where}.requests":  # requests sits beside traffic in the spec
+            field = f"{FIELD}.requests"
+        raise AutoError(field, message) from None
+
+
+def _wrap(auto: policy_pb2.AutoPolicy) -> policy_pb2.Policy:
+    p = policy_pb2.Policy()
+    p.auto.CopyFrom(auto)
+    return p
+
+
+def kinds_of(auto: policy_pb2.AutoPolicy) -> set[str]:
+    where = f"{FIELD}.policies"
+    kinds = set(auto.policies) or set(MODELLED_KINDS)
+    unknown = sorted(kinds - set(policy_fields.POLICY_KINDS) | (kinds & {"auto"}))
+    if unknown:
+        real = [k for k in policy_fields.POLICY_KINDS if k != "auto"]
+        raise AutoError(where, f"{unknown} are not policy kinds ({', '.join(real)})")
+    unmodelled = sorted(kinds - set(MODELLED_KINDS))
+    if unmodelled:
+        raise AutoError(
+            where,
+            f"{unmodelled} have no simulated cost yet; the planner chooses among "
+            f"{', '.join(MODELLED_KINDS)}",
+        )
+    return kinds
+
+
+def goodput_of(auto: policy_pb2.AutoPolicy) -> Goodput | None:
+    if not auto.HasField("goodput"):
+        return None
+    try:
+        return Goodput.parse(auto.goodput)
+    except ValueError as exc:
+        raise AutoError(f"{FIELD}.goodput", str(exc).removeprefix("goodput: ")) from None
+
+
+def _camel(point: dict[str, Any] | None) -> dict[str, Any]:
+    if not point:
+        return {}
+    keys = {
+        "rate": "rate",
+        "ttft_p50_s": "ttftP50Seconds",
+        "ttft_p99_s": "ttftP99Seconds",
+        "tpot_p50_s": "tpotP50Seconds",
+        "tpot_p99_s": "tpotP99Seconds",
+        "output_tokens_per_s": "outputTokensPerSecond",
+    }
+    return {new: round(float(point[old]), 6) for old, new in keys.items() if old in point}
+
+
+def choose(auto: policy_pb2.AutoPolicy, gpu: str, shape: GroupShape) -> AutoChoice:
+    """Plan one group of ``shape`` on ``gpu`` devices; AutoError names the field at fault."""
+    model = model_of(auto)
+    hw = hardware_of(gpu, shape)
+    traffic = traffic_of(auto, shape)
+    kinds = kinds_of(auto)
+    goodput = goodput_of(auto)
+    settings = PlanSettings(max_model_len=shape.max_model_len or DEFAULT_MAX_MODEL_LEN)
+    try:
+        report = plan_deployment(
+            model,
+            hw,
+            traffic,
+            goodput,
+            settings=settings,
+            kinds=kinds,
+            only=lambda c: c.gpus_per_group == shape.gpus,
+        )
+    except ValueError as exc:  # no candidate fits the group
+        raise AutoError(FIELD, str(exc)) from None
+    best = report.recommended
+    if best is None:
+        raise AutoError(FIELD, f"no layout could be simulated: {report.reason}")
+    predicted = _camel(best.at_rate)
+    predicted["maxRateMeetingSlo"] = best.max_rate
+    predicted["kvTokens"] = best.candidate.kv_tokens
+    considered = []
+    for r in report.results:
+        line: dict[str, Any] = {"name": r.candidate.name}
+        if r.error:
+            line["error"] = r.error
+        else:
+            line.update(_camel(r.at_rate))
+            line["maxRateMeetingSlo"] = r.max_rate
+        considered.append(line)
+    return AutoChoice(
+        policy=best.candidate.policy,
+        candidate=best.candidate.name,
+        reason=report.reason,
+        predicted=predicted,
+        considered=considered,
+        report=report,
+    )
