@@ -24,7 +24,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--goodput", help="SLO, vLLM's syntax in ms: 'ttft:500 tpot:50'")
     p.add_argument("--rates", help="comma-separated rates to simulate (default: a sweep)")
-    p.add_argument("--policies", help="comma-separated policy kinds to consider (static,shift)")
+    p.add_argument(
+        "--policies", help="comma-separated policy kinds to consider (static,shift,sidp)"
+    )
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--output", "-o", type=Path, help="write the report as JSON")
@@ -81,11 +83,13 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, ...]:
             raise ValueError("--rates: every rate must be > 0")
     kinds = None
     if args.policies:
+        from gearshift.operator.sim.candidates import MODELLED_KINDS
+
         kinds = {k.strip() for k in args.policies.split(",")}
-        if kinds - {"static", "shift"}:
+        if kinds - set(MODELLED_KINDS):
             raise ValueError(
-                f"--policies: {sorted(kinds - {'static', 'shift'})} have no simulated cost yet "
-                "(static, shift)"
+                f"--policies: {sorted(kinds - set(MODELLED_KINDS))} have no simulated cost yet "
+                f"({', '.join(MODELLED_KINDS)})"
             )
     if args.max_model_len < 1 or args.max_num_batched_tokens < 1:
         raise ValueError("--max-model-len / --max-num-batched-tokens: must be >= 1")

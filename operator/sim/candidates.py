@@ -19,6 +19,7 @@ from gearshift.operator.sim.hardware import Hardware
 from gearshift.operator.sim.model_desc import ModelDesc
 from gearshift.operator.sim.replica import ReplicaConfig, StepAsk
 from gearshift.operator.sim.roofline import Layout, LayoutError, RooflineCost, check
+from gearshift.operator.sim.sidp_cost import SidpCost, rank_bytes
 from gearshift.worker.engine.contract import pipeline_share
 
 MEMORY_UTILIZATION = 0.9  # of each device's memory for weights and KV (vLLM's default)
@@ -37,8 +38,9 @@ class PlanSettings:
 
 @dataclass(frozen=True)
 class Candidate:
-    """One deployment: ``replicas`` groups of ``gpus_per_group`` devices running ``policy`` (the
-    CRD's ``spec.policy`` object) with step cost ``cost``; ``kv_tokens`` KV capacity per group."""
+    """One deployment: groups of ``gpus_per_group`` devices running ``policy`` (the CRD's
+    ``spec.policy`` object); ``replicas`` engines the simulator routes over (one per group, or a
+    SiDP group's dp) each with step cost ``cost`` and ``config``; ``kv_tokens`` KV per group."""
 
     name: str
     kind: str
@@ -94,13 +96,7 @@ def _layout_candidates(model: ModelDesc, hw: Hardware, s: PlanSettings) -> list[
             if blocks * s.block_size < max(s.max_num_batched_tokens, s.max_model_len):
                 continue  # too little KV left for one full step or one full-length request
             replicas = hw.count // d
-            config = ReplicaConfig(
-                num_blocks=blocks,
-                block_size=s.block_size,
-                max_num_seqs=s.max_num_seqs,
-                max_num_batched_tokens=s.max_num_batched_tokens,
-                max_model_len=s.max_model_len,
-            )
+            config = _config(blocks, s)
             name = str(layout) if replicas == 1 else f"{layout}x{replicas}"
             micro = d if kind == "pp" else 1
             out.append(
@@ -122,9 +118,54 @@ def _layout_candidates(model: ModelDesc, hw: Hardware, s: PlanSettings) -> list[
     return out
 
 
-SOURCES: dict[str, Source] = {"static+shift": _layout_candidates}
+def _config(blocks: int, s: PlanSettings) -> ReplicaConfig:
+    return ReplicaConfig(
+        num_blocks=blocks,
+        block_size=s.block_size,
+        max_num_seqs=s.max_num_seqs,
+        max_num_batched_tokens=s.max_num_batched_tokens,
+        max_model_len=s.max_model_len,
+    )
+
+
+def _sidp_candidates(model: ModelDesc, hw: Hardware, s: PlanSettings) -> list[Candidate]:
+    """SiDP groups of dp × tp GPUs on one node (sidp_cost.py); each of a group's dp engine
+    replicas is a routing target of its own, so ``replicas`` counts engines, not groups."""
+    out = []
+    for tp in range(1, hw.devices_per_node + 1):
+        if model.heads % tp or model.kv_heads % tp or model.ffn % tp:
+            continue
+        for dp in range(2, hw.devices_per_node // tp + 1):
+            gpus = dp * tp
+            if hw.count % gpus or hw.devices_per_node % gpus or model.layers < dp:
+                continue
+            resident = rank_bytes(model, dp, tp).resident
+            free = hw.device.memory_bytes * s.memory_utilization - resident
+            tokens = max(0, int(free // (model.kv_bytes_per_token() / tp)))
+            blocks = tokens // s.block_size
+            if blocks * s.block_size < max(s.max_num_batched_tokens, s.max_model_len):
+                continue
+            groups = hw.count // gpus
+            name = f"sidp{tp}x{dp}" + (f"x{groups}" if groups > 1 else "")
+            out.append(
+                Candidate(
+                    name,
+                    "sidp",
+                    {"sidp": {"dp": dp, "tp": tp}},
+                    gpus,
+                    groups * dp,
+                    SidpCost(model, hw, dp, tp),
+                    _config(blocks, s),
+                    tokens * dp,
+                    notes={"groups": groups, "engines_per_group": dp},
+                )
+            )
+    return out
+
+
+SOURCES: dict[str, Source] = {"static+shift": _layout_candidates, "sidp": _sidp_candidates}
 # The policy kinds some source simulates (the others have no simulated cost yet).
-MODELLED_KINDS: tuple[str, ...] = ("static", "shift")
+MODELLED_KINDS: tuple[str, ...] = ("static", "shift", "sidp")
 
 
 def enumerate_candidates(

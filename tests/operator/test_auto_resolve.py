@@ -37,6 +37,9 @@ def _body(traffic: dict[str, Any] | None = None, **auto_fields: Any) -> dict[str
     a = body["spec"]["policy"]["auto"]
     a.pop("goodput")
     a["requests"] = 10
+    # The Shift paper's directions (TP for lone decodes, SP for long prompts at a high rate)
+    # between static and Shift; SiDP joins by default (test_sidp_cost.py, the refusals below).
+    a["policies"] = ["static", "shift"]
     a["traffic"] = copy.deepcopy(traffic or CHAT)
     a.update(auto_fields)
     return body
@@ -91,6 +94,7 @@ def test_the_stored_choice_is_reused_until_an_input_changes() -> None:
         _body(SHORT, goodput="ttft:500"),
         _body(SHORT, gpu="H200"),
         _body(SHORT, policies=["static"]),
+        _body(SHORT, policies=["static", "shift", "sidp"]),
     ]
     more_groups = _body(SHORT)
     more_groups["spec"]["replicas"] = 2
@@ -175,6 +179,11 @@ def test_the_example_resolves_to_a_layout_the_engine_runs() -> None:
     body["metadata"].update(namespace="ns", uid="u", generation=1)
     spec, chosen = runnable(body, {}, [H100_NODE], NOW)
     assert chosen is not None and policy_fields.kind_of(spec.policy) != "auto"
+    # Without auto.policies every simulated kind competes for the group's 8 GPUs.
+    assert {c["name"] for c in chosen.status["considered"]} == {
+        *("tp8", "sp8", "pp8", "shift8"),
+        *("sidp1x8", "sidp2x4", "sidp4x2"),
+    }
     assert policy_fields.layout_errors(spec.policy, spec.group.ranks) == []
     assert chosen.status["predicted"]["kvTokens"] > 0
     assert "auto chose" in auto.event_message(chosen.status)

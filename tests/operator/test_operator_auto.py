@@ -32,6 +32,9 @@ def _body(name: str, traffic: dict[str, Any]) -> dict[str, Any]:
     a = body["spec"]["policy"]["auto"]
     a.pop("goodput")
     a["requests"] = 10
+    # The Shift paper's directions (TP for lone decodes, SP for long prompts at a high rate)
+    # between static and Shift; SiDP joins by default (test_sidp_cost.py, the refusals below).
+    a["policies"] = ["static", "shift"]
     a["traffic"] = copy.deepcopy(traffic)
     return body
 

@@ -74,9 +74,12 @@ def test_every_legal_layout_is_a_candidate_and_its_policy_is_one_the_operator_ac
     names = {c.name for c in cands}
     want = {"onex8", "tp8", "sp8", "pp8", "shift8"}
     want |= {f"{k}{d}x{8 // d}" for d in (2, 4) for k in ("tp", "sp", "pp", "shift")}
+    # SiDP tp x dp on the node, groups filling the 8 GPUs (tests/sim/test_sidp_cost.py).
+    want |= {"sidp1x2x4", "sidp1x4x2", "sidp1x8", "sidp2x2x2", "sidp2x4", "sidp4x2"}
     assert names == want
     for c in cands:
-        assert c.gpus_per_group * c.replicas == 8
+        engines = c.policy["sidp"]["dp"] if c.kind == "sidp" else 1
+        assert c.gpus_per_group * c.replicas == 8 * engines
         parse_policy(c.policy)  # raises on anything the CRD would refuse
     # KV capacity follows the weights each rank keeps: TP 8 holds more KV than Shift 8 (which
     # keeps whole weights for its SP gear), and one rank holds the least.
@@ -143,7 +146,7 @@ def test_gearshift_plan_writes_table_json_and_png(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     data = json.loads(out.read_text())
     assert {c["name"] for c in data["candidates"]} >= {"tp8", "sp8", "shift8", "onex8"}
-    assert len(data["candidates"]) == 13 and data["rates"] == [2.0, 4.0]
+    assert len(data["candidates"]) == 19 and data["rates"] == [2.0, 4.0]
     assert data["recommended"] in {c["name"] for c in data["candidates"]}
     assert f"recommended: {data['recommended']}" in done.stdout
     assert png.stat().st_size > 10_000

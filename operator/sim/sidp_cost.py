@@ -1,0 +1,102 @@
+"""SiDP's simulated cost and its ``gearshift plan`` candidates (issue 16: each new policy once it
+exists; SiDP §3–4).
+
+A SiDP group of ``dp × tp`` GPUs on one node is ``dp`` independent engine replicas of ``tp`` ranks
+(each with its own scheduler, as the engine runs them), so the simulator routes over
+``groups × dp`` replicas. What differs from static TP ``tp`` with ``dp`` replicas:
+
+- **Memory** (§3.1, §4.1): every rank holds its TP shard of attention, norms and embeddings, but
+  only the FFN of the layers its replica owns (layer ℓ on replica ℓ mod dp) plus the WaS cache
+  slots. The bytes are the engine's own formula (``worker/policies/sidp/ownership.py``), so the
+  KV the simulator gives a replica is what the engine would have left.
+- **Step time**: the TP roofline of one replica plus what reaching remote FFN weights costs:
+  - WaS (§4.2): the housekeeper prefetches each remote layer's FFN shard over the intra-node link
+    while earlier layers compute, so a forward pass takes max(compute, remote layers × fetch).
+    Peak shifting keeps each owner serving one reader at a time, so a fetch sees the link's
+    one-way bandwidth.
+  - CaS (§4.3): for each remote layer the step's activations go to the owner and the FFN output
+    comes back (two point-to-point messages); the owner's extra GEMM rows are, summed over the
+    group, the FFN work the other replicas skip, so compute is unchanged.
+  - The mode of a step is the cheaper of the two: what the group-wide controller's hysteresis
+    around B_th aims at (§4.3), not its exact switching points. B_th is where the two cross.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gearshift.operator.sim.hardware import Hardware, with_count
+from gearshift.operator.sim.model_desc import ModelDesc
+from gearshift.operator.sim.roofline import Layout, RooflineCost, StepShape, p2p, shape_of
+from gearshift.worker.engine.scheduler import ScheduledBatch
+from gearshift.worker.model.config import ModelConfig
+from gearshift.worker.policies.sidp.ownership import Ownership, WeightBytes, weight_bytes
+
+
+def model_config(model: ModelDesc) -> ModelConfig:
+    """The engine's config for a described model (a Llama-family decoder, untied embeddings)."""
+    return ModelConfig(
+        model_type="llama",
+        vocab_size=model.vocab,
+        hidden_size=model.hidden,
+        intermediate_size=model.ffn,
+        num_layers=model.layers,
+        num_heads=model.heads,
+        num_kv_heads=model.kv_heads,
+        head_dim=model.head_dim,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=1 << 20,
+    )
+
+
+def rank_bytes(model: ModelDesc, dp: int, tp: int, slots: int | None = None) -> WeightBytes:
+    """The most any rank of the group holds (replica 0 owns the most layers when dp does not
+    divide them). ``slots`` defaults to the policy's default, max(dp − 1, 1)."""
+    own = Ownership(dp, model.layers)
+    slots = max(dp - 1, 1) if slots is None else slots
+    cfg = model_config(model)
+    return max(
+        (weight_bytes(cfg, own, r, slots, model.dtype_bytes, tp) for r in range(dp)),
+        key=lambda w: w.resident,
+    )
+
+
+@dataclass(frozen=True)
+class SidpCost:
+    """One replica's step time in a SiDP group of ``dp`` replicas of ``tp`` ranks."""
+
+    model: ModelDesc
+    hw: Hardware
+    dp: int
+    tp: int
+
+    def __post_init__(self) -> None:
+        if self.dp < 2 or self.dp * self.tp > self.hw.devices_per_node:
+            raise ValueError(f"sidp dp {self.dp} × tp {self.tp} must fit one node, dp >= 2")
+
+    @property
+    def _base(self) -> RooflineCost:
+        layout = Layout("tp", self.tp) if self.tp > 1 else Layout("one")
+        return RooflineCost(self.model, with_count(self.hw, self.tp), layout)
+
+    @property
+    def remote_layers(self) -> int:
+        return self.model.layers - len(Ownership(self.dp, self.model.layers).owned(0))
+
+    def fetch_seconds(self) -> float:
+        """One remote layer's FFN shard over the intra-node link (WaS)."""
+        shard = rank_bytes(self.model, self.dp, self.tp).ffn_layer
+        return p2p(shard, self.hw.intra_node)
+
+    def was(self, s: StepShape) -> float:
+        return max(self._base.time(s), self.remote_layers * self.fetch_seconds())
+
+    def cas(self, s: StepShape) -> float:
+        act = s.tokens * self.model.hidden * self.model.dtype_bytes / self.tp
+        return self._base.time(s) + self.remote_layers * 2 * p2p(act, self.hw.intra_node)
+
+    def time(self, s: StepShape) -> float:
+        return min(self.was(s), self.cas(s))
+
+    def step_time(self, batch: ScheduledBatch) -> float:
+        return self.time(shape_of(batch))
