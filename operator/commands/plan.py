@@ -31,6 +31,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--output", "-o", type=Path, help="write the report as JSON")
     p.add_argument("--png", type=Path, help="write p99 TTFT and TPOT vs rate per candidate")
+    p.add_argument(
+        "--no-extras", action="store_true", help="skip SiDP's B_th and Tetris's rate table"
+    )
+    p.add_argument("--sidp-context", type=int, default=1024, help="tokens per sequence for B_th")
+    p.add_argument("--tetris-rates", help="request rates of the Tetris table (default: --rates)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
@@ -45,6 +50,16 @@ def _length(text: str, flag: str) -> dict[str, Any]:
             f"{flag}: {text!r} is neither a token count nor one of {', '.join(PRESETS)}"
         )
     return {"preset": text}
+
+
+def _rates(text: str, flag: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag}: comma-separated numbers, got {text!r}") from None
+    if any(not r > 0 for r in rates):
+        raise ValueError(f"{flag}: every rate must be > 0")
+    return rates
 
 
 def _inputs(args: argparse.Namespace) -> tuple[Any, ...]:
@@ -73,14 +88,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, ...]:
             data["output"] = _length(args.output_len, "--output-len")
         traffic = Traffic.from_mapping(data, "traffic (flags)")
     goodput = Goodput.parse(args.goodput) if args.goodput else None
-    rates = None
-    if args.rates:
-        try:
-            rates = [float(x) for x in args.rates.split(",")]
-        except ValueError:
-            raise ValueError(f"--rates: comma-separated numbers, got {args.rates!r}") from None
-        if any(r <= 0 for r in rates):
-            raise ValueError("--rates: every rate must be > 0")
+    rates = _rates(args.rates, "--rates") if args.rates else None
     kinds = None
     if args.policies:
         from gearshift.operator.sim.candidates import MODELLED_KINDS
@@ -91,6 +99,10 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, ...]:
                 f"--policies: {sorted(kinds - set(MODELLED_KINDS))} have no simulated cost yet "
                 f"({', '.join(MODELLED_KINDS)})"
             )
+    if args.sidp_context < 1:
+        raise ValueError("--sidp-context: must be >= 1")
+    if args.tetris_rates is not None:
+        args.tetris_rates = _rates(args.tetris_rates, "--tetris-rates")
     if args.max_model_len < 1 or args.max_num_batched_tokens < 1:
         raise ValueError("--max-model-len / --max-num-batched-tokens: must be >= 1")
     settings = PlanSettings(args.max_model_len, args.max_num_batched_tokens)
@@ -121,6 +133,14 @@ def run(args: argparse.Namespace) -> int:
     data["model"] = model.name
     data["hardware"] = args.hardware
     print(table(data))
+    if not args.no_extras:
+        from gearshift.operator.sim import plan_extras
+
+        data["sidp_b_th"] = plan_extras.sidp_thresholds(model, hw, args.sidp_context)
+        data["tetris_improvement_rates"] = plan_extras.tetris_table(
+            model, hw, traffic, args.tetris_rates or report.rates, plan_extras.TETRIS_REQUESTS
+        )
+        print(plan_extras.text(data))
     if args.output:
         args.output.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     if args.png:

@@ -100,3 +100,61 @@ class SidpCost:
 
     def step_time(self, batch: ScheduledBatch) -> float:
         return self.time(shape_of(batch))
+
+
+# B_th search bound: a step of more tokens than this is beyond any engine's batch.
+MAX_B_TH = 1 << 20
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """SiDP's B_th for one shape (§4.3): the smallest batch whose forward hides WaS's fetches."""
+
+    dp: int
+    tp: int
+    tokens: int | None  # decode sequences per step (None: no batch hides them)
+    fetch_seconds: float  # all remote FFN layers of one forward, one after another
+    forward_seconds: float  # one replica's forward at ``tokens`` (at MAX_B_TH when None)
+    reason: str
+
+
+def b_th(model: ModelDesc, hw: Hardware, dp: int, tp: int, context: int = 1024) -> Threshold:
+    """The smallest number of decode sequences (each ``context`` tokens deep) whose TP forward
+    takes at least as long as fetching the remote FFN layers: from there WaS costs nothing over
+    plain TP; below it CaS is cheaper. Found by doubling, then bisection (the roofline time
+    grows with the batch)."""
+    cost = SidpCost(model, hw, dp, tp)
+    fetch = cost.remote_layers * cost.fetch_seconds()
+
+    def forward(b: int) -> float:
+        return cost._base.time(_decode_shape(b, context))
+
+    hi = 1
+    while forward(hi) < fetch:
+        if hi >= MAX_B_TH:
+            return Threshold(
+                dp,
+                tp,
+                None,
+                fetch,
+                forward(MAX_B_TH),
+                f"even {MAX_B_TH} sequences compute faster than the fetches; WaS never hides them",
+            )
+        hi *= 2
+    lo = hi // 2  # forward(lo) < fetch, or lo == 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if forward(mid) < fetch else (lo, mid)
+    return Threshold(
+        dp,
+        tp,
+        hi,
+        fetch,
+        forward(hi),
+        f"{hi} sequences of {context} tokens compute {forward(hi) * 1e3:.2f} ms, the "
+        f"{cost.remote_layers} remote FFN layers take {fetch * 1e3:.2f} ms to fetch",
+    )
+
+
+def _decode_shape(batch: int, context: int) -> StepShape:
+    return StepShape(batch, float(batch * context), float(batch * context))

@@ -3,6 +3,7 @@ step costs, and its `gearshift plan` candidates."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from gearshift.operator.sim import hardware, model_desc
 from gearshift.operator.sim.candidates import PlanSettings, enumerate_candidates
 from gearshift.operator.sim.roofline import Layout, RooflineCost, StepShape
-from gearshift.operator.sim.sidp_cost import SidpCost, rank_bytes
+from gearshift.operator.sim.sidp_cost import SidpCost, b_th, rank_bytes
 from gearshift.v1 import policy_fields, policy_pb2
 from gearshift.worker.policies.support import check_runnable
 
@@ -64,3 +65,24 @@ def test_sidp_candidates_fit_one_node_and_the_engine_runs_their_policies() -> No
         assert check_runnable(policy, c.gpus_per_group).kind == "sidp"
     with pytest.raises(ValueError, match="one node"):
         SidpCost(model, hw, dp=4, tp=4)
+
+
+def test_b_th_is_where_the_forward_hides_the_fetches() -> None:
+    model, hw = model_desc.load(LLAMA_70B), hardware.load("8xH200")
+    th = b_th(model, hw, dp=4, tp=2)
+    assert th.tokens is not None and th.tokens > 1
+    cost = SidpCost(model, hw, dp=4, tp=2)
+    at, below = _decode(th.tokens), _decode(th.tokens - 1)
+    assert cost.was(at) == pytest.approx(cost._base.time(at))  # hidden from B_th on
+    assert cost.was(below) > cost._base.time(below)
+    # A faster link hides the fetches sooner; a slower one needs a bigger batch.
+    fast = replace(hw, intra_node=replace(hw.intra_node, bandwidth=hw.intra_node.bandwidth * 4))
+    slow = replace(hw, intra_node=replace(hw.intra_node, bandwidth=hw.intra_node.bandwidth / 4))
+    fast_th, slow_th = b_th(model, fast, 4, 2), b_th(model, slow, 4, 2)
+    assert fast_th.tokens is not None and slow_th.tokens is not None
+    assert fast_th.tokens < th.tokens < slow_th.tokens
+    # A link so slow nothing hides it (TP 1: the forward itself never uses the link): no
+    # threshold, and the reason says why.
+    crawl = replace(hw, intra_node=replace(hw.intra_node, bandwidth=1.0))
+    none = b_th(model, crawl, 8, 1)
+    assert none.tokens is None and "never hides" in none.reason
