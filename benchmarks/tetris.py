@@ -34,7 +34,7 @@ from typing import Any
 
 from gearshift.operator.planner.cdsp import PlannerRules, plan_request, sp_sizes
 from gearshift.operator.planner.instance_pool import Pool
-from gearshift.operator.planner.latency_model import LatencyModel
+from gearshift.operator.sim.reproduce.tetris import table1_model
 
 HERE = Path(__file__).resolve().parent
 MAX_SP = (8, 16, 32, 64, 128)
@@ -46,11 +46,6 @@ PAPER_US = {
     128: (30.6, 73.7),
 }
 PER_NODE = 8
-
-
-def table1_model(sp: int) -> LatencyModel:
-    """Eq. (1) for SP ``sp``, shaped after the paper's Table 1 (see the module docstring)."""
-    return LatencyModel(sp, 0.023 * sp, 6.5e-5 / sp, 2.4e-9 / sp, 1.2e-9 / sp)
 
 
 def measure(max_sp: int, requests: int, seed: int, search: str) -> dict[str, Any]:
