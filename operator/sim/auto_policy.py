@@ -20,11 +20,19 @@ from gearshift.operator.sim import hardware as hw_mod
 from gearshift.operator.sim import model_desc
 from gearshift.operator.sim.candidates import MODELLED_KINDS, PlanSettings
 from gearshift.operator.sim.goodput import Goodput
-from gearshift.operator.sim.planning import PlanReport, plan_deployment
+from gearshift.operator.sim.planning import (
+    CandidateResult,
+    PlanReport,
+    plan_deployment,
+    simulate_point,
+)
+from gearshift.operator.sim.roofline import RooflineCost
 from gearshift.operator.sim.traffic import Traffic
 from gearshift.v1 import policy_fields, policy_pb2
 
 FIELD = "spec.policy.auto"
+# Shift thresholds tried once Shift wins (scheduled tokens; a step above runs the SP gear).
+SHIFT_THRESHOLDS = (64, 256, 1024, 4096)
 DEFAULT_MAX_MODEL_LEN = 32768
 
 
@@ -183,7 +191,13 @@ def choose(auto: policy_pb2.AutoPolicy, gpu: str, shape: GroupShape) -> AutoChoi
     best = report.recommended
     if best is None:
         raise AutoError(FIELD, f"no layout could be simulated: {report.reason}")
-    predicted = _camel(best.at_rate)
+    policy, reason = best.candidate.policy, report.reason
+    at = best.at_rate
+    if best.candidate.kind == "shift":
+        threshold, at = _tune_threshold(best, traffic, goodput)
+        policy = {"shift": {**policy["shift"], "threshold": threshold}}
+        reason += f"; threshold {threshold}: best of {', '.join(map(str, SHIFT_THRESHOLDS))}"
+    predicted = _camel(at)
     predicted["maxRateMeetingSlo"] = best.max_rate
     predicted["kvTokens"] = best.candidate.kv_tokens
     considered = []
@@ -196,10 +210,27 @@ def choose(auto: policy_pb2.AutoPolicy, gpu: str, shape: GroupShape) -> AutoChoi
             line["maxRateMeetingSlo"] = r.max_rate
         considered.append(line)
     return AutoChoice(
-        policy=best.candidate.policy,
+        policy=policy,
         candidate=best.candidate.name,
-        reason=report.reason,
+        reason=reason,
         predicted=predicted,
         considered=considered,
         report=report,
     )
+
+
+def _tune_threshold(
+    best: CandidateResult, traffic: Traffic, goodput: Goodput | None
+) -> tuple[int, dict[str, Any]]:
+    """Shift's threshold (a live field) for the winner: the SLO met first, then the lowest p99
+    TTFT, then p99 TPOT, then the smallest threshold, at the declared rate (Shift §3.3, Alg. 3:
+    the plan compares the simulated switch points instead of the cheaper gear per step)."""
+    c = best.candidate
+    scored = []
+    for t in SHIFT_THRESHOLDS:
+        cost = RooflineCost(c.cost.model, c.cost.hw, c.cost.layout, shift_threshold=t)
+        point = simulate_point(replace(c, cost=cost), traffic, traffic.rate, goodput)
+        key = (not point.get("met", True), point["ttft_p99_s"], point["tpot_p99_s"], t)
+        scored.append((key, t, point))
+    _, threshold, point = min(scored, key=lambda x: x[0])
+    return threshold, point

@@ -84,7 +84,7 @@ class PlanReport:
         }
 
 
-def _point(
+def simulate_point(
     candidate: Candidate, traffic: Traffic, rate: float, goodput: Goodput | None
 ) -> dict[str, Any]:
     deployment = Deployment(
@@ -137,7 +137,7 @@ def plan_deployment(
         for rate in sweep:
             if res.error is None:
                 try:
-                    res.points.append(_point(candidate, traffic, rate, goodput))
+                    res.points.append(simulate_point(candidate, traffic, rate, goodput))
                 except RuntimeError as exc:  # a request needs more KV than the group has
                     res.error = str(exc)
             if progress is not None:

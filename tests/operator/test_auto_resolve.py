@@ -65,9 +65,27 @@ def test_traffic_decides_the_layout_and_the_choice_is_the_plans_recommendation()
     assert report.recommended is not None
     assert chosen.status["choice"] == report.recommended.candidate.name
     assert {c["name"] for c in chosen.status["considered"]} == {"tp8", "sp8", "pp8", "shift8"}
-    assert chosen.status["predicted"]["ttftP99Seconds"] == pytest.approx(
-        report.recommended.at_rate["ttft_p99_s"],  # type: ignore[index]
-        rel=1e-4,
+    # Shift won: its threshold (a live field) is the simulated best of the tried switch points,
+    # and the predicted figures are that threshold's.
+    threshold = chosen.status["policy"]["shift"]["threshold"]
+    assert (
+        threshold in auto_policy.SHIFT_THRESHOLDS
+        and f"threshold {threshold}" in (chosen.status["reason"])
+    )
+    assert chosen.status["predicted"]["ttftP99Seconds"] > 0
+
+
+def test_a_shift_threshold_follows_the_traffic() -> None:
+    chat, _ = runnable(_body(CHAT, policies=["shift"]), {}, [H100_NODE], NOW)
+    medium = {"rate": 30, "prompt": {"fixed": 300}, "output": {"fixed": 100}}
+    busy, _ = runnable(_body(medium, policies=["shift"]), {}, [H100_NODE], NOW)
+    # 64-token prefills run best on the TP gear; 300-token steps at 30 req/s too (Alg. 3).
+    assert (chat.policy.shift.threshold, busy.policy.shift.threshold) == (256, 1024)
+    assert (
+        policy_fields.non_live_changes(
+            policy_fields.with_defaults(chat.policy, 8), policy_fields.with_defaults(busy.policy, 8)
+        )
+        == []
     )
 
 

@@ -13,9 +13,11 @@ from typing import Any
 
 import pytest
 import yaml
+from google.protobuf import json_format
 from kmock_harness import Api, OperatorProcess, StandInAdmin, condition, cr_metadata, wait_for
 
 from gearshift.operator.reconcile import names
+from gearshift.v1 import policy_pb2
 
 NS = "auto"
 STS = f"/apis/apps/v1/namespaces/{NS}/statefulsets"
@@ -187,3 +189,44 @@ def test_without_a_gpu_label_on_the_selected_nodes_auto_names_gpu(
     body["spec"]["scheduling"]["nodeSelector"] = {"pool": "nowhere"}
     invalid = _refused(api, body)
     assert invalid["reason"] == "SpecPolicyAutoGpu" and "pool" in invalid["message"], invalid
+
+
+def test_a_traffic_change_that_moves_only_the_shift_threshold_applies_live(
+    api: Api,
+    admin: StandInAdmin,
+    operator_process: OperatorProcess,
+    gpu_node: None,
+    one_at_a_time: None,
+) -> None:
+    name = "live"
+    body = _body(name, CHAT)
+    body["spec"]["policy"]["auto"]["policies"] = ["shift"]
+    api.create_cr(NS, body)
+    wait_for(lambda: _status(api, name).get("auto"), PLAN_WAIT, what="status.auto")
+    first = _status(api, name)["auto"]
+    assert first["policy"] == {"shift": {"sp": 8, "tp": 1, "threshold": 256}}, first
+    group = f"{name}-g0"
+    wait_for(lambda: api.get(f"{STS}/{group}"), 30, what="the group")
+    revision = api.get(f"{STS}/{group}")["metadata"]["labels"][names.LABEL_REVISION]  # type: ignore[index]
+    policy = json_format.ParseDict(first["policy"], policy_pb2.Policy())
+    admin.serve(group, policy, revision)
+    wait_for(lambda: condition(api.cr(NS, name), "Ready").get("status") == "True", 30)
+
+    medium = {"rate": 30, "prompt": {"fixed": 300}, "output": {"fixed": 100}}
+    api.patch_spec(NS, name, {"policy": {"auto": {"traffic": medium}}})
+    wait_for(
+        lambda: (
+            (_status(api, name).get("auto") or {})
+            .get("policy", {})
+            .get("shift", {})
+            .get("threshold")
+            == 1024
+        ),
+        PLAN_WAIT,
+        what="the new threshold planned",
+    )
+    # Applied through Admin, without rolling the group.
+    wait_for(lambda: any(p.shift.threshold == 1024 for p in admin.applied), 30, what="ApplyPolicy")
+    labels = api.get(f"{STS}/{group}")["metadata"]["labels"]  # type: ignore[index]
+    assert labels[names.LABEL_REVISION] == revision
+    assert condition(api.cr(NS, name), "Degraded")["status"] == "False"
