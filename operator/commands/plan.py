@@ -25,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--goodput", help="SLO, vLLM's syntax in ms: 'ttft:500 tpot:50'")
     p.add_argument("--rates", help="comma-separated rates to simulate (default: a sweep)")
     p.add_argument(
-        "--policies", help="comma-separated policy kinds to consider (static,shift,sidp)"
+        "--policies", help="comma-separated policy kinds to consider (static,shift,sidp,seesaw)"
     )
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)

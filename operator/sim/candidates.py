@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gearshift.operator.sim.hardware import Hardware
+from gearshift.operator.sim.hardware import Hardware, with_count
 from gearshift.operator.sim.model_desc import ModelDesc
-from gearshift.operator.sim.replica import ReplicaConfig, StepAsk
+from gearshift.operator.sim.replica import ReplicaConfig, SimHooks, StepAsk
 from gearshift.operator.sim.roofline import Layout, LayoutError, RooflineCost, check
 from gearshift.operator.sim.sidp_cost import SidpCost, rank_bytes
 from gearshift.worker.engine.contract import pipeline_share
@@ -54,6 +54,7 @@ class Candidate:
     stages: int = 1
     step_request: StepAsk | None = None  # the policy's say before each step
     notes: dict[str, Any] = field(default_factory=dict)
+    hooks: Callable[[], SimHooks] | None = None  # a policy that drives its own steps
 
 
 Source = Callable[[ModelDesc, Hardware, PlanSettings], list[Candidate]]
@@ -163,9 +164,43 @@ def _sidp_candidates(model: ModelDesc, hw: Hardware, s: PlanSettings) -> list[Ca
     return out
 
 
-SOURCES: dict[str, Source] = {"static+shift": _layout_candidates, "sidp": _sidp_candidates}
+def _seesaw_candidates(model: ModelDesc, hw: Hardware, s: PlanSettings) -> list[Candidate]:
+    """Seesaw groups of G GPUs on one node, PP G prefill -> TP G decode (seesaw_sim.py)."""
+    # Imported here: the Seesaw leader imports torch, which `gearshift plan` otherwise avoids.
+    from gearshift.operator.sim import seesaw_sim
+
+    out = []
+    for g in range(2, hw.devices_per_node + 1):
+        if hw.count % g or model.heads % g or model.kv_heads % g or model.layers < g:
+            continue
+        tokens = kv_tokens(model, hw, 1 / g, g, s)  # one gear's weights resident at a time
+        blocks = tokens // s.block_size
+        if blocks * s.block_size < max(s.max_num_batched_tokens, s.max_model_len):
+            continue
+        groups = hw.count // g
+        out.append(
+            Candidate(
+                f"seesaw{g}" + (f"x{groups}" if groups > 1 else ""),
+                "seesaw",
+                seesaw_sim.policy(g),
+                g,
+                groups,
+                RooflineCost(model, with_count(hw, g), Layout("tp", g)),  # unused: hooks price
+                _config(blocks, s),
+                tokens,
+                hooks=functools.partial(seesaw_sim.SeesawHooks, model, hw, g, s.block_size),
+            )
+        )
+    return out
+
+
+SOURCES: dict[str, Source] = {
+    "static+shift": _layout_candidates,
+    "sidp": _sidp_candidates,
+    "seesaw": _seesaw_candidates,
+}
 # The policy kinds some source simulates (the others have no simulated cost yet).
-MODELLED_KINDS: tuple[str, ...] = ("static", "shift", "sidp")
+MODELLED_KINDS: tuple[str, ...] = ("static", "shift", "sidp", "seesaw")
 
 
 def enumerate_candidates(

@@ -94,6 +94,7 @@ def simulate_point(
         candidate.step_request,
         micro_batches=candidate.micro_batches,
         stages=candidate.stages,
+        hooks=candidate.hooks,
     )
     result = simulate(deployment, traffic.trace(rate))
     point: dict[str, Any] = {"rate": rate, "declared": math.isclose(rate, traffic.rate)}

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 from gearshift.operator.sim.cost_model import StepCost
 from gearshift.worker.engine.contract import QueueView, StepRequest
@@ -30,6 +30,20 @@ from gearshift.worker.kv.block_manager import BlockManager
 
 if TYPE_CHECKING:
     from gearshift.worker.sampling.params import SamplingParams
+
+
+class SimHooks(Protocol):
+    """A policy whose leader shapes every step (the engine's ``Policy`` calls, in its order:
+    ``step_request``, ``held``, then ``step_submitted``), its pipeline depth changing with its
+    gear, and each step priced by the gear it runs on (``trip`` seconds over ``stages``). An
+    empty batch may still cost time (a re-shard, KV copies): ``step_time`` says how much."""
+
+    def bind(self, scheduler: Scheduler, blocks: BlockManager) -> None: ...
+    def step_request(self, queues: QueueView) -> StepRequest: ...
+    def held(self) -> frozenset[str]: ...
+    def step_submitted(self) -> None: ...
+    def micro_batches(self) -> int: ...
+    def step_time(self, batch: ScheduledBatch) -> tuple[float, int]: ...
 
 
 @dataclass(frozen=True)
@@ -94,6 +108,7 @@ class SimReplica:
         step_request: StepAsk | None = None,
         micro_batches: int = 1,
         stages: int = 1,
+        hooks: SimHooks | None = None,
     ) -> None:
         if micro_batches < 1 or stages < 1:
             raise ValueError(
@@ -125,6 +140,9 @@ class SimReplica:
         self.times: dict[str, RequestTimes] = {}
         self.steps = 0
         self.busy_s = 0.0
+        self.hooks = hooks
+        if hooks is not None:
+            hooks.bind(self.scheduler, self.blocks)
 
     def add(self, rid: str, arrival: float, prompt_tokens: int, output_tokens: int) -> None:
         self.times[rid] = RequestTimes(rid, arrival, prompt_tokens, output_tokens, self.index)
@@ -141,22 +159,34 @@ class SimReplica:
     def launch(self, now: float) -> float | None:
         """Launch steps at ``now`` until ``micro_batches`` are in flight (or nothing is left to
         schedule); when the oldest in-flight step ends, or None when none is in flight."""
-        while len(self.in_flight) < self.micro_batches and self._launch_one(now):
+        while len(self.in_flight) < self._depth() and self._launch_one(now):
             pass
         return self.in_flight[0].done if self.in_flight else None
+
+    def _depth(self) -> int:
+        return self.hooks.micro_batches() if self.hooks is not None else self.micro_batches
 
     def _launch_one(self, now: float) -> bool:
         busy = frozenset(s.request_id for f in self.in_flight for s in _seqs(f.batch))
         queues = QueueView(
             len(self.scheduler.running), len(self.scheduler.waiting), len(self.in_flight)
         )
-        batch = self.scheduler.schedule(self.step_request(queues), busy)
+        hooks = self.hooks
+        if hooks is None:
+            batch = self.scheduler.schedule(self.step_request(queues), busy)
+            trip, stages = (0.0, self.stages) if batch.is_empty else (
+                self.cost.step_time(batch), self.stages
+            )  # fmt: skip
+        else:
+            ask = hooks.step_request(queues)
+            batch = self.scheduler.schedule(ask, busy | hooks.held())
+            trip, stages = hooks.step_time(batch)  # before step_submitted clears its copies
+            hooks.step_submitted()
         for seq in batch.preempted:
             self.times[seq.request_id].preemptions += 1
-        if batch.is_empty:
+        if batch.is_empty and trip <= 0.0:
             return False
-        trip = self.cost.step_time(batch)
-        stage = trip / self.stages
+        stage = trip / stages
         start = max(now, self._stage0_free)
         self._stage0_free = start + stage
         done = max(start + trip, self._last_done + stage)

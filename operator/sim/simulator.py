@@ -9,12 +9,18 @@ rejected, with the reason, not dropped.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gearshift.operator.sim.cost_model import StepCost
 from gearshift.operator.sim.events import EventLoop
-from gearshift.operator.sim.replica import ReplicaConfig, RequestTimes, SimReplica, StepAsk
+from gearshift.operator.sim.replica import (
+    ReplicaConfig,
+    RequestTimes,
+    SimHooks,
+    SimReplica,
+    StepAsk,
+)
 from gearshift.operator.sim.results import SimResult
 from gearshift.operator.sim.routing import LeastOutstandingRouter
 from gearshift.operator.sim.trace import TraceRequest
@@ -30,6 +36,8 @@ class Deployment:
     step_request: StepAsk | None = None  # the policy's say before each step (default: ANY)
     micro_batches: int = 1  # steps in flight per replica (a pipeline's Policy.micro_batches())
     stages: int = 1  # pipeline stages a step's cost is spread over
+    # A policy that drives each step itself (a fresh one per replica; replica.SimHooks).
+    hooks: Callable[[], SimHooks] | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -48,6 +56,7 @@ def simulate(deployment: Deployment, trace: Sequence[TraceRequest]) -> SimResult
             deployment.step_request,
             deployment.micro_batches,
             deployment.stages,
+            deployment.hooks() if deployment.hooks is not None else None,
         )
         for i in range(deployment.replicas)
     ]

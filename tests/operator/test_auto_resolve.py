@@ -200,7 +200,7 @@ def test_the_example_resolves_to_a_layout_the_engine_runs() -> None:
     # Without auto.policies every simulated kind competes for the group's 8 GPUs.
     assert {c["name"] for c in chosen.status["considered"]} == {
         *("tp8", "sp8", "pp8", "shift8"),
-        *("sidp1x8", "sidp2x4", "sidp4x2"),
+        *("sidp1x8", "sidp2x4", "sidp4x2", "seesaw8"),
     }
     assert policy_fields.layout_errors(spec.policy, spec.group.ranks) == []
     assert chosen.status["predicted"]["kvTokens"] > 0

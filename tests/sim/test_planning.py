@@ -76,6 +76,8 @@ def test_every_legal_layout_is_a_candidate_and_its_policy_is_one_the_operator_ac
     want |= {f"{k}{d}x{8 // d}" for d in (2, 4) for k in ("tp", "sp", "pp", "shift")}
     # SiDP tp x dp on the node, groups filling the 8 GPUs (tests/sim/test_sidp_cost.py).
     want |= {"sidp1x2x4", "sidp1x4x2", "sidp1x8", "sidp2x2x2", "sidp2x4", "sidp4x2"}
+    # Seesaw PP G prefill -> TP G decode on one node (tests/sim/test_seesaw_sim.py).
+    want |= {"seesaw2x4", "seesaw4x2", "seesaw8"}
     assert names == want
     for c in cands:
         engines = c.policy["sidp"]["dp"] if c.kind == "sidp" else 1
@@ -146,7 +148,7 @@ def test_gearshift_plan_writes_table_json_and_png(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     data = json.loads(out.read_text())
     assert {c["name"] for c in data["candidates"]} >= {"tp8", "sp8", "shift8", "onex8"}
-    assert len(data["candidates"]) == 19 and data["rates"] == [2.0, 4.0]
+    assert len(data["candidates"]) == 22 and data["rates"] == [2.0, 4.0]
     assert data["recommended"] in {c["name"] for c in data["candidates"]}
     assert f"recommended: {data['recommended']}" in done.stdout
     assert png.stat().st_size > 10_000

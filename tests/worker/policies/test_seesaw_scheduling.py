@@ -141,3 +141,27 @@ def test_prefix_caching_hits_within_a_prefill_phase_and_text_still_equals_one_pr
     assert [o.token_ids for o in engine.generate(prompts, params)] == want
     assert engine.blocks.prefix_hit_tokens > 0
     assert len(engine.policy.leader.transitions) >= 3
+
+
+def test_more_prompts_than_sequence_seats_still_finish_with_one_process_text(
+    no_leftover_segments,  # noqa: F811
+    tiny_checkpoint,
+    group_factory,
+    engine_factory,
+):
+    """Prompts parked on the host keep their seats: with every seat held and prompts still
+    waiting, the prefill phase must end (before the fix it never did: the simulator found it).
+    Synchronous swaps: with asyncSwap the same run still hangs in a swap-out copy wait
+    (async_copy.take), an open bug noted in the README."""
+    folder = _model(tiny_checkpoint)
+    prompts = _prompts(7, seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    ref = engine_factory(folder, kv_cache_bytes=2 * DEVICE_KV, **ENGINE)
+    want = [o.token_ids for o in ref.generate(prompts, params)]
+    policy = _seesaw(P2, T2, hostKvCapacityBytes=96 * 2048, asyncSwap=False)
+    engine = group_factory(
+        folder, policy, kv_cache_bytes=DEVICE_KV, record=False, max_num_seqs=2, **ENGINE
+    )
+    got = [o.token_ids for o in engine.generate(prompts, params)]
+    assert got == want
+    assert any("seats taken" in t.reason for t in engine.policy.leader.transitions)

@@ -3,8 +3,9 @@ Fig. 6).
 
 Prefill phase: only prefill steps run (on the prefill gear); every prompt whose prefill is done
 moves to the host store and its device blocks free. The phase ends when the host store's usage
-reaches ``switch_to_decode_at_host_usage``, a finished prompt finds no room there, or no prompt
-waits; partial prefills finish first (no new admissions) and no step may be in flight.
+reaches ``switch_to_decode_at_host_usage``, a finished prompt finds no room there, no prompt
+waits, or every sequence seat (``max_num_seqs``) is held; partial prefills finish first (no new
+admissions) and no step may be in flight.
 
 Decode phase: decode steps with continuous batching (on the decode gear); sequences are
 on-boarded from the host store as device blocks free (up to ``prefetch_max_sequences`` a
@@ -124,6 +125,12 @@ class SeesawLeader:
         self.blocks.release(block_ids)
 
     @property
+    def pending(self) -> tuple[int, int, bool]:
+        """(blocks to the host, blocks from it, whether it re-shards) of the plan being built:
+        what the simulator (operator/sim/seesaw_sim.py) prices a step by."""
+        return len(self._out) // 2, len(self._in) // 2, self._switched
+
+    @property
     def host_usage(self) -> float:
         held = sum(len(self.pages.held.get(r, ())) for r in self.on_host)
         return held / self.pages.num_pages if self.pages.num_pages else 1.0
@@ -235,6 +242,10 @@ class SeesawLeader:
             reason = "host store full"
         elif not waiting and not partial and (self.on_host or self._resident()):
             reason = "no prompt waits"
+        elif waiting and len(self.scheduler.running) >= self.scheduler.config.max_num_seqs:
+            # Sequences parked on the host still hold their seats: no waiting prompt can start
+            # until some decode and finish (found by the simulator: the phase never ended).
+            reason = f"all {self.scheduler.config.max_num_seqs} sequence seats taken"
         if not reason:
             pp = self.depths[PREFILL_GEAR]
             seats = -(-(len(partial) + waiting) // pp) if pp > 1 else None

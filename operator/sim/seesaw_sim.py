@@ -1,0 +1,117 @@
+"""Seesaw in the simulator (issue 16: each new policy once it exists; Seesaw §4): the engine's own
+leader (``worker/policies/seesaw/leader.py``: its prefill and decode phases, the host KV pages,
+the transition-minimising switches) drives each replica's steps in simulated time, and each step
+is priced by the gear its phase runs on.
+
+- Prefill phase: the prefill gear (PP over the group's GPUs, micro-batches in flight); decode
+  phase: the decode gear (TP over the same GPUs). Gears are the pure ones the roofline prices
+  (``P1xG -> DGx1``, the pair the paper's PCIe results favour, Fig. 10).
+- KV to the host store overlaps the prefill compute it follows (§4.3): a step takes the longer of
+  the two. KV back to the device is copied before the step that needs it (the leader without
+  ``async_swap``: no rank reports exist here), so its time adds.
+- A switch re-shards: each GPU reloads its shard of the weights from pinned host memory over its
+  host link (§4.1), before the switching step runs.
+- The host store holds ``HOST_BYTES_PER_GPU`` per GPU (Seesaw §6.1: 80 GiB of CPU memory per
+  GPU); switch points and prefetch limits are the policy's defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from gearshift.operator.sim.hardware import Hardware, with_count
+from gearshift.operator.sim.model_desc import ModelDesc
+from gearshift.operator.sim.roofline import Layout, RooflineCost
+from gearshift.v1 import policy_fields, policy_pb2
+from gearshift.worker.engine.contract import QueueView, StepRequest
+from gearshift.worker.engine.scheduler import ScheduledBatch, Scheduler
+from gearshift.worker.kv.block_manager import BlockManager
+from gearshift.worker.policies.seesaw.host_kv import PageAllocator
+from gearshift.worker.policies.seesaw.leader import Phase, SeesawLeader, Thresholds
+from gearshift.worker.policies.seesaw.readiness import ReadinessBoard
+
+HOST_BYTES_PER_GPU = 80 * (1 << 30)
+
+
+def policy(gpus: int) -> dict[str, dict[str, dict[str, int]]]:
+    return {"seesaw": {"prefill": {"tp": 1, "pp": gpus}, "decode": {"tp": gpus, "pp": 1}}}
+
+
+def _thresholds(gpus: int) -> Thresholds:
+    """The policy's default switch points and prefetch limit."""
+    msg = policy_fields.with_defaults(_proto(gpus), gpus).seesaw
+    return Thresholds(
+        msg.switch_to_decode_at_host_usage,
+        msg.switch_to_prefill_at_host_usage,
+        msg.prefetch_max_sequences,
+    )
+
+
+def _proto(gpus: int) -> policy_pb2.Policy:
+    p = policy_pb2.Policy()
+    p.seesaw.prefill.tp, p.seesaw.prefill.pp = 1, gpus
+    p.seesaw.decode.tp, p.seesaw.decode.pp = gpus, 1
+    return p
+
+
+@dataclass
+class SeesawHooks:
+    """One replica's Seesaw leader and the price of each step (replica.SimHooks)."""
+
+    model: ModelDesc
+    hw: Hardware
+    gpus: int
+    block_size: int
+    leader: SeesawLeader = field(init=False)
+
+    def __post_init__(self) -> None:
+        block_bytes = self.model.kv_bytes_per_token() * self.block_size
+        pages = int(HOST_BYTES_PER_GPU * self.gpus // block_bytes)
+        thresholds = _thresholds(self.gpus)
+        self.leader = SeesawLeader(
+            PageAllocator(pages),
+            self.block_size,
+            (self.gpus, 1),
+            lambda: thresholds,
+            block_bytes,
+            ReadinessBoard(torch.zeros(self.gpus + 1, dtype=torch.int64)),
+            async_swap=False,
+        )
+        group = with_count(self.hw, self.gpus)
+        self._prefill = RooflineCost(self.model, group, Layout("pp", self.gpus))
+        self._decode = RooflineCost(self.model, group, Layout("tp", self.gpus))
+        # Every GPU moves its 1/G of a block, and its 1/G of the weights, over its own link.
+        self._copy_s = block_bytes / self.gpus / self.hw.host_device.bandwidth
+        self._reshard_s = self.model.weight_bytes() / self.gpus / self.hw.host_device.bandwidth
+
+    def bind(self, scheduler: Scheduler, blocks: BlockManager) -> None:
+        self.leader.bind(scheduler, blocks)
+
+    def step_request(self, queues: QueueView) -> StepRequest:
+        return self.leader.step_request(queues)
+
+    def held(self) -> frozenset[str]:
+        return self.leader.held()
+
+    def step_submitted(self) -> None:
+        self.leader.step_submitted()
+
+    def micro_batches(self) -> int:
+        return self.gpus if self.leader.phase is Phase.PREFILL else 1
+
+    def step_time(self, batch: ScheduledBatch) -> tuple[float, int]:
+        prefill = self.leader.phase is Phase.PREFILL
+        compute = 0.0
+        if not batch.is_empty:
+            compute = (self._prefill if prefill else self._decode).step_time(batch)
+        blocks_out, blocks_in, switching = self.leader.pending
+        out_s, in_s = blocks_out * self._copy_s, blocks_in * self._copy_s
+        reshard = self._reshard_s if switching else 0.0
+        trip = reshard + in_s + max(compute, out_s)
+        return trip, self.gpus if prefill else 1
+
+    @property
+    def transitions(self) -> int:
+        return len(self.leader.transitions)
