@@ -143,22 +143,24 @@ def test_prefix_caching_hits_within_a_prefill_phase_and_text_still_equals_one_pr
     assert len(engine.policy.leader.transitions) >= 3
 
 
+@pytest.mark.parametrize("async_swap", [True, False], ids=["async", "sync"])
 def test_more_prompts_than_sequence_seats_still_finish_with_one_process_text(
     no_leftover_segments,  # noqa: F811
     tiny_checkpoint,
     group_factory,
     engine_factory,
+    async_swap,
 ):
     """Prompts parked on the host keep their seats: with every seat held and prompts still
-    waiting, the prefill phase must end (before the fix it never did: the simulator found it).
-    Synchronous swaps: with asyncSwap the same run still hangs in a swap-out copy wait
-    (async_copy.take), an open bug noted in the README."""
+    waiting, the prefill phase must end (before the fix it never did: the simulator found it),
+    and the decode phase must not switch back while no seat is free (with asynchronous swaps it
+    parked the sequences it had just swapped in, before they decoded, over and over)."""
     folder = _model(tiny_checkpoint)
     prompts = _prompts(7, seed=11)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     ref = engine_factory(folder, kv_cache_bytes=2 * DEVICE_KV, **ENGINE)
     want = [o.token_ids for o in ref.generate(prompts, params)]
-    policy = _seesaw(P2, T2, hostKvCapacityBytes=96 * 2048, asyncSwap=False)
+    policy = _seesaw(P2, T2, hostKvCapacityBytes=96 * 2048, asyncSwap=async_swap)
     engine = group_factory(
         folder, policy, kv_cache_bytes=DEVICE_KV, record=False, max_num_seqs=2, **ENGINE
     )

@@ -9,11 +9,11 @@ admissions) and no step may be in flight.
 
 Decode phase: decode steps with continuous batching (on the decode gear); sequences are
 on-boarded from the host store as device blocks free (up to ``prefetch_max_sequences`` a
-step). The phase ends when the host usage has fallen to ``switch_to_prefill_at_host_usage`` and
-prompts wait, and parking the sequences still decoding in the host store keeps its usage below
-``switch_to_decode_at_host_usage`` (else the next prefill phase would end at once): those
-sequences move to the host store (they resume in the next decode phase), so the device holds no
-KV when the gear changes.
+step). The phase ends when the host usage has fallen to ``switch_to_prefill_at_host_usage``,
+prompts wait, a sequence seat is free for them, and parking the sequences still decoding in the
+host store keeps its usage below ``switch_to_decode_at_host_usage`` (else the next prefill phase
+would end at once): those sequences move to the host store (they resume in the next decode
+phase), so the device holds no KV when the gear changes.
 
 Host usage counts the pages of sequences whose KV lives only on the host. A swapped-in sequence
 keeps its pages until its first decode step has come back (then every rank has read them).
@@ -265,7 +265,11 @@ class SeesawLeader:
         t = self.thresholds()
         waiting = len(self.scheduler.waiting)
         usage = self.host_usage
-        if waiting and usage <= t.to_prefill and self._parked_usage() < t.to_decode:
+        # Parked sequences keep their seats: with every seat taken no waiting prompt could start,
+        # so a prefill phase would only park and switch back (with async swaps, before the
+        # sequences just swapped in had decoded once, over and over). Decode frees seats.
+        seat = len(self.scheduler.running) < self.scheduler.config.max_num_seqs
+        if waiting and seat and usage <= t.to_prefill and self._parked_usage() < t.to_decode:
             if queues.in_flight or self.queue.busy:
                 return self._wait(queues)  # no copy may run into the next gear's view
             for seq in self._resident():
