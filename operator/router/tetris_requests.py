@@ -49,7 +49,11 @@ class TetrisRequestPlanner:
     def plan_into(
         self, stats: worker_pb2.WorkerStats, wire: worker_pb2.WorkerGenerateRequest, max_tokens: int
     ) -> None:
-        """Set the request's ``tetris_plan`` (raises TetrisPlanningError)."""
+        """Set the request's ``tetris_plan`` (raises TetrisPlanningError). A policy without
+        Eq. (1) models gets no plan: the group runs the prompt as one chunk over its whole
+        pool and places decode itself (WorkerGenerateRequest.tetris_plan)."""
+        if stats.policy.WhichOneof("kind") == "tetris" and not stats.policy.tetris.latency_models:
+            return
         wire.tetris_plan.CopyFrom(self.plan(stats, len(wire.prompt_token_ids), max_tokens))
 
     def plan(

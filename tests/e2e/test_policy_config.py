@@ -16,6 +16,15 @@ from tests.e2e.serve_process import ServeProcess
 from tests.worker.helpers import random_model_with_smollm2_tokenizer
 
 CHATS = ["What is the capital of France?", "Count to five."]
+# tetris.yaml's pool and TP decode instance, smaller: 2 prefill instances and one TP-2 decode
+# instance (4 CPU ranks); chunks of 8 tokens and Eq. (1) models for SP 1 and 2 so the router's
+# planner cuts the chat prompts into chunks on growing groups.
+TETRIS = (
+    '{"tetris": {"prefillInstances": 2, "decodeInstances": 1, "decodeTp": 2, '
+    '"chunkGranularity": 8, "improvementRate": 0.0, "latencyModels": ['
+    '{"sp": 1, "a": 0.001, "b": 0.002, "c": 1e-6, "d": 1e-5}, '
+    '{"sp": 2, "a": 0.002, "b": 0.001, "c": 5e-7, "d": 5e-6}]}}'
+)
 MAX_TOKENS = 12
 
 
@@ -78,8 +87,9 @@ def serve_policy(model: Path, tmp_path: Path) -> Iterator[object]:
         '"hostKvCapacityBytes": 67108864}}',
         # sidp.yaml's replicas of TP 2 (two of them, not four: 4 CPU ranks).
         '{"sidp": {"dp": 2, "tp": 2}}',
+        TETRIS,
     ],
-    ids=["static-tp2pp2", "shift-sp2-yaml", "seesaw-p2-t2", "sidp-dp2-tp2"],
+    ids=["static-tp2pp2", "shift-sp2-yaml", "seesaw-p2-t2", "sidp-dp2-tp2", "tetris-p2-d1tp2"],
 )
 def test_policy_config_serves_one_ranks_greedy_text(policy, serve_policy, one_rank_text):
     from openai import OpenAI
@@ -101,6 +111,8 @@ def test_policy_config_serves_one_ranks_greedy_text(policy, serve_policy, one_ra
         _seesaw_thresholds_apply_live(proc)
     if policy.startswith('{"sidp"'):
         _sidp_group_runs_as_asked(proc)
+    if policy.startswith('{"tetris"'):
+        _tetris_group_ran_the_plans(proc)
 
 
 def _sidp_group_runs_as_asked(proc: ServeProcess) -> None:
@@ -116,6 +128,43 @@ def _sidp_group_runs_as_asked(proc: ServeProcess) -> None:
     stats = dict(groups[0].stats.policy_stats)
     assert stats["replica0_sidp_resident_weight_bytes"] > 0, stats
     assert stats["replica1_sidp_resident_weight_bytes"] > 0, stats
+
+
+def _tetris_group_ran_the_plans(proc: ServeProcess) -> None:
+    """The router planned each request (its metrics) and the group ran the plans on its pool
+    and handed the KV over through the handshake (its stats and instances)."""
+    import httpx
+
+    metrics = httpx.get(f"{proc.url}/metrics", timeout=10).text
+    counts = [
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("gearshift_tetris_plan_chunks_count")
+    ]
+    assert counts and sum(counts) == len(CHATS), metrics
+    sp = [
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("gearshift_tetris_chunk_sp_size_sum")
+    ]
+    chunks = [
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("gearshift_tetris_plan_chunks_sum")
+    ]
+    # Every chunk ran on a ring of at least one instance; the pool's two instances bound it.
+    assert chunks and len(CHATS) <= chunks[0] <= sp[0] <= 2 * chunks[0], (chunks, sp)
+    with grpc.insecure_channel(proc.admin_address) as channel:
+        groups = (
+            router_pb2_grpc.AdminStub(channel)
+            .GetStatus(router_pb2.GetStatusRequest(), timeout=10, metadata=proc.metadata)
+            .groups
+        )
+    stats = dict(groups[0].stats.policy_stats)
+    assert stats["prefills"] == len(CHATS), stats
+    assert stats["transfer_waits"] >= len(CHATS), stats
+    roles = sorted((i.role, i.index) for i in groups[0].stats.instances)
+    assert len(roles) == 3, roles
 
 
 def _apply(proc: ServeProcess, **fields: float) -> router_pb2.AdminApplyPolicyResponse:

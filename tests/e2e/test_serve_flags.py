@@ -16,7 +16,11 @@ import pytest
         (["--prefill-threads", "-2"], "--prefill-threads must be >= 1, got -2"),
         (["--shift-threshold", "64"], "--shift-threshold is not a field of the static policy"),
         (["--policy-config", '{"static": {}}', "--tp", "2"], "drop --tp"),
-        (["--policy-config", '{"tetris": {}}'], "not implemented by this engine"),
+        (["--policy-config", '{"tetris": {}}'], "no prefill instance fits"),
+        (
+            ["--policy-config", '{"tetris": {"prefillInstances": 1, "layerwiseTransfer": true}}'],
+            "layerwiseTransfer",
+        ),
         (["--policy-config", '{"auto": {}}'], "planned by the operator"),
         (["--policy", "auto"], "planned by the operator"),
         (["--policy-config", '{"static": {"dp": 2}}'], "spec.policy.static.dp"),

@@ -81,7 +81,17 @@ EXAMPLES: dict[str, Side] = {
         "command (and tests/e2e/test_policy_config.py `serve`) on a random model with SmolLM2's "
         "vocabulary",
     ),
-    "tetris.yaml": Refused("spec.policy.tetris"),
+    "tetris.yaml": Runs(
+        (
+            "--policy-config",
+            '{"tetris": {"prefillInstances": 2, "decodeInstances": 1, "decodeTp": 2}}',
+        ),
+        "4 TP-1 prefill instances + one TP-4 decode instance on 8 GPUs become 2 + one TP-2 on 4 "
+        "CPU ranks; SmolLM2's 3 KV heads allow no TP 2, so tests/e2e/test_policy_config.py serves "
+        "that layout (with Eq. (1) models, so the router plans chunks) on a random model with "
+        "SmolLM2's vocabulary; tests/worker/policies/tetris/test_tetris_group.py runs SmolLM2 "
+        "with decode TP 1",
+    ),
     "auto.yaml": Runs(
         ("--policy", "shift", "--sp", "3"),
         "auto plans Shift SP 8 for Llama-3.1-8B on 8 H100s under the example's traffic (the "

@@ -138,8 +138,14 @@ def test_requests_to_a_tetris_group_carry_their_plan(tokenizer: Tokenizer) -> No
             f'model_name="{MODEL}"}} 1.0'
         ) in text
         assert f'gearshift_tetris_planned_prefill_seconds_count{{model_name="{MODEL}"}} 1.0' in text
-        # A group whose policy cannot be planned for: 503 naming why, nothing sent.
+        # Without Eq. (1) models the router sends no plan: the group plans one chunk itself.
         worker.policy = _policy(latency_models=[])
+        await asyncio.sleep(0.4)
+        r = await s.http.post("/v1/completions", json={"prompt": [7] * 400, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert not worker.requests[-1].HasField("tetris_plan")
+        # A group whose policy cannot be planned for: 503 naming why, nothing sent.
+        worker.policy = _policy(latency_models=[policy_pb2.TetrisPolicy.LatencyModel(sp=1)])
         await asyncio.sleep(0.4)
         sent = len(worker.requests)
         r = await s.http.post("/v1/completions", json={"prompt": [7] * 400, "max_tokens": 2})

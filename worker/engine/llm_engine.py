@@ -50,6 +50,18 @@ class ReplicaLoad:
     outstanding_tokens: int
 
 
+@dataclass(frozen=True)
+class InstanceLoad:
+    """One instance of a group with roles (Tetris: WorkerStats.instances), for the planner."""
+
+    role: str  # "prefill" or "decode"
+    index: int
+    queued_seconds: float  # prefill: the planned end of the work it still has (T_k)
+    kv_slots_free: int  # decode: free KV token slots
+    kv_slots_reserved: int  # decode: slots held by requests still in transfer
+    batch_size: int  # decode: running requests
+
+
 @dataclass
 class EngineStats:
     """A snapshot for GetStats and metrics."""
@@ -71,6 +83,7 @@ class EngineStats:
     gear_switches: int = 0
     policy_stats: dict[str, float] = field(default_factory=dict)  # Policy.stats()
     replicas: list[ReplicaLoad] = field(default_factory=list)  # a replica group's engines
+    instances: list[InstanceLoad] = field(default_factory=list)  # a group with roles (Tetris)
 
 
 @dataclass

@@ -102,6 +102,7 @@ class Policy(ABC):
     # True when every rank of a group must share one host (e.g. KV in one node's shared memory);
     # a group spanning nodes is refused naming spec.group.nodes (support.check_runnable).
     single_node: ClassVar[bool] = False
+    single_node_reason: ClassVar[str] = "its KV tier is the node's shared memory"
 
     def __init__(self, policy: policy_pb2.Policy, world_size: int) -> None:
         """``policy`` with this kind set; defaults are filled in for ``world_size`` ranks."""
@@ -142,6 +143,12 @@ class Policy(ABC):
         """Independent engines (scheduler, KV cache, sampler each) the group's ranks form; 1: the
         group is one engine led by rank 0. Ranks ``r * (world / n)`` lead replica ``r``."""
         return 1
+
+    def group_handle(self) -> Callable[[Any], Any] | None:
+        """A policy whose group is neither one engine nor equal engine replicas (Tetris: a
+        prefill pool and decode instances) serves through its own endpoint: the EngineHandle
+        class the worker server builds from its WorkerSettings. None: the server's own."""
+        return None
 
     def replica_sync(
         self, store: Any, followers: Callable[[StepPlan], None] | None = None

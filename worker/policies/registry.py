@@ -22,6 +22,7 @@ from gearshift.worker.policies.seesaw import SeesawPolicy
 from gearshift.worker.policies.shift import ShiftPolicy
 from gearshift.worker.policies.sidp import SidpPolicy
 from gearshift.worker.policies.static import StaticPolicy
+from gearshift.worker.policies.tetris.policy import TetrisPolicy
 
 _POLICIES: dict[str, type[Policy]] = {}
 
@@ -38,7 +39,7 @@ def unregister(kind: str) -> None:
     _POLICIES.pop(kind, None)
 
 
-for _builtin in (StaticPolicy, ShiftPolicy, SeesawPolicy, SidpPolicy):
+for _builtin in (StaticPolicy, ShiftPolicy, SeesawPolicy, SidpPolicy, TetrisPolicy):
     register(_builtin)
 
 

@@ -42,7 +42,7 @@ def check_runnable(
         field = "spec.group.nodes"
         raise InvalidRequestError(
             field,
-            f"{field}: the {running.kind} policy keeps its groups on one node (its KV tier is "
-            f"the node's shared memory); use nodes: 1, got {nodes}",
+            f"{field}: the {running.kind} policy keeps its groups on one node "
+            f"({running.single_node_reason}); use nodes: 1, got {nodes}",
         )
     return running

@@ -15,6 +15,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -122,9 +123,13 @@ class WorkerProcess:
 
     async def _serve_leader(self) -> None:
         s = self.settings
-        engine: ProcessEngine | ReplicaGroupEngine = (
-            ReplicaGroupEngine(s)
-            if make_policy(s.policy, s.ranks).engine_replicas() > 1
+        policy = make_policy(s.policy, s.ranks)
+        own = policy.group_handle()
+        engine: Any = (
+            own(s)
+            if own is not None
+            else ReplicaGroupEngine(s)
+            if policy.engine_replicas() > 1
             else ProcessEngine(s)
         )
         load = asyncio.ensure_future(engine.start())

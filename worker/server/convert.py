@@ -196,6 +196,15 @@ def worker_stats(
             waiting=load.waiting,
             outstanding_tokens=load.outstanding_tokens,
         )
+    for inst in stats.instances:
+        out.instances.add(
+            role=worker_pb2.InstanceStats.Role.Value(inst.role.upper()),
+            index=inst.index,
+            queued_seconds=inst.queued_seconds,
+            kv_slots_free=inst.kv_slots_free,
+            kv_slots_reserved=inst.kv_slots_reserved,
+            batch_size=inst.batch_size,
+        )
     # The two figures WorkerStats names on its own (a policy with a host KV tier, re-sharding).
     out.host_kv_usage = stats.policy_stats.get("host_kv_usage", 0.0)
     out.reshard_seconds = stats.policy_stats.get("reshard_seconds", 0.0)

@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any, cast
 
 import grpc
 
@@ -105,6 +106,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 f"replica {replica} does not exist: this group runs {self.engine.replicas} "
                 "engine replica(s), numbered from 0",
             )
+        plan = request.tetris_plan if request.HasField("tetris_plan") else None
+        if plan is not None and not getattr(self.engine, "takes_tetris_plans", False):
+            await _invalid(
+                context,
+                "tetris_plan",
+                "tetris_plan: this group does not run the tetris policy",
+            )
         try:
             params = convert.sampling_params(request.sampling)
         except InvalidSamplingParams as exc:
@@ -115,9 +123,20 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.active.add(rid)
         finished = False
         try:
-            self.engine.submit(
-                rid, list(request.prompt_token_ids), params, sink, time.monotonic(), replica
-            )
+            if plan is None:
+                self.engine.submit(
+                    rid, list(request.prompt_token_ids), params, sink, time.monotonic(), replica
+                )
+            else:  # a handle that takes plans (takes_tetris_plans, checked above)
+                cast(Any, self.engine).submit(
+                    rid,
+                    list(request.prompt_token_ids),
+                    params,
+                    sink,
+                    time.monotonic(),
+                    replica,
+                    tetris_plan=plan,
+                )
             first = True
             while not finished:
                 batch = [await outputs.get()]

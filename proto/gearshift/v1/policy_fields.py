@@ -257,6 +257,11 @@ def layout_errors(policy: policy_pb2.Policy, group_gpus: int) -> list[str]:
         errors.append("policy.sidp: wasEnterBatchSize must be above casEnterBatchSize")
     if kind == "sidp" and msg.prefetch_depth > msg.was_cache_slots:
         errors.append("policy.sidp: prefetchDepth must not exceed wasCacheSlots")
+    if kind == "tetris" and msg.prefill_instances < 1:
+        errors.append(
+            f"policy.tetris: no prefill instance fits: the group's {group_gpus} GPUs minus "
+            f"decodeInstances × decodeTp = {msg.decode_instances * msg.decode_tp} leave none"
+        )
     if kind == "tetris" and msg.max_sp > msg.prefill_instances:
         errors.append("policy.tetris: maxSp must not exceed prefillInstances")
     return errors

@@ -51,6 +51,7 @@ class SidpPolicy(Policy):
     # The replicas share FFN weights through the host's shared memory (and the worker endpoint
     # hosts every replica): a group spanning nodes is refused.
     single_node = True
+    single_node_reason = "its replicas share FFN weights through the host's shared memory"
 
     def __init__(self, policy: policy_pb2.Policy, world_size: int) -> None:
         super().__init__(policy, world_size)

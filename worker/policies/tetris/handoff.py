@@ -8,8 +8,11 @@ is re-laid into the decode layout on the way. Row counts are known on both sides
 so no sizes travel. The member that computed the last prompt token's logits also sends the first
 output token. The decode rank writes the rows into its paged KV cache at the request's slots.
 
-Not here yet (issue 15): the handshake that grants transfer slots, and streaming while later
-chunks still run.
+A serving group hands the KV over in *pieces* (``send_piece`` / ``receive_piece``): a run of one
+member's rows no larger than a transfer buffer, each sent only after the receiver's manager
+granted it a slot (``transfer.py``, the handshake of §4.2). ``send_kv`` / ``receive_kv`` move a
+whole request at once (no handshake) for tools and tests. Not here: streaming a layer's KV while
+later layers still run (``layerwise_transfer``; the policy refuses it).
 """
 
 from __future__ import annotations
@@ -117,3 +120,41 @@ def receive_kv(
         for layer, cache in enumerate(kv_cache):
             write_kv(cache, kv[:, layer, 0], kv[:, layer, 1], slots)
     return int(token[0])
+
+
+def send_piece(rows: Holding, receivers: tuple[int, ...], comm: CommGroup) -> None:
+    """A prefill member's side of one granted piece: ``rows`` (a run of its holding), each
+    decode rank (ranks of ``comm``, in TP order) getting its KV heads. Returns once sent."""
+    kv_heads = rows.kv.shape[3]
+    works = []
+    for t, dst in enumerate(receivers):
+        heads = kv_heads_of(t, len(receivers), kv_heads)
+        works.append(dist.isend(rows.kv[:, :, :, heads].contiguous(), comm.ranks[dst], comm.group))
+        works.append(dist.isend(rows.positions.contiguous(), comm.ranks[dst], comm.group))
+    for work in works:
+        if work is not None:
+            work.wait()
+
+
+def receive_piece(
+    src: int, rows: int, comm: CommGroup, kv_cache: list[LayerKV], block_ids: list[int]
+) -> None:
+    """A decode rank's side of one piece: ``rows`` rows of its heads from ``src`` (a rank of
+    ``comm``), written into its paged ``kv_cache`` at the request's slots (``block_ids``)."""
+    k_cache = kv_cache[0][0]
+    local_heads, block_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    kv = torch.empty((rows, len(kv_cache), 2, local_heads, head_dim), dtype=k_cache.dtype)
+    pos = torch.empty(rows, dtype=torch.int64)
+    works = [
+        dist.irecv(kv, comm.ranks[src], comm.group),
+        dist.irecv(pos, comm.ranks[src], comm.group),
+    ]
+    for work in works:
+        if work is not None:
+            work.wait()
+    if rows and int(pos.max()) >= len(block_ids) * block_size:
+        raise ValueError(f"position {int(pos.max())} lies beyond the request's blocks")
+    table = torch.tensor(block_ids, dtype=torch.int64)
+    slots = table[pos // block_size] * block_size + pos % block_size
+    for layer, cache in enumerate(kv_cache):
+        write_kv(cache, kv[:, layer, 0], kv[:, layer, 1], slots)

@@ -1,0 +1,247 @@
+"""A serving Tetris group (real processes, gloo, fp32) against the single-process reference.
+
+The prefill pool runs each request's chunk plan (one chunk, growing groups 1 -> 2, several
+transfer-buffer pieces per member), hands the KV to a TP-2 decode instance through the
+handshake, and the decode instance admits it into continuous batching: greedy tokens equal the
+one-process engine's. Bad plans are refused naming the field; a killed prefill instance fails
+only its requests; no KV block, transfer slot or process is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gearshift.v1 import worker_pb2
+from gearshift.worker.config import EngineConfig
+from gearshift.worker.engine.outputs import RequestOutput
+from gearshift.worker.errors import GroupFailure, InvalidRequestError
+from gearshift.worker.launch import start_engine
+from gearshift.worker.launch.group_config import GroupConfig
+from gearshift.worker.policies.registry import make_policy
+from gearshift.worker.policies.tetris.group import TetrisGroup, pieces_of, start_tetris
+from gearshift.worker.sampling.params import SamplingParams
+
+ENGINE: dict[str, Any] = {
+    "dtype": "float32",
+    "kv_cache_bytes": 4 << 20,
+    "skip_tokenizer_init": True,
+    "block_size": 4,
+    "max_num_batched_tokens": 64,
+}
+TIMEOUT_S = 120.0
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _prompts(lengths: list[int], vocab: int = 128, seed: int = 5) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _plan(chunks: list[tuple[int, list[int]]], decode: int = 0) -> worker_pb2.TetrisPlan:
+    plan = worker_pb2.TetrisPlan(decode_instance=decode, planned_prefill_seconds=0.5)
+    for n, group in chunks:
+        plan.chunks.add(num_tokens=n, prefill_instances=group)
+    return plan
+
+
+class Outputs:
+    """What the group delivers, per request."""
+
+    def __init__(self) -> None:
+        self.items: queue.Queue[tuple[str, RequestOutput | BaseException]] = queue.Queue()
+        self.seen: dict[str, list[Any]] = {}
+
+    def __call__(self, rid: str, item: RequestOutput | BaseException) -> None:
+        self.items.put((rid, item))
+
+    def _ended(self, rid: str) -> bool:
+        items = self.seen.get(rid, [])
+        return bool(items) and (isinstance(items[-1], BaseException) or items[-1].finished)
+
+    def collect(self, rids: set[str], timeout_s: float = TIMEOUT_S) -> dict[str, Any]:
+        """Each request's tokens (a list), or the exception that ended it; outputs of other
+        requests wait for their own ``collect``."""
+        deadline = time.monotonic() + timeout_s
+        while not all(self._ended(rid) for rid in rids):
+            rid, item = self.items.get(timeout=max(0.1, deadline - time.monotonic()))
+            self.seen.setdefault(rid, []).append(item)
+        out: dict[str, Any] = {}
+        for rid in rids:
+            items = self.seen.pop(rid)
+            if isinstance(items[-1], BaseException):
+                out[rid] = items[-1]
+                continue
+            assert items[-1].error is None, items[-1].error
+            out[rid] = [t for o in items for t in o.new_token_ids]
+        return out
+
+
+@pytest.fixture
+def tetris_factory() -> Iterator[Callable[..., tuple[TetrisGroup, Outputs]]]:
+    groups: list[TetrisGroup] = []
+
+    def start(folder: Path, tetris: dict[str, Any], **kw: Any) -> tuple[TetrisGroup, Outputs]:
+        outputs = Outputs()
+        config = EngineConfig(model=str(folder), **{**ENGINE, "kv_cache_bytes": 64 << 20, **kw})
+        policy = make_policy({"tetris": tetris})
+        group = start_tetris(config, policy, GroupConfig(timeout_s=TIMEOUT_S), outputs)  # type: ignore[arg-type]
+        groups.append(group)
+        return group, outputs
+
+    yield start
+    for group in groups:
+        slots = [m.free_slots == m.slots and m.in_transfer == 0 for m in group.managers]
+        reports = group.shutdown()
+        assert all(slots), "a transfer slot was left held"
+        assert reports and all(r["leaked_blocks"] == 0 and r["all_free"] for r in reports), reports
+        assert all(not p.is_alive() for p in group.procs), "a rank outlived its group"
+
+
+def _reference(folder: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    engine = start_engine(EngineConfig(model=str(folder), **ENGINE))
+    try:
+        return [o.token_ids for o in engine.generate(prompts, _greedy(max_tokens))]
+    finally:
+        engine.shutdown()
+
+
+def test_pieces_cut_each_members_rows_at_the_buffer() -> None:
+    assert pieces_of({0: 10, 1: 0, 2: 3}, row_bytes=100, buffer_bytes=400) == {
+        0: [(0, 4), (4, 4), (8, 2)],
+        2: [(0, 3)],
+    }
+    assert pieces_of({0: 2}, row_bytes=1000, buffer_bytes=10) == {0: [(0, 1), (1, 1)]}
+
+
+def test_chunk_plans_hand_over_to_a_tp2_decode_instance_with_one_process_tokens(
+    tiny_checkpoint: Callable[..., Path],
+    tetris_factory: Callable[..., tuple[TetrisGroup, Outputs]],
+) -> None:
+    folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=2)
+    prompts = _prompts([37, 23, 9, 30])
+    expected = _reference(folder, prompts, 6)
+    # Two slots for two senders, and pieces of about 5 rows: several handshakes per member.
+    group, outputs = tetris_factory(
+        folder,
+        {
+            "prefill_instances": 2,
+            "decode_instances": 1,
+            "decode_tp": 2,
+            "transfer_backends": 1,
+            "transfer_buffer_bytes": 5 * 2 * 2 * 1 * 8 * 4,
+        },
+    )
+    plans = [
+        _plan([(16, [0]), (21, [0, 1])]),  # 1 -> 2 instances
+        _plan([(23, [1])]),  # one chunk on one instance
+        None,  # no router plan: one chunk over the pool
+        _plan([(8, [1]), (22, [1, 0])]),
+    ]
+    for i, (ids, plan) in enumerate(zip(prompts, plans, strict=True)):
+        group.submit(f"r{i}", ids, _greedy(6), plan)
+    got = outputs.collect({f"r{i}" for i in range(4)})
+    assert [got[f"r{i}"] for i in range(4)] == expected
+    stats = group.stats()
+    assert stats["prefills"] == 4
+    assert stats["transfer_waits"] > 8  # several pieces per member, each with a handshake
+    assert group.managers[0].grants  # granted in first-handshake order (transfer.py's tests)
+
+
+def test_bad_plans_are_refused_naming_the_field(
+    tiny_checkpoint: Callable[..., Path],
+    tetris_factory: Callable[..., tuple[TetrisGroup, Outputs]],
+) -> None:
+    folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=2)
+    group, outputs = tetris_factory(folder, {"prefill_instances": 2, "decode_instances": 1})
+    ids = _prompts([12])[0]
+    cases = [
+        (_plan([(10, [0])]), "tetris_plan"),  # lengths do not add up
+        (_plan([(6, [0, 1]), (6, [1])]), "tetris_plan"),  # a group drops a member
+        (_plan([(12, [2])]), "tetris_plan"),  # no such instance
+        (_plan([(12, [0])], decode=1), "tetris_plan.decode_instance"),
+    ]
+    for plan, field in cases:
+        with pytest.raises(InvalidRequestError) as info:
+            group.submit("bad", ids, _greedy(3), plan)
+        assert info.value.field == field
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
+        group.submit("bad", ids, SamplingParams(max_tokens=2, prompt_logprobs=1), None)
+    # The decode instance's own checks still apply (max_tokens beyond the context).
+    group.submit("long", ids, _greedy(10_000), _plan([(12, [0])]))
+    got = outputs.collect({"long"})
+    assert isinstance(got["long"], InvalidRequestError) and got["long"].field == "max_tokens"
+    # The group still serves.
+    group.submit("ok", ids, _greedy(3), _plan([(12, [1])]))
+    assert len(outputs.collect({"ok"})["ok"]) == 3
+
+
+def test_a_killed_prefill_instance_fails_its_requests_and_decode_keeps_serving(
+    tiny_checkpoint: Callable[..., Path],
+    tetris_factory: Callable[..., tuple[TetrisGroup, Outputs]],
+) -> None:
+    folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=2)
+    prompts = _prompts([40, 9])
+    expected = _reference(folder, prompts, 4)
+    group, outputs = tetris_factory(folder, {"prefill_instances": 2, "decode_instances": 1})
+    # A request decoding on the decode instance must keep going through the failure.
+    group.submit("steady", prompts[1], _greedy(40), _plan([(9, [0])]))
+    deadline = time.monotonic() + TIMEOUT_S
+    while "steady" not in outputs.seen and time.monotonic() < deadline:
+        rid, item = outputs.items.get(timeout=TIMEOUT_S)
+        outputs.seen.setdefault(rid, []).append(item)
+    assert not isinstance(outputs.seen["steady"][0], BaseException)
+    # Instance 1 runs chunk 1 alone, then waits in chunk 2's ring for instance 0, which is
+    # stopped: it is mid-chunk for certain when it is killed.
+    keeper, victim = group.procs[0], group.procs[1]
+    os.kill(keeper.pid, signal.SIGSTOP)
+    try:
+        group.submit("doomed", prompts[0], _greedy(4), _plan([(20, [1]), (20, [1, 0])]))
+        time.sleep(1.0)
+        victim.kill()
+        doomed = outputs.collect({"doomed"})["doomed"]
+    finally:
+        os.kill(keeper.pid, signal.SIGCONT)
+    assert isinstance(doomed, GroupFailure)
+    assert "prefill instance 1 (rank 1) exited" in str(doomed)
+    rest = outputs.collect({"steady"})
+    assert len(rest["steady"]) == 40
+    # Plans naming the dead instance are refused; the rest of the pool still serves.
+    with pytest.raises(GroupFailure, match="prefill instance 1 is down"):
+        group.submit("again", prompts[0], _greedy(4), _plan([(40, [1])]))
+    group.submit("after", prompts[0], _greedy(4), _plan([(40, [0])]))
+    assert outputs.collect({"after"})["after"] == expected[0]
+    loads = {(i.role, i.index): i for i in group.instances()}
+    assert loads[("prefill", 1)].queued_seconds >= 1e9
+
+
+@pytest.mark.slow
+def test_smollm2_long_prompt_over_growing_groups_gives_one_process_tokens(
+    smollm2_path: Path,
+    tetris_factory: Callable[..., tuple[TetrisGroup, Outputs]],
+) -> None:
+    """SmolLM2 (9 heads, 3 KV heads), a prompt of several hundred tokens in two chunks on
+    growing groups (1 -> 2 instances), decode on a TP-1 instance: the one-process tokens."""
+    ids = _prompts([300], vocab=49152, seed=11)[0]
+    small = {"kv_cache_bytes": 64 << 20, "max_model_len": 512}
+    engine = start_engine(EngineConfig(model=str(smollm2_path), **{**ENGINE, **small}))
+    try:
+        expected = engine.generate([ids], _greedy(8))[0].token_ids
+    finally:
+        engine.shutdown()
+    group, outputs = tetris_factory(
+        smollm2_path, {"prefill_instances": 2, "decode_instances": 1}, max_model_len=512
+    )
+    group.submit("long", ids, _greedy(8), _plan([(128, [1]), (172, [1, 0])]))
+    assert outputs.collect({"long"})["long"] == expected

@@ -1,0 +1,183 @@
+"""A Tetris decode instance's side of the hand-off (Tetris §4.2, Fig. 7): requests whose prompt
+the prefill pool computes, admitted into continuous batching once all their KV has landed.
+
+On the instance's leader, ``DecodeAdmission`` takes each request out of the scheduler's queue as
+soon as the engine has accepted it (the instance never prefills: its steps are decode-only),
+gives it KV blocks for its prompt at once (so what is in transfer is already reserved: §5.2's
+virtual usage), turns every granted piece into a plan section, and, when the last piece has
+landed, puts the request into the running batch with all but its last prompt token computed.
+The first decode step then computes that token's row (the same KV the pool sent for it) and
+samples the first output token with the request's own sampling state, so the first token obeys
+every sampling parameter exactly as the rest do.
+
+On every rank of the instance, ``ReceiveHook`` posts the receives a plan's section names, before
+the plan's forward pass, and writes the rows into the rank's paged cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from gearshift.worker.comm import CommGroup
+from gearshift.worker.engine.model_runner import ModelRunner
+from gearshift.worker.engine.plan import StepPlan
+from gearshift.worker.engine.scheduler import Scheduler
+from gearshift.worker.engine.sequence import FinishReason, Sequence, SequenceStatus
+from gearshift.worker.errors import InvalidRequestError
+from gearshift.worker.kv.block_manager import BlockManager
+from gearshift.worker.policies.tetris.handoff import receive_piece
+
+log = logging.getLogger(__name__)
+
+SECTION = "tetris_receive"  # [pieces, then per piece: src rank, rows, blocks, block ids...]
+
+
+def encode_pieces(pieces: list[tuple[int, int, list[int]]]) -> torch.Tensor:
+    """The plan section for ``pieces`` of (source rank, rows, block ids)."""
+    flat = [len(pieces)]
+    for src, rows, block_ids in pieces:
+        flat += [src, rows, len(block_ids), *block_ids]
+    return torch.tensor(flat, dtype=torch.int64)
+
+
+def decode_pieces(section: torch.Tensor) -> list[tuple[int, int, list[int]]]:
+    values = section.tolist()
+    out, i = [], 1
+    for _ in range(values[0]):
+        src, rows, n = values[i : i + 3]
+        out.append((src, rows, values[i + 3 : i + 3 + n]))
+        i += 3 + n
+    return out
+
+
+@dataclass
+class ReceiveHook:
+    """Every decode rank: the plan's pieces, received before its forward pass (``world``: the
+    group's global ranks). A piece that fails (its sender died mid-send) is recorded, and the
+    step goes on so the instance's ranks stay in step."""
+
+    world: CommGroup
+    failed_sources: list[int] = field(default_factory=list)
+
+    def before_step(self, runner: ModelRunner, plan: StepPlan) -> None:
+        section = plan.section(SECTION)
+        if section is None:
+            return
+        for src, rows, block_ids in decode_pieces(section):
+            try:
+                receive_piece(src, rows, self.world, runner.kv_caches, block_ids)
+            except RuntimeError as exc:
+                log.error("KV piece from rank %d failed: %s", src, str(exc).splitlines()[0])
+                self.failed_sources.append(src)
+
+    def close(self) -> None:
+        return None
+
+
+@dataclass
+class _Incoming:
+    seq: Sequence
+    pieces: int
+    landed: int = 0
+
+
+@dataclass
+class DecodeAdmission:
+    """A decode instance leader's requests in transfer (see the module docstring)."""
+
+    scheduler: Scheduler
+    blocks: BlockManager
+    hook: ReceiveHook | None = None
+    incoming: dict[str, _Incoming] = field(default_factory=dict)
+    _queued: list[tuple[str, int, int, int]] = field(default_factory=list)  # rid, src, rows, piece
+    _submitted: list[tuple[str, int, int, int]] = field(default_factory=list)
+    _landed: list[tuple[str, int]] = field(default_factory=list)  # (rid, piece), to report
+    _failed: list[tuple[str, str]] = field(default_factory=list)  # (rid, why), to report
+    admitted: int = 0
+
+    def expect(self, request_id: str, pieces: int) -> None:
+        """The engine has just queued ``request_id``: take it from the queue and reserve its
+        prompt's blocks (raises InvalidRequestError, releasing everything, if they do not fit)."""
+        seq = next((s for s in self.scheduler.waiting if s.request_id == request_id), None)
+        if seq is None:
+            raise InvalidRequestError("request_id", f"{request_id!r} is not queued here")
+        self.scheduler.waiting.remove(seq)
+        if not self.blocks.allocate(seq.blocks, seq.num_prompt_tokens):
+            self.scheduler.finish(seq, FinishReason.ERROR)
+            raise InvalidRequestError(
+                "prompt",
+                f"the decode instance has no room for the prompt's {seq.num_prompt_tokens} "
+                "tokens of KV now",
+            )
+        self.incoming[request_id] = _Incoming(seq, pieces)
+
+    def receive(self, request_id: str, src: int, rows: int, piece: int) -> None:
+        """A granted piece: its receive goes into the next plan."""
+        if request_id in self.incoming:
+            self._queued.append((request_id, src, rows, piece))
+
+    def abort(self, request_id: str) -> None:
+        """Forget a request in transfer and free its blocks (no-op if admitted or unknown)."""
+        entry = self.incoming.pop(request_id, None)
+        if entry is not None:
+            self.scheduler.finish(entry.seq, FinishReason.ABORT)
+        self._queued = [q for q in self._queued if q[0] != request_id]
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._queued or self._landed or self._failed)
+
+    def plan_sections(self) -> dict[str, torch.Tensor]:
+        if not self._queued:
+            return {}
+        self._submitted, self._queued = self._queued, []
+        return {
+            SECTION: encode_pieces(
+                [
+                    (src, rows, self.incoming[rid].seq.blocks.block_ids)
+                    for rid, src, rows, _ in self._submitted
+                ]
+            )
+        }
+
+    def step_submitted(self) -> None:
+        """The plan's receives ran on this rank: count the pieces, admit complete requests."""
+        submitted, self._submitted = self._submitted, []
+        failed = set(self.hook.failed_sources) if self.hook is not None else set()
+        if self.hook is not None:
+            self.hook.failed_sources.clear()
+        for rid, src, _, piece in submitted:
+            entry = self.incoming.get(rid)
+            if entry is None:
+                continue
+            if src in failed:
+                self.incoming.pop(rid)
+                self.scheduler.finish(entry.seq, FinishReason.ERROR)
+                self._failed.append((rid, f"the KV transfer from prefill rank {src} failed"))
+                continue
+            entry.landed += 1
+            self._landed.append((rid, piece))
+            if entry.landed == entry.pieces:
+                self._admit(self.incoming.pop(rid).seq)
+
+    def _admit(self, seq: Sequence) -> None:
+        """Into the running batch: the prompt's KV is all here; its last token runs as the
+        first decode row (see the module docstring)."""
+        seq.num_computed_tokens = seq.num_prompt_tokens - 1
+        seq.status = SequenceStatus.RUNNING
+        seq.first_scheduled_time = time.monotonic()
+        self.scheduler.running.append(seq)
+        self.admitted += 1
+
+    def take_reports(self) -> tuple[list[tuple[str, int]], list[tuple[str, str]]]:
+        landed, self._landed = self._landed, []
+        failed, self._failed = self._failed, []
+        return landed, failed
+
+    def reserved_rows(self) -> int:
+        """Prompt rows of requests still in transfer (their blocks are held: virtual usage)."""
+        return sum(e.seq.num_prompt_tokens for e in self.incoming.values())

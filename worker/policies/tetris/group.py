@@ -1,0 +1,710 @@
+"""A running Tetris group on one host: its rank processes and the control that joins them
+(Tetris §3.2 topology, §4.1 CDSP execution, §4.2 hand-off with handshake).
+
+Every rank is a process of this host in one torch.distributed group whose store this (the
+calling) process hosts. The caller talks to each prefill instance and to each decode instance's
+leader over a pipe; this module is that caller's side (``TetrisGroup``) and the ranks' loops.
+
+A request goes like this:
+
+1. ``submit``: the plan (the router's, or one chunk over the whole pool) is checked; the chosen
+   decode instance is told to expect the request (its engine checks it like any request and
+   reserves the prompt's KV blocks); the decode instance's ``ReceiveManager`` (kept here, on its
+   behalf) is announced the pieces; every member of the plan's last group gets the request, in
+   one global order, so rings on shared members never cross.
+2. A member runs the chunks it is in (``run_chunk_plan``); then, for each piece of its rows (at
+   most a transfer buffer each), it says "ready" and waits. A handshake thread here asks the
+   decode instance's manager for a slot (granted in first-handshake order, bounded wait), tells
+   the decode leader to receive the piece in its next step, and lets the member send.
+3. The decode leader reports each landed piece (the slot frees); with the last one it admits the
+   request into its running batch, and its outputs stream back through here.
+
+Failure: a request fails alone when its plan cannot finish (a member died, a transfer timed out,
+its decode instance refused it): its waiting handshakes are aborted, its reserved blocks freed.
+A dead prefill instance is reported with a queue of ``DEAD_QUEUE_S`` so planners avoid it, and
+plans that name it are refused; decode instances keep serving. A dead decode rank ends the group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gearshift.v1 import worker_pb2
+from gearshift.worker.config import EngineConfig
+from gearshift.worker.engine.control import SHUTDOWN, STEP, ControlChannel
+from gearshift.worker.engine.llm_engine import EngineStats, InstanceLoad
+from gearshift.worker.engine.outputs import RequestOutput
+from gearshift.worker.errors import GroupFailure, InvalidRequestError
+from gearshift.worker.launch.group_config import GroupConfig
+from gearshift.worker.launch.host import bind_rank_cores, die_with_parent, set_threads, usable_cores
+from gearshift.worker.launch.leader import _check, _engine
+from gearshift.worker.launch.processes import rank_context, start_rank, stop_processes
+from gearshift.worker.launch.rank import device_for, setup_rank
+from gearshift.worker.launch.replica_rank import ReplicaExecutor
+from gearshift.worker.policies.tetris.chunked_prefill import (
+    PlannedChunk,
+    check_plan,
+    rows_after,
+    run_chunk_plan,
+)
+from gearshift.worker.policies.tetris.handoff import send_piece
+from gearshift.worker.policies.tetris.policy import TetrisPolicy
+from gearshift.worker.policies.tetris.rebalance import Holding
+from gearshift.worker.policies.tetris.transfer import ReceiveManager, TransferError
+from gearshift.worker.sampling.params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+DEAD_QUEUE_S = 1e9  # a dead prefill instance's reported queue: no planner picks it
+IDLE_WAIT_S = 0.005
+Deliver = Callable[[str, RequestOutput | BaseException], None]
+
+
+def pieces_of(rows: dict[int, int], row_bytes: int, buffer_bytes: int) -> dict[int, list[tuple]]:
+    """Each member's rows cut into runs of at most ``buffer_bytes`` (one row at least): the
+    pieces it hands over, each after its own handshake (§4.2: a backend's buffer bounds a
+    transfer)."""
+    per = max(1, buffer_bytes // max(1, row_bytes))
+    return {
+        m: [(start, min(per, n - start)) for start in range(0, n, per)]
+        for m, n in rows.items()
+        if n
+    }
+
+
+# ---- the rank processes ---------------------------------------------------------------------
+
+
+def _next(conn: Any, stash: list[Any], cancelled: set[str], want: str) -> Any:
+    """The next message of kind ``want`` (or "cancel" for it / "stop"); others wait in
+    ``stash`` for the main loop."""
+    while True:
+        msg = conn.recv()
+        if msg[0] == "cancel":
+            cancelled.add(msg[1])
+            return msg
+        if msg[0] in (want, "stop"):
+            return msg
+        stash.append(msg)
+
+
+def _pool_loop(state: Any, policy: TetrisPolicy, conn: Any, rank: int) -> None:
+    gear = state.model.gears[0]
+    model, world = gear.model, state.model.extra["world"]
+    pool = type(world)(policy.prefill, rank, tuple(range(policy.prefill)), world.group)
+    scale = model.config.head_dim**-0.5
+    stash: list[Any] = []
+    cancelled: set[str] = set()
+    while True:
+        msg = stash.pop(0) if stash else conn.recv()
+        if msg[0] == "stop":
+            return
+        if msg[0] == "cancel":
+            cancelled.add(msg[1])
+            continue
+        if msg[0] != "prefill":
+            continue
+        _, rid, ids, chunks, mine, receivers = msg
+        plan = [PlannedChunk(n, tuple(g)) for n, g in chunks]
+        started = time.perf_counter()
+        try:
+            result = run_chunk_plan(model, pool, plan, torch.tensor(ids, dtype=torch.int64), scale)
+        except Exception as exc:  # noqa: BLE001 - a ring peer died or the plan broke: it fails
+            conn.send(("failed", rid, f"prefill instance {rank}: {str(exc).splitlines()[0]}"))
+            continue
+        conn.send(("prefilled", rid, time.perf_counter() - started))
+        holding = result.holding
+        for i, (start, count) in enumerate(mine):
+            if rid in cancelled:
+                break
+            conn.send(("ready", rid, i))
+            reply = _next(conn, stash, cancelled, "go")
+            if reply[0] == "stop":
+                return
+            if reply[0] == "cancel":
+                break
+            rows = Holding(
+                holding.kv[start : start + count], holding.positions[start : start + count]
+            )
+            try:
+                send_piece(rows, receivers, world)
+            except Exception as exc:  # noqa: BLE001 - a decode rank is gone: this request fails
+                conn.send(("failed", rid, f"prefill instance {rank}: {str(exc).splitlines()[0]}"))
+                break
+        cancelled.discard(rid)
+
+
+def _decode_loop(engine: Any, policy: TetrisPolicy, conn: Any, block_size: int) -> None:
+    admission = policy.admission
+    assert admission is not None
+    stopping = False
+    while True:
+        busy = engine.has_unfinished_requests() or admission.has_work
+        while conn.poll(0 if busy else IDLE_WAIT_S):
+            cmd = conn.recv()
+            kind = cmd[0]
+            if kind == "expect":
+                _, rid, ids, params, pieces = cmd
+                try:
+                    engine.add_request(rid, ids, params)
+                    admission.expect(rid, pieces)
+                except InvalidRequestError as exc:
+                    engine.abort_request(rid)
+                    conn.send(("refused", rid, exc.field, exc.message))
+            elif kind == "receive":
+                admission.receive(*cmd[1:])
+            elif kind == "abort":
+                engine.abort_request(cmd[1])
+                admission.abort(cmd[1])
+            elif kind == "snapshot":
+                conn.send(("snapshot", engine.stats(), admission.reserved_rows(), block_size))
+            elif kind == "stop":
+                stopping = True
+            busy = engine.has_unfinished_requests() or admission.has_work
+        if busy:
+            for out in engine.step():
+                conn.send(("out", out))
+            landed, failed = admission.take_reports()
+            for rid, piece in landed:
+                conn.send(("landed", rid, piece))
+            for rid, why in failed:
+                engine.abort_request(rid)
+                conn.send(("xfailed", rid, why))
+            continue
+        if stopping and not admission.incoming:
+            return
+        engine.keepalive()
+
+
+def _follow(runner: Any, channel: ControlChannel) -> None:
+    while True:
+        kind, plan = channel.recv()
+        if kind == SHUTDOWN:
+            break
+        if kind == STEP and plan is not None:
+            runner.execute(plan)
+    runner.flush()
+    runner.shutdown()
+
+
+def tetris_rank_main(
+    config: EngineConfig,
+    policy: TetrisPolicy,
+    group: GroupConfig,
+    rank: int,
+    port: int,
+    conn: Any,
+    cores: Sequence[int],
+) -> None:
+    """One rank's process: a prefill instance, a decode instance's leader (its engine) or one
+    of its other ranks."""
+    die_with_parent()
+    role, index, t = policy.role(rank)
+    name = f"{role} {index}" + (f" rank {t}" if role == "decode" and policy.decode_tp > 1 else "")
+    logging.basicConfig(level=logging.WARNING, format=f"{name} %(levelname)s %(name)s: %(message)s")
+    world = policy.world_size
+    set_threads(config, group, world)
+    bind_rank_cores(config, group, world, rank, cores)
+    try:
+        store = group.join_store(world, port)
+        device = device_for(config, rank)
+        timeout = timedelta(seconds=group.timeout_s)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        state = setup_rank(config, policy, rank, device, timeout)
+        control = policy.instance_control(rank, timeout)
+        channel = (
+            None
+            if control is None
+            else ControlChannel(control, keepalive_interval=min(5.0, group.timeout_s / 4))
+        )
+        if role == "prefill":
+            conn.send(("ready", {"num_blocks": state.num_blocks}))
+            _pool_loop(state, policy, conn, rank)
+            conn.send(("closed", {}))
+        elif t == 0:
+            executor = ReplicaExecutor(state.runner, None, index, channel)
+            engine = _engine(config, policy, state, executor)
+            conn.send(
+                ("ready", {"num_blocks": state.num_blocks, "max_model_len": engine.max_model_len})
+            )
+            _decode_loop(engine, policy, conn, config.block_size)
+            leaked = engine.blocks.leaked_blocks()
+            free = engine.blocks.num_free_blocks == engine.blocks.num_blocks
+            engine.shutdown()
+            conn.send(("closed", {"leaked_blocks": len(leaked), "all_free": free}))
+        else:
+            assert channel is not None
+            _follow(state.runner, channel)
+        # No world barrier: a dead prefill instance must not keep the others from ending.
+        os._exit(0)
+    except Exception as exc:  # any failure ends this rank, loudly
+        log.exception("%s failed", name)
+        print(f"gearshift tetris group: {name} failed: {exc}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+# ---- the caller's side ----------------------------------------------------------------------
+
+
+@dataclass
+class _Request:
+    decode: int
+    members: tuple[int, ...]  # every pool member of the plan
+    pieces: dict[int, list[tuple]]  # member -> its pieces
+    planned_s: float
+    submitted: float
+    landed: int = 0
+    total: int = 0
+    prefilled: int = 0
+    done: bool = False  # in the decode instance's hands (or failed)
+
+
+@dataclass
+class TransferStats:
+    """The hand-off's figures (§4.2), for stats and metrics."""
+
+    prefills: int = 0
+    prefill_seconds: float = 0.0
+    planned_seconds: float = 0.0
+    waits: int = 0
+    wait_seconds: float = 0.0
+    failed: int = 0
+
+
+@dataclass
+class TetrisGroup:
+    """The calling process's handle on a running Tetris group (see the module docstring)."""
+
+    policy: TetrisPolicy
+    procs: list[Any]
+    pool_conns: list[Any]
+    decode_conns: list[Any]
+    store: Any
+    timeout_s: float
+    deliver: Deliver
+    row_bytes: int = 0
+    max_model_len: int = 0
+    managers: list[ReceiveManager] = field(default_factory=list)
+    transfer: TransferStats = field(default_factory=TransferStats)
+    snapshots: list[tuple[EngineStats, int, int] | None] = field(default_factory=list)
+    dead_pool: dict[int, str] = field(default_factory=dict)
+    closed: bool = False
+    dead: str | None = None
+    _requests: dict[str, _Request] = field(default_factory=dict)
+    _lock: threading.RLock = field(default_factory=threading.RLock)
+    _send_locks: dict[int, threading.Lock] = field(default_factory=dict)
+    _handshakes: list[queue.Queue[Any]] = field(default_factory=list)
+    _threads: list[threading.Thread] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _rr: int = 0
+
+    # ---- pipes --------------------------------------------------------------------------
+
+    def _send(self, conn: Any, message: tuple[Any, ...]) -> None:
+        lock = self._send_locks.setdefault(id(conn), threading.Lock())
+        with lock, contextlib.suppress(OSError, BrokenPipeError):
+            conn.send(message)
+
+    def start_threads(self) -> None:
+        self.managers = [
+            ReceiveManager(int(self.policy.message.transfer_backends))
+            for _ in range(self.policy.decode)
+        ]
+        self.snapshots = [None] * self.policy.decode
+        self._handshakes = [queue.Queue() for _ in self.pool_conns]
+        self._threads = [threading.Thread(target=self._read, name="tetris-reader", daemon=True)]
+        self._threads += [
+            threading.Thread(target=self._handshake, args=(m,), name=f"tetris-hs-{m}", daemon=True)
+            for m in range(len(self.pool_conns))
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def default_plan(self, prompt_tokens: int) -> worker_pb2.TetrisPlan:
+        """No router plan: one chunk over every live prefill instance, the decode instance with
+        the fewest requests (WorkerGenerateRequest.tetris_plan)."""
+        live = [m for m in range(self.policy.prefill) if m not in self.dead_pool]
+        with self._lock:
+            load = [0] * self.policy.decode
+            for req in self._requests.values():
+                load[req.decode] += 1
+        for d, snap in enumerate(self.snapshots):
+            if snap is not None:
+                load[d] += snap[0].num_running
+        decode = min(range(self.policy.decode), key=load.__getitem__)
+        plan = worker_pb2.TetrisPlan(decode_instance=decode)
+        plan.chunks.add(num_tokens=prompt_tokens, prefill_instances=live)
+        return plan
+
+    def submit(
+        self,
+        rid: str,
+        ids: list[int],
+        params: SamplingParams,
+        plan: worker_pb2.TetrisPlan | None,
+    ) -> None:
+        """Start a request (raises InvalidRequestError for a plan the group cannot run, or
+        GroupFailure when the plan names a dead prefill instance); its outputs come through
+        ``deliver``."""
+        if self.closed:
+            raise GroupFailure(self.dead or "the tetris group is shutting down")
+        if params.prompt_logprobs is not None:
+            raise InvalidRequestError(
+                "prompt_logprobs",
+                "prompt_logprobs: the tetris policy's prefill pool computes no prompt logits",
+            )
+        if not ids:
+            raise InvalidRequestError("prompt", "prompt is empty")
+        plan = plan if plan is not None else self.default_plan(len(ids))
+        chunks = [PlannedChunk(c.num_tokens, tuple(c.prefill_instances)) for c in plan.chunks]
+        try:
+            check_plan(chunks, len(ids), self.policy.prefill)
+        except ValueError as exc:
+            raise InvalidRequestError("tetris_plan", f"tetris_plan: {exc}") from exc
+        d = plan.decode_instance
+        if d >= self.policy.decode:
+            raise InvalidRequestError(
+                "tetris_plan.decode_instance",
+                f"tetris_plan.decode_instance {d}: this group has {self.policy.decode} decode "
+                "instances, numbered from 0",
+            )
+        dead = sorted(set(chunks[-1].group) & set(self.dead_pool))
+        if dead:
+            raise GroupFailure(f"prefill instance {dead[0]} is down: {self.dead_pool[dead[0]]}")
+        pieces = pieces_of(
+            rows_after(chunks), self.row_bytes, int(self.policy.message.transfer_buffer_bytes)
+        )
+        req = _Request(d, chunks[-1].group, pieces, plan.planned_prefill_seconds, time.monotonic())
+        req.total = sum(len(p) for p in pieces.values())
+        with self._lock:
+            if rid in self._requests:
+                raise InvalidRequestError("request_id", f"request id {rid!r} is already running")
+            self._requests[rid] = req
+            self.managers[d].announce(rid, req.total, len(ids))
+            receivers = tuple(self.policy.decode_ranks(d))
+            self._send(self.decode_conns[d], ("expect", rid, ids, params, req.total))
+            wire = [(c.length, c.group) for c in chunks]
+            for m in req.members:  # in one global order: rings on shared members never cross
+                self._send(
+                    self.pool_conns[m], ("prefill", rid, ids, wire, pieces.get(m, []), receivers)
+                )
+
+    def abort(self, rid: str) -> bool:
+        with self._lock:
+            req = self._requests.pop(rid, None)
+        if req is None:
+            return False
+        self._release(rid, req)
+        return True
+
+    def _release(self, rid: str, req: _Request) -> None:
+        """Whatever ``rid`` holds: its handshakes, its pieces, its decode blocks."""
+        self.managers[req.decode].abort(rid)
+        for m in req.members:
+            self._send(self.pool_conns[m], ("cancel", rid))
+        self._send(self.decode_conns[req.decode], ("abort", rid))
+
+    def _fail(self, rid: str, exc: BaseException) -> None:
+        with self._lock:
+            req = self._requests.pop(rid, None)
+        if req is None:
+            return
+        self.transfer.failed += 1
+        self._release(rid, req)
+        self.deliver(rid, exc)
+
+    # ---- the threads --------------------------------------------------------------------
+
+    def _handshake(self, m: int) -> None:
+        """Pool member ``m``'s pieces: a slot from the decode instance's manager, then go."""
+        while not self._stop.is_set():
+            try:
+                rid, piece = self._handshakes[m].get(timeout=0.2)
+            except queue.Empty:
+                continue
+            with self._lock:
+                req = self._requests.get(rid)
+            if req is None:
+                self._send(self.pool_conns[m], ("cancel", rid))
+                continue
+            started = time.monotonic()
+            try:
+                self.managers[req.decode].acquire(rid, self.timeout_s)
+            except TransferError as exc:
+                self._send(self.pool_conns[m], ("cancel", rid))
+                self._fail(rid, GroupFailure(f"KV transfer: {exc}"))
+                continue
+            waited = time.monotonic() - started
+            self.transfer.waits += 1
+            self.transfer.wait_seconds += waited
+            _, count = req.pieces[m][piece]
+            self._send(self.decode_conns[req.decode], ("receive", rid, m, count, piece))
+            self._send(self.pool_conns[m], ("go", rid, piece))
+
+    def _read(self) -> None:
+        conns = {id(c): ("pool", i) for i, c in enumerate(self.pool_conns)}
+        conns |= {id(c): ("decode", i) for i, c in enumerate(self.decode_conns)}
+        live = list(self.pool_conns) + list(self.decode_conns)
+        next_stats = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now >= next_stats:
+                next_stats = now + 0.25
+                for decode in self.decode_conns:
+                    self._send(decode, ("snapshot",))
+            try:
+                ready: list[Any] = wait(live, timeout=0.1)
+            except OSError:
+                ready = []
+            for conn in ready:
+                role, i = conns[id(conn)]
+                try:
+                    while conn.poll():
+                        msg = conn.recv()
+                        if role == "pool":
+                            self._from_pool(i, msg)
+                        else:
+                            self._from_decode(i, msg)
+                except (EOFError, OSError):
+                    live.remove(conn)
+            self._check_procs(live)
+
+    def _from_pool(self, m: int, msg: tuple[Any, ...]) -> None:
+        kind, rid = msg[0], str(msg[1])
+        if kind == "ready":
+            self._handshakes[m].put((rid, msg[2]))
+        elif kind == "prefilled":
+            with self._lock:
+                req = self._requests.get(rid)
+                if req is not None:
+                    req.prefilled += 1
+                    if req.prefilled == 1:
+                        self.transfer.prefills += 1
+                        self.transfer.prefill_seconds += msg[2]
+                        self.transfer.planned_seconds += req.planned_s
+        elif kind == "failed":
+            self._fail(rid, GroupFailure(msg[2]))
+
+    def _from_decode(self, d: int, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "out":
+            out: RequestOutput = msg[1]
+            if out.finished:
+                with self._lock:
+                    self._requests.pop(out.request_id, None)
+            self.deliver(out.request_id, out)
+        elif kind == "landed":
+            rid = msg[1]
+            with contextlib.suppress(KeyError, TransferError):
+                self.managers[d].landed(rid)
+            with self._lock:
+                req = self._requests.get(rid)
+                if req is not None:
+                    req.landed += 1
+                    req.done = req.landed == req.total
+        elif kind == "refused":
+            _, rid, fieldname, message = msg
+            self._fail(rid, InvalidRequestError(fieldname, message))
+        elif kind == "xfailed":
+            self._fail(msg[1], GroupFailure(msg[2]))
+        elif kind == "snapshot":
+            self.snapshots[d] = (msg[1], msg[2], msg[3])
+
+    def _check_procs(self, live: list[Any]) -> None:
+        if self.closed:
+            return
+        for rank, proc in enumerate(self.procs):
+            if proc.is_alive():
+                continue
+            role, index, _ = self.policy.role(rank)
+            why = f"{role} instance {index} (rank {rank}) exited with code {proc.exitcode}"
+            if role == "decode":
+                self._die(f"tetris group: {why}; the group cannot serve without it")
+                return
+            if index in self.dead_pool:
+                continue
+            log.error("%s", why)
+            self.dead_pool[index] = why
+            with contextlib.suppress(ValueError):
+                live.remove(self.pool_conns[index])
+            with self._lock:
+                hit = [
+                    rid for rid, r in self._requests.items() if index in r.members and not r.done
+                ]
+            for rid in hit:
+                self._fail(rid, GroupFailure(f"{why} during this request's prefill"))
+
+    def _die(self, why: str) -> None:
+        log.error("%s", why)
+        self.dead = why
+        with self._lock:
+            rids = list(self._requests)
+        for rid in rids:
+            self._fail(rid, GroupFailure(why))
+        self.kill()
+
+    # ---- stats --------------------------------------------------------------------------
+
+    def instances(self) -> list[InstanceLoad]:
+        """The planner's view (§5.1–5.2): each prefill instance's queue T_k (the planned end of
+        the requests it still has), each decode instance's KV room, reservations and batch."""
+        now = time.monotonic()
+        out = []
+        with self._lock:
+            reqs = list(self._requests.values())
+        for m in range(self.policy.prefill):
+            if m in self.dead_pool:
+                queued = DEAD_QUEUE_S
+            else:
+                ends = [
+                    r.submitted + r.planned_s - now
+                    for r in reqs
+                    if m in r.members and r.prefilled == 0
+                ]
+                queued = max([0.0, *ends])
+            out.append(InstanceLoad("prefill", m, queued, 0, 0, 0))
+        for d, snap in enumerate(self.snapshots):
+            if snap is None:
+                out.append(InstanceLoad("decode", d, 0.0, 0, 0, 0))
+                continue
+            stats, reserved, block = snap
+            # Slots not held by admitted requests (InstanceStats): the blocks reserved for
+            # requests in transfer are reported apart, as virtual usage.
+            free = (stats.kv_blocks_total - stats.kv_blocks_used) * block + reserved
+            out.append(InstanceLoad("decode", d, 0.0, free, reserved, stats.num_running))
+        return out
+
+    def stats(self) -> dict[str, float]:
+        t = self.transfer
+        waiting = sum(m.waiting_handshakes for m in self.managers)
+        return {
+            "prefills": float(t.prefills),
+            "prefill_seconds_sum": t.prefill_seconds,
+            "planned_prefill_seconds_sum": t.planned_seconds,
+            "transfer_waits": float(t.waits),
+            "transfer_wait_seconds_sum": t.wait_seconds,
+            "handshake_queue": float(waiting),
+            "transfer_slots_free": float(sum(m.free_slots for m in self.managers)),
+            "requests_failed": float(t.failed),
+            "prefill_instances_down": float(len(self.dead_pool)),
+        }
+
+    # ---- ending -------------------------------------------------------------------------
+
+    def shutdown(self) -> list[dict[str, Any]]:
+        """Stop every instance; what each decode instance reported about its KV blocks."""
+        if self.closed:
+            return []
+        self._stop.set()
+        for t in self._threads:
+            t.join(5)
+        reports = []
+        for m, conn in enumerate(self.pool_conns):
+            if m not in self.dead_pool:
+                self._send(conn, ("stop",))
+        for conn in self.decode_conns:
+            self._send(conn, ("stop",))
+        deadline = time.monotonic() + self.timeout_s
+        for conn in self.decode_conns:
+            while time.monotonic() < deadline:
+                try:
+                    if conn.poll(0.05):
+                        msg = conn.recv()
+                        if msg[0] == "closed":
+                            reports.append(msg[1])
+                            break
+                except (EOFError, OSError):
+                    break
+        self.closed = True
+        stop_processes(self.procs, timeout=10)
+        for conn in self.pool_conns + self.decode_conns:
+            conn.close()
+        self.store = None
+        return reports
+
+    def kill(self) -> None:
+        self.closed = True
+        self._stop.set()
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        stop_processes(self.procs, timeout=10)
+        self.store = None
+
+
+def start_tetris(
+    config: EngineConfig, policy: TetrisPolicy, group: GroupConfig, deliver: Deliver
+) -> TetrisGroup:
+    """Spawn the group's ranks on this host and wait until each has loaded."""
+    world = policy.world_size
+    _check(config, policy, group)
+    store = group.host_store(world)
+    port = int(store.port)
+    ctx = rank_context()
+    cores = usable_cores()
+    procs: list[Any] = []
+    pool_conns: list[Any] = []
+    decode_conns: list[Any] = []
+    for rank in range(world):
+        role, index, t = policy.role(rank)
+        parent, child = ctx.Pipe() if role == "prefill" or t == 0 else (None, None)
+        procs.append(
+            start_rank(
+                ctx,
+                tetris_rank_main,
+                (config, policy, group, rank, port, child, cores),
+                f"gs-{role[0]}{index}" + (f"r{t}" if t else ""),
+            )
+        )
+        if child is not None:
+            child.close()
+            (pool_conns if role == "prefill" else decode_conns).append(parent)
+    handle = TetrisGroup(policy, procs, pool_conns, decode_conns, store, group.timeout_s, deliver)
+    try:
+        ready = [_await_ready(handle, conn) for conn in pool_conns + decode_conns]
+    except BaseException:
+        handle.kill()
+        raise
+    handle.max_model_len = int(ready[-1]["max_model_len"])
+    from gearshift.worker.engine.loading import inspect_model
+
+    spec, source = inspect_model(config, torch.device("cpu"))
+    source.close()
+    cfg = spec.config
+    heads = math.ceil(cfg.num_kv_heads / policy.decode_tp)
+    handle.row_bytes = cfg.num_layers * 2 * heads * cfg.head_dim * spec.dtype.itemsize
+    handle.start_threads()
+    return handle
+
+
+def _await_ready(handle: TetrisGroup, conn: Any) -> dict[str, Any]:
+    deadline = time.monotonic() + handle.timeout_s
+    while time.monotonic() < deadline:
+        if conn.poll(0.1):
+            msg = conn.recv()
+            if msg[0] == "ready":
+                return msg[1]
+        for rank, proc in enumerate(handle.procs):
+            if not proc.is_alive():
+                raise GroupFailure(
+                    f"tetris group: rank {rank} exited with code {proc.exitcode} while loading"
+                )
+    raise GroupFailure(f"tetris group: not loaded within {handle.timeout_s} s")
