@@ -96,8 +96,8 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, ...]:
         kinds = {k.strip() for k in args.policies.split(",")}
         if kinds - set(MODELLED_KINDS):
             raise ValueError(
-                f"--policies: {sorted(kinds - set(MODELLED_KINDS))} have no simulated cost yet "
-                f"({', '.join(MODELLED_KINDS)})"
+                f"--policies: {sorted(kinds - set(MODELLED_KINDS))} are not policy kinds the "
+                f"simulator runs ({', '.join(MODELLED_KINDS)})"
             )
     if args.sidp_context < 1:
         raise ValueError("--sidp-context: must be >= 1")

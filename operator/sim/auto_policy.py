@@ -135,13 +135,6 @@ def kinds_of(auto: policy_pb2.AutoPolicy) -> set[str]:
     if unknown:
         real = [k for k in policy_fields.POLICY_KINDS if k != "auto"]
         raise AutoError(where, f"{unknown} are not policy kinds ({', '.join(real)})")
-    unmodelled = sorted(kinds - set(MODELLED_KINDS))
-    if unmodelled:
-        raise AutoError(
-            where,
-            f"{unmodelled} have no simulated cost yet; the planner chooses among "
-            f"{', '.join(MODELLED_KINDS)}",
-        )
     return kinds
 
 

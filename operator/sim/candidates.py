@@ -11,15 +11,17 @@ its layers), with replicas filling the devices.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from gearshift.operator.sim.hardware import Hardware, with_count
 from gearshift.operator.sim.model_desc import ModelDesc
 from gearshift.operator.sim.replica import ReplicaConfig, SimHooks, StepAsk
+from gearshift.operator.sim.results import SimResult
 from gearshift.operator.sim.roofline import Layout, LayoutError, RooflineCost, check
 from gearshift.operator.sim.sidp_cost import SidpCost, rank_bytes
+from gearshift.operator.sim.trace import TraceRequest
 from gearshift.worker.engine.contract import pipeline_share
 
 MEMORY_UTILIZATION = 0.9  # of each device's memory for weights and KV (vLLM's default)
@@ -55,6 +57,9 @@ class Candidate:
     step_request: StepAsk | None = None  # the policy's say before each step
     notes: dict[str, Any] = field(default_factory=dict)
     hooks: Callable[[], SimHooks] | None = None  # a policy that drives its own steps
+    # A deployment that is not replicas behind the router's rule (Tetris: a prefill pool and
+    # decode instances): simulates a whole trace itself; ``cost``/``config`` describe its engines.
+    run: Callable[[Sequence[TraceRequest]], SimResult] | None = None
 
 
 Source = Callable[[ModelDesc, Hardware, PlanSettings], list[Candidate]]
@@ -194,13 +199,88 @@ def _seesaw_candidates(model: ModelDesc, hw: Hardware, s: PlanSettings) -> list[
     return out
 
 
+def _tetris_candidates(model: ModelDesc, hw: Hardware, s: PlanSettings) -> list[Candidate]:
+    """Tetris groups filling one node (tetris_sim.py): P TP-1 prefill instances (each holds the
+    whole model) and D decode instances of TP T, P + D·T = the node's devices, P >= 2; the
+    pool's Eq. (1) models are fitted to the roofline and go into the rendered policy."""
+    # Imported here: the decode admission imports torch, which `gearshift plan` otherwise avoids.
+    from gearshift.operator.planner.cdsp import PlannerRules, sp_sizes
+    from gearshift.operator.sim import tetris_models
+    from gearshift.operator.sim.tetris_sim import TetrisGroupSim, simulate_groups
+
+    node = hw.devices_per_node
+    if hw.count % node or model.weight_bytes() >= hw.device.memory_bytes * s.memory_utilization:
+        return []  # a prefill instance of TP 1 must hold the whole model
+    fitted: dict[int, Any] = {}
+    out = []
+    for tp in range(1, node):
+        if model.heads % tp or model.kv_heads % tp:
+            continue
+        tokens = kv_tokens(model, with_count(hw, tp), 1 / tp, tp, s)
+        blocks = tokens // s.block_size
+        if blocks * s.block_size < max(s.max_num_batched_tokens, s.max_model_len):
+            continue
+        for decode in range(1, node // tp + 1):
+            prefill = node - decode * tp
+            if prefill < 2:
+                continue
+            sizes = sp_sizes(prefill, True)
+            for sp in sizes:
+                if sp not in fitted:
+                    fitted[sp] = tetris_models.fit(model, hw, sp)
+            rules = PlannerRules({sp: fitted[sp] for sp in sizes}, 1024, 4)
+            link = hw.link(node)
+            group = TetrisGroupSim(
+                prefill,
+                decode,
+                rules,
+                0.3,  # the policy's default improvement rate
+                _config(blocks, s),
+                RooflineCost(
+                    model, with_count(hw, tp), Layout("tp", tp) if tp > 1 else Layout("one")
+                ),
+                model.kv_bytes_per_token(),
+                link.bandwidth,
+                link.latency,
+                per_node=node,
+            )
+            groups = hw.count // node
+            policy = {
+                "tetris": {
+                    "prefillInstances": prefill,
+                    "decodeInstances": decode,
+                    "decodeTp": tp,
+                    "latencyModels": [
+                        {"sp": m.sp, "a": m.a, "b": m.b, "c": m.c, "d": m.d}
+                        for m in (fitted[sp] for sp in sizes)
+                    ],
+                }
+            }
+            out.append(
+                Candidate(
+                    f"tetris{prefill}p{decode}x{tp}" + (f"x{groups}" if groups > 1 else ""),
+                    "tetris",
+                    policy,
+                    node,
+                    groups * decode,
+                    group.decode_cost,
+                    group.config,
+                    tokens * decode,
+                    notes={"groups": groups, "prefill_instances": prefill},
+                    run=functools.partial(simulate_groups, groups, group),
+                )
+            )
+    return out
+
+
 SOURCES: dict[str, Source] = {
     "static+shift": _layout_candidates,
     "sidp": _sidp_candidates,
     "seesaw": _seesaw_candidates,
+    "tetris": _tetris_candidates,
 }
-# The policy kinds some source simulates (the others have no simulated cost yet).
-MODELLED_KINDS: tuple[str, ...] = ("static", "shift", "sidp", "seesaw")
+# The policy kinds some source simulates.
+MODELLED_KINDS: tuple[str, ...] = ("static", "shift", "sidp", "seesaw", "tetris")
 
 
 def enumerate_candidates(

@@ -96,7 +96,8 @@ def simulate_point(
         stages=candidate.stages,
         hooks=candidate.hooks,
     )
-    result = simulate(deployment, traffic.trace(rate))
+    trace = traffic.trace(rate)
+    result = candidate.run(trace) if candidate.run is not None else simulate(deployment, trace)
     point: dict[str, Any] = {"rate": rate, "declared": math.isclose(rate, traffic.rate)}
     point.update(result.summary() if result.requests else {"requests": 0})
     point["rejected"] = len(result.rejected)

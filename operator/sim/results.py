@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gearshift.operator.sim.replica import RequestTimes
+from gearshift.operator.sim.replica import RequestTimes, SimReplica
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,20 @@ class SimResult:
     steps: list[int]
     busy_s: list[float]
     preemptions: int
+
+    @staticmethod
+    def of(
+        done: list[RequestTimes], rejected: list[tuple[int, str]], replicas: list[SimReplica]
+    ) -> SimResult:
+        """The result of a run whose engines were ``replicas`` (requests put in trace order)."""
+        done.sort(key=lambda r: int(r.request_id[1:]))
+        return SimResult(
+            requests=done,
+            rejected=rejected,
+            steps=[r.steps for r in replicas],
+            busy_s=[r.busy_s for r in replicas],
+            preemptions=sum(r.scheduler.num_preemptions for r in replicas),
+        )
 
     @property
     def makespan(self) -> float:

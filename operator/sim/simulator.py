@@ -110,11 +110,4 @@ def simulate(deployment: Deployment, trace: Sequence[TraceRequest]) -> SimResult
             f"replicas {leaked} cannot run their requests: a request needs more KV blocks than "
             f"the replica has ({deployment.config.num_blocks} of {deployment.config.block_size})"
         )
-    done.sort(key=lambda r: int(r.request_id[1:]))
-    return SimResult(
-        requests=done,
-        rejected=rejected,
-        steps=[r.steps for r in replicas],
-        busy_s=[r.busy_s for r in replicas],
-        preemptions=sum(r.scheduler.num_preemptions for r in replicas),
-    )
+    return SimResult.of(done, rejected, replicas)

@@ -136,7 +136,7 @@ def test_the_stored_choice_is_reused_until_an_input_changes() -> None:
         ({"model": None}, "spec.policy.auto.model", "required"),
         ({"traffic": None}, "spec.policy.auto.traffic", "required"),
         ({"gpu": "A100"}, "spec.policy.auto.gpu", "'A100' is not a device"),
-        ({"policies": ["tetris"]}, "spec.policy.auto.policies", "no simulated cost yet"),
+        ({"policies": ["bogus"]}, "spec.policy.auto.policies", "not policy kinds"),
         ({"policies": ["auto"]}, "spec.policy.auto.policies", "not policy kinds"),
         ({"goodput": "ttft:fast"}, "spec.policy.auto.goodput", "ttft must be a number"),
         ({"model": {"hiddenSize": 4096}}, "spec.policy.auto.model", "missing"),
@@ -201,6 +201,7 @@ def test_the_example_resolves_to_a_layout_the_engine_runs() -> None:
     assert {c["name"] for c in chosen.status["considered"]} == {
         *("tp8", "sp8", "pp8", "shift8"),
         *("sidp1x8", "sidp2x4", "sidp4x2", "seesaw8"),
+        *(f"tetris{8 - d * t}p{d}x{t}" for t in (1, 2, 4) for d in range(1, 8) if 8 - d * t >= 2),
     }
     assert policy_fields.layout_errors(spec.policy, spec.group.ranks) == []
     assert chosen.status["predicted"]["kvTokens"] > 0

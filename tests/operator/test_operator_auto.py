@@ -159,7 +159,7 @@ def test_auto_plans_renders_reports_and_replans_on_a_traffic_change(
 @pytest.mark.parametrize(
     ("change", "reason"),
     [
-        ({"policies": ["tetris"]}, "SpecPolicyAutoPolicies"),
+        ({"policies": ["bogus"]}, "SpecPolicyAutoPolicies"),
         ({"gpu": "A100"}, "SpecPolicyAutoGpu"),
     ],
 )

@@ -78,9 +78,17 @@ def test_every_legal_layout_is_a_candidate_and_its_policy_is_one_the_operator_ac
     want |= {"sidp1x2x4", "sidp1x4x2", "sidp1x8", "sidp2x2x2", "sidp2x4", "sidp4x2"}
     # Seesaw PP G prefill -> TP G decode on one node (tests/sim/test_seesaw_sim.py).
     want |= {"seesaw2x4", "seesaw4x2", "seesaw8"}
+    # Tetris P prefill + D decode instances of TP T on the node, P >= 2 (test_tetris_sim.py).
+    want |= {f"tetris{8 - d * t}p{d}x{t}" for t in (1, 2, 4) for d in range(1, 8) if 8 - d * t >= 2}
     assert names == want
     for c in cands:
-        engines = c.policy["sidp"]["dp"] if c.kind == "sidp" else 1
+        engines = (
+            c.policy["sidp"]["dp"]
+            if c.kind == "sidp"
+            else c.policy["tetris"]["decodeInstances"]
+            if c.kind == "tetris"
+            else 1
+        )
         assert c.gpus_per_group * c.replicas == 8 * engines
         parse_policy(c.policy)  # raises on anything the CRD would refuse
     # KV capacity follows the weights each rank keeps: TP 8 holds more KV than Shift 8 (which
@@ -148,7 +156,7 @@ def test_gearshift_plan_writes_table_json_and_png(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     data = json.loads(out.read_text())
     assert {c["name"] for c in data["candidates"]} >= {"tp8", "sp8", "shift8", "onex8"}
-    assert len(data["candidates"]) == 22 and data["rates"] == [2.0, 4.0]
+    assert len(data["candidates"]) == 32 and data["rates"] == [2.0, 4.0]  # 10 of them Tetris
     assert data["recommended"] in {c["name"] for c in data["candidates"]}
     assert f"recommended: {data['recommended']}" in done.stdout
     assert png.stat().st_size > 10_000
@@ -162,7 +170,7 @@ def test_gearshift_plan_writes_table_json_and_png(tmp_path: Path) -> None:
         (["--hardware", "8xH200", "--rate", "1", "--goodput", "ttft:x"], "goodput"),
         (["--hardware", "8xH200", "--rate", "1", "--prompt-len", "wiki"], "--prompt-len"),
         (["--hardware", "8xH200", "--rate", "1", "--rates", "1,a"], "--rates"),
-        (["--hardware", "8xH200", "--rate", "1", "--policies", "tetris"], "--policies"),
+        (["--hardware", "8xH200", "--rate", "1", "--policies", "bogus"], "--policies"),
     ],
 )
 def test_gearshift_plan_refuses_bad_flags_naming_them(args: list[str], flag: str) -> None:

@@ -1,0 +1,213 @@
+"""A Tetris group in simulated time (issue 16, item 1; Tetris §3.2, §4–5): the router's planner
+on the prefill pool, the KV hand-off, and decode instances that run the engine's own admission.
+
+* **Prefill pool.** Each arrival is planned by the real planner (``operator/planner``:
+  Algorithm 1 with the improvement rate, over the pool's queues advanced by Eq. (2)), with Eq. (1)
+  models fitted to the roofline (``tetris_models.py``); its prefill ends at the plan's TTFT (the
+  planner's own estimate, queueing included), and the plan's chunks are booked on the pool.
+* **Decode placement** by the planner's ``DecodePlacer`` (freeness rate with virtual usage,
+  §5.2) over each decode instance's free slots, batch and requests in transfer.
+* **Hand-off** (§4.2): the request's KV over the intra-node link from the last group's members in
+  parallel, after its prefill ends.
+* **Decode instances** are simulated replicas (``replica.SimReplica``) whose leader is the
+  engine's own ``DecodeAdmission`` (``worker/policies/tetris/decode.py``): the request's prompt
+  blocks are reserved when it is placed, the landed KV is a receive step, the request then joins
+  continuous batching with its last prompt token as its first decode row, as in the engine.
+
+Not modelled: transfer-slot contention (``transferBackends`` defaults to one slot per prefill
+instance, so the handshake never queues), history rebalancing (it overlaps compute, §4.1).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gearshift.operator.planner.cdsp import PlannerRules, plan_request
+from gearshift.operator.planner.decode_placement import DecodeLoad, DecodePlacer, Placement
+from gearshift.operator.planner.instance_pool import Pool
+from gearshift.operator.sim.cost_model import StepCost
+from gearshift.operator.sim.events import EventLoop
+from gearshift.operator.sim.replica import ReplicaConfig, RequestTimes, SimReplica
+from gearshift.operator.sim.results import SimResult
+from gearshift.operator.sim.trace import TraceRequest
+from gearshift.worker.engine.contract import QueueView, StepKind, StepRequest
+from gearshift.worker.engine.scheduler import ScheduledBatch, Scheduler
+from gearshift.worker.errors import InvalidRequestError
+from gearshift.worker.kv.block_manager import BlockManager
+from gearshift.worker.policies.tetris.decode import DecodeAdmission
+
+RECEIVE_STEP_S = 1e-6  # a step that only lands KV (its copy is priced as the hand-off)
+
+
+class DecodeHooks:
+    """A decode instance's leader in simulated time: the engine's ``DecodeAdmission`` under
+    the engine's call order (``step_request``, schedule, ``plan_sections`` /
+    ``step_submitted``)."""
+
+    def __init__(self, cost: StepCost) -> None:
+        self.cost = cost
+        self.admission: DecodeAdmission | None = None
+        self._receiving = False
+
+    def bind(self, scheduler: Scheduler, blocks: BlockManager) -> None:
+        self.admission = DecodeAdmission(scheduler, blocks)
+
+    def step_request(self, queues: QueueView) -> StepRequest:
+        del queues
+        return StepRequest(StepKind.DECODE)
+
+    def held(self) -> frozenset[str]:
+        return frozenset()
+
+    def step_time(self, batch: ScheduledBatch) -> tuple[float, int]:
+        assert self.admission is not None
+        self._receiving = bool(self.admission.plan_sections())
+        if batch.is_empty:
+            return (RECEIVE_STEP_S if self._receiving else 0.0), 1
+        return self.cost.step_time(batch), 1
+
+    def step_submitted(self) -> None:
+        assert self.admission is not None
+        self.admission.step_submitted()
+        self.admission.take_reports()
+
+    def micro_batches(self) -> int:
+        return 1
+
+
+@dataclass(frozen=True)
+class TetrisGroupSim:
+    """One Tetris group: ``prefill`` TP-1 instances planned with ``rules``, ``decode`` instances
+    of ``config`` priced by ``decode_cost``; ``kv_bytes_per_token`` and ``link`` price the
+    hand-off (bytes / bandwidth + latency)."""
+
+    prefill: int
+    decode: int
+    rules: PlannerRules
+    improvement_rate: float
+    config: ReplicaConfig
+    decode_cost: StepCost
+    kv_bytes_per_token: float
+    link_bandwidth: float
+    link_latency: float
+    per_node: int = 8
+    placement: Placement = Placement.FREENESS
+
+    def handoff_s(self, tokens: int, senders: int) -> float:
+        return tokens * self.kv_bytes_per_token / senders / self.link_bandwidth + self.link_latency
+
+
+def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> SimResult:
+    """Every request of ``trace`` through one Tetris group; deterministic."""
+    loop = EventLoop()
+    decodes = [
+        SimReplica(i, group.config, group.decode_cost, hooks=DecodeHooks(group.decode_cost))
+        for i in range(group.decode)
+    ]
+    placer = DecodePlacer(group.placement)
+    pool = Pool.uniform([0.0] * group.prefill, group.per_node)
+    pool_at = 0.0
+    done: list[RequestTimes] = []
+    rejected: list[tuple[int, str]] = []
+    limit = group.config.max_model_len
+    block = group.config.block_size
+    waking: set[int] = set()
+
+    def admission(rep: SimReplica) -> DecodeAdmission:
+        hooks = rep.hooks
+        assert isinstance(hooks, DecodeHooks) and hooks.admission is not None
+        return hooks.admission
+
+    def start(rep: SimReplica) -> None:
+        finish = rep.launch(loop.now)
+        if finish is not None:
+            loop.at(finish, functools.partial(end, rep))
+
+    def end(rep: SimReplica) -> None:
+        for rid, _, finished in rep.finish_step(loop.now):
+            if finished:
+                done.append(rep.times.pop(rid))
+        start(rep)
+
+    def wake(rep: SimReplica) -> None:
+        waking.discard(rep.index)
+        if rep.idle:
+            start(rep)
+
+    def land(rep: SimReplica, rid: str, tokens: int) -> None:
+        admission(rep).receive(rid, 0, tokens, 0)
+        if rep.idle and rep.index not in waking:
+            waking.add(rep.index)
+            loop.at(loop.now, functools.partial(wake, rep))
+
+    def arrive(index: int, req: TraceRequest) -> None:
+        nonlocal pool, pool_at
+        if req.prompt_tokens + req.output_tokens > limit:
+            rejected.append(
+                (index, f"{req.prompt_tokens} + {req.output_tokens} tokens exceed {limit}")
+            )
+            return
+        loads = []
+        for rep in decodes:
+            adm = admission(rep)
+            free = rep.blocks.num_free_blocks * block
+            loads.append(DecodeLoad(free, len(rep.scheduler.running) + len(adm.incoming)))
+        slots = req.prompt_tokens + req.output_tokens
+        d = placer.choose(loads, slots)
+        if d is None:
+            rejected.append((index, f"no decode instance has {slots} free KV slots"))
+            return
+        rid = f"r{index}"
+        rep = decodes[d]
+        rep.add(rid, loop.now, req.prompt_tokens, req.output_tokens)
+        try:
+            admission(rep).expect(rid, 1)
+        except InvalidRequestError as exc:
+            rep.times.pop(rid)
+            rejected.append((index, str(exc)))
+            return
+        pool = pool.advance(loop.now - pool_at)
+        pool_at = loop.now
+        plan = plan_request(req.prompt_tokens, pool, group.rules, group.improvement_rate)
+        pool = pool.commit((c.group, c.end) for c in plan.chunks)
+        senders = len(plan.chunks[-1].group)
+        landed = loop.now + plan.ttft + group.handoff_s(req.prompt_tokens, senders)
+        loop.at(landed, functools.partial(land, rep, rid, req.prompt_tokens))
+
+    for i, req in enumerate(trace):
+        loop.at(req.arrival_s, functools.partial(arrive, i, req))
+    loop.run()
+    return SimResult.of(done, rejected, decodes)
+
+
+def simulate_groups(groups: int, group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> SimResult:
+    """``groups`` identical Tetris groups, the arrivals dealt to them in turn (the router's
+    round of groups)."""
+    parts = [simulate_tetris(group, trace[g::groups]) for g in range(groups)]
+    if groups == 1:
+        return parts[0]
+    requests: list[RequestTimes] = []
+    rejected: list[tuple[int, str]] = []
+    for g, part in enumerate(parts):
+        for r in part.requests:
+            index = int(r.request_id[1:]) * groups + g
+            requests.append(_renamed(r, f"r{index}"))
+        rejected += [(i * groups + g, why) for i, why in part.rejected]
+    requests.sort(key=lambda r: int(r.request_id[1:]))
+    return SimResult(
+        requests=requests,
+        rejected=rejected,
+        steps=[s for p in parts for s in p.steps],
+        busy_s=[b for p in parts for b in p.busy_s],
+        preemptions=sum(p.preemptions for p in parts),
+    )
+
+
+def _renamed(r: RequestTimes, rid: str) -> RequestTimes:
+    out: Any = RequestTimes(
+        rid, r.arrival, r.prompt_tokens, r.output_tokens, r.replica, r.token_times, r.preemptions
+    )
+    return out

@@ -1,0 +1,183 @@
+"""Tetris in the simulator (issue 16; Tetris §3.2, §4–5): the router's planner on the prefill
+pool, the hand-off, and decode instances whose leader is the engine's own DecodeAdmission."""
+
+from __future__ import annotations
+
+import pytest
+
+from gearshift.operator.planner.cdsp import PlannerRules, plan_request
+from gearshift.operator.planner.instance_pool import Pool
+from gearshift.operator.sim import hardware, model_desc
+from gearshift.operator.sim.candidates import PlanSettings, enumerate_candidates
+from gearshift.operator.sim.planning import plan_deployment, simulate_point
+from gearshift.operator.sim.replica import ReplicaConfig
+from gearshift.operator.sim.roofline import Layout, RooflineCost
+from gearshift.operator.sim.tetris_sim import (
+    RECEIVE_STEP_S,
+    TetrisGroupSim,
+    simulate_groups,
+    simulate_tetris,
+)
+from gearshift.operator.sim.trace import TraceRequest
+from gearshift.operator.sim.traffic import Traffic
+from gearshift.worker.policies.registry import make_policy
+
+LLAMA_8B = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "torch_dtype": "bfloat16",
+}
+
+
+def _model() -> model_desc.ModelDesc:
+    return model_desc.from_config(LLAMA_8B, "8b")
+
+
+def _candidates() -> list:
+    settings = PlanSettings(max_model_len=131072)
+    return enumerate_candidates(_model(), hardware.preset("8xH200"), settings, {"tetris"})
+
+
+def test_candidates_fill_the_node_and_render_a_policy_the_engine_takes() -> None:
+    cands = _candidates()
+    names = {c.name for c in cands}
+    assert {"tetris7p1x1", "tetris4p1x4", "tetris4p2x2"} <= names
+    assert "tetris0p1x8" not in names and all(c.gpus_per_group == 8 for c in cands)
+    for c in cands:
+        policy = make_policy(c.policy, 8)  # refuses a layout or field the engine cannot run
+        msg = policy.message
+        assert msg.prefill_instances + msg.decode_instances * msg.decode_tp == 8
+        assert msg.prefill_instances >= 2
+        # The fitted Eq. (1) models go along, one per SP size the planner may pick.
+        assert sorted(m.sp for m in msg.latency_models) == [
+            s for s in (1, 2, 4, 8) if s <= msg.prefill_instances
+        ]
+    # 70B in bf16 does not fit one GPU: no TP-1 prefill instance, so no Tetris candidate.
+    big = model_desc.from_config(
+        {**LLAMA_8B, "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
+         "intermediate_size": 28672},
+        "70b",
+    )  # fmt: skip
+    assert enumerate_candidates(big, hardware.preset("8xH100"), PlanSettings(), {"tetris"}) == []
+
+
+def _group(prefill: int = 4) -> TetrisGroupSim:
+    model, hw = _model(), hardware.preset("8xH200")
+    cand = next(c for c in _candidates() if c.name == f"tetris{prefill}p1x4")
+    msg = make_policy(cand.policy, 8).message
+    from gearshift.operator.planner.latency_model import LatencyModel
+
+    rules = PlannerRules(
+        {m.sp: LatencyModel(m.sp, m.a, m.b, m.c, m.d) for m in msg.latency_models}, 1024, 4
+    )
+    link = hw.link(8)
+    return TetrisGroupSim(
+        prefill,
+        1,
+        rules,
+        0.3,
+        ReplicaConfig(num_blocks=20000, block_size=16, max_model_len=131072),
+        RooflineCost(model, hardware.with_count(hw, 4), Layout("tp", 4)),
+        model.kv_bytes_per_token(),
+        link.bandwidth,
+        link.latency,
+    )
+
+
+def test_one_request_gets_its_first_token_one_decode_step_after_the_hand_off() -> None:
+    group = _group()
+    trace = [TraceRequest(arrival_s=1.0, prompt_tokens=8000, output_tokens=3)]
+    result = simulate_tetris(group, trace)
+    (req,) = result.requests
+    plan = plan_request(8000, Pool.uniform([0.0] * 4, 8), group.rules, 0.3)
+    landed = plan.ttft + group.handoff_s(8000, len(plan.chunks[-1].group))
+    # The landing is a receive-only step, then the last prompt token runs as a decode row.
+    first_decode = group.decode_cost.step_time(_decode_batch(8000))
+    assert req.ttft == pytest.approx(landed + RECEIVE_STEP_S + first_decode, rel=1e-9)
+    assert len(req.token_times) == 3 and result.rejected == []
+
+
+def _decode_batch(context: int):
+    from gearshift.worker.engine.scheduler import ScheduledBatch
+    from gearshift.worker.engine.sequence import Sequence
+
+    seq = Sequence("x", [0] * context, params=None, max_tokens=1)  # type: ignore[arg-type]
+    seq.num_computed_tokens = context - 1
+    batch = ScheduledBatch()
+    batch.decodes.append(seq)
+    return batch
+
+
+def test_every_request_finishes_with_no_block_held_and_groups_split_the_trace() -> None:
+    group = _group()
+    trace = Traffic.from_mapping(
+        {"rate": 3, "prompt": {"preset": "tetris-medium"}, "output": {"fixed": 32},
+         "requests": 60}
+    ).trace()  # fmt: skip
+    one = simulate_tetris(group, trace)
+    assert len(one.requests) + len(one.rejected) == 60 and len(one.requests) > 50
+    assert all(len(r.token_times) == r.output_tokens for r in one.requests)
+    two = simulate_groups(2, group, trace)
+    assert len(two.requests) + len(two.rejected) == 60
+    assert [r.request_id for r in two.requests] == sorted(
+        (r.request_id for r in two.requests), key=lambda rid: int(rid[1:])
+    )
+    # Half the load per group: no request waits longer than on one group.
+    assert max(r.ttft for r in two.requests) <= max(r.ttft for r in one.requests) + 1e-9
+
+
+def test_a_higher_load_queues_the_pool() -> None:
+    group = _group()
+
+    def mean_ttft(rate: float) -> float:
+        trace = Traffic.from_mapping(
+            {"rate": rate, "prompt": {"preset": "tetris-long"}, "output": {"fixed": 8},
+             "requests": 40}
+        ).trace()  # fmt: skip
+        done = simulate_tetris(group, trace).requests
+        return sum(r.ttft for r in done) / len(done)
+
+    assert mean_ttft(2.0) > 1.5 * mean_ttft(0.05)
+
+
+def test_disaggregated_decode_keeps_tpot_below_colocated_tp_under_long_prompts() -> None:
+    """Tetris §2.4: decode instances never share a step with a prefill, so the time per output
+    token stays at decode speed where a colocated TP 8 group interleaves long prefills."""
+    cands = {
+        c.name: c
+        for c in enumerate_candidates(
+            _model(), hardware.preset("8xH200"), PlanSettings(max_model_len=131072)
+        )
+    }
+    traffic = Traffic.from_mapping(
+        {"rate": 1.5, "prompt": {"preset": "tetris-long"}, "output": {"fixed": 64},
+         "requests": 60}
+    )  # fmt: skip
+    tetris = simulate_point(cands["tetris4p1x4"], traffic, 1.5, None)
+    tp8 = simulate_point(cands["tp8"], traffic, 1.5, None)
+    assert tetris["tpot_p99_s"] < tp8["tpot_p99_s"]
+
+
+def test_plan_compares_tetris_with_the_other_policies() -> None:
+    traffic = Traffic.from_mapping(
+        {"rate": 2, "prompt": {"preset": "tetris-short"}, "output": {"fixed": 16},
+         "requests": 30}
+    )  # fmt: skip
+    report = plan_deployment(
+        _model(),
+        hardware.preset("8xH200"),
+        traffic,
+        rates=[2.0],
+        settings=PlanSettings(max_model_len=131072),
+        kinds={"tetris", "static"},
+        only=lambda c: c.name in ("tp8", "tetris4p1x4", "tetris6p1x2"),
+    )
+    data = report.to_json()
+    assert {c["name"] for c in data["candidates"]} == {"tp8", "tetris4p1x4", "tetris6p1x2"}
+    assert data["recommended"] in {"tp8", "tetris4p1x4", "tetris6p1x2"}
+    tetris = next(c for c in data["candidates"] if c["name"] == "tetris4p1x4")
+    assert tetris["policy"]["tetris"]["decodeTp"] == 4
