@@ -427,7 +427,8 @@ class TetrisGroup:
             req = self._requests.pop(rid, None)
         if req is None:
             return
-        self.transfer.failed += 1
+        with self._lock:
+            self.transfer.failed += 1
         self._release(rid, req)
         self.deliver(rid, exc)
 
@@ -452,9 +453,9 @@ class TetrisGroup:
                 self._send(self.pool_conns[m], ("cancel", rid))
                 self._fail(rid, GroupFailure(f"KV transfer: {exc}"))
                 continue
-            waited = time.monotonic() - started
-            self.transfer.waits += 1
-            self.transfer.wait_seconds += waited
+            with self._lock:
+                self.transfer.waits += 1
+                self.transfer.wait_seconds += time.monotonic() - started
             _, count = req.pieces[m][piece]
             self._send(self.decode_conns[req.decode], ("receive", rid, m, count, piece))
             self._send(self.pool_conns[m], ("go", rid, piece))
