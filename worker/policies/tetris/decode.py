@@ -83,6 +83,7 @@ class _Incoming:
     seq: Sequence
     pieces: int
     landed: int = 0
+    aborted: bool = False  # its blocks free once the receives already granted have run
 
 
 @dataclass
@@ -116,16 +117,22 @@ class DecodeAdmission:
         self.incoming[request_id] = _Incoming(seq, pieces)
 
     def receive(self, request_id: str, src: int, rows: int, piece: int) -> None:
-        """A granted piece: its receive goes into the next plan."""
-        if request_id in self.incoming:
-            self._queued.append((request_id, src, rows, piece))
+        """A granted piece: its receive goes into the next plan. Its sender is already sending,
+        so a piece of a request this instance no longer holds is still received (and dropped):
+        no sender is ever left blocked."""
+        self._queued.append((request_id, src, rows, piece))
 
     def abort(self, request_id: str) -> None:
-        """Forget a request in transfer and free its blocks (no-op if admitted or unknown)."""
-        entry = self.incoming.pop(request_id, None)
-        if entry is not None:
-            self.scheduler.finish(entry.seq, FinishReason.ABORT)
-        self._queued = [q for q in self._queued if q[0] != request_id]
+        """Forget a request in transfer and free its blocks (no-op if admitted or unknown); a
+        granted piece still to be received keeps them until it has landed."""
+        entry = self.incoming.get(request_id)
+        if entry is None:
+            return
+        if any(q[0] == request_id for q in self._queued + self._submitted):
+            entry.aborted = True
+            return
+        del self.incoming[request_id]
+        self.scheduler.finish(entry.seq, FinishReason.ABORT)
 
     @property
     def has_work(self) -> bool:
@@ -135,14 +142,11 @@ class DecodeAdmission:
         if not self._queued:
             return {}
         self._submitted, self._queued = self._queued, []
-        return {
-            SECTION: encode_pieces(
-                [
-                    (src, rows, self.incoming[rid].seq.blocks.block_ids)
-                    for rid, src, rows, _ in self._submitted
-                ]
-            )
-        }
+        pieces = []
+        for rid, src, rows, _ in self._submitted:
+            entry = self.incoming.get(rid)
+            pieces.append((src, rows, entry.seq.blocks.block_ids if entry is not None else []))
+        return {SECTION: encode_pieces(pieces)}
 
     def step_submitted(self) -> None:
         """The plan's receives ran on this rank: count the pieces, admit complete requests."""
@@ -153,6 +157,11 @@ class DecodeAdmission:
         for rid, src, _, piece in submitted:
             entry = self.incoming.get(rid)
             if entry is None:
+                continue  # received and dropped
+            if entry.aborted:
+                if not any(q[0] == rid for q in self._queued):
+                    del self.incoming[rid]
+                    self.scheduler.finish(entry.seq, FinishReason.ABORT)
                 continue
             if src in failed:
                 self.incoming.pop(rid)

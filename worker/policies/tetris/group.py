@@ -90,14 +90,16 @@ def pieces_of(rows: dict[int, int], row_bytes: int, buffer_bytes: int) -> dict[i
 # ---- the rank processes ---------------------------------------------------------------------
 
 
-def _next(conn: Any, stash: list[Any], cancelled: set[str], want: str) -> Any:
-    """The next message of kind ``want`` (or "cancel" for it / "stop"); others wait in
-    ``stash`` for the main loop."""
+def _next(conn: Any, stash: list[Any], cancelled: set[str], want: str, rid: str) -> Any:
+    """The next message of kind ``want``, a "cancel" of ``rid``, or "stop"; other requests'
+    cancels are noted in ``cancelled`` and other messages wait in ``stash`` for the main loop."""
     while True:
         msg = conn.recv()
         if msg[0] == "cancel":
             cancelled.add(msg[1])
-            return msg
+            if msg[1] == rid:
+                return msg
+            continue
         if msg[0] in (want, "stop"):
             return msg
         stash.append(msg)
@@ -133,7 +135,7 @@ def _pool_loop(state: Any, policy: TetrisPolicy, conn: Any, rank: int) -> None:
             if rid in cancelled:
                 break
             conn.send(("ready", rid, i))
-            reply = _next(conn, stash, cancelled, "go")
+            reply = _next(conn, stash, cancelled, "go", rid)
             if reply[0] == "stop":
                 return
             if reply[0] == "cancel":
@@ -457,8 +459,15 @@ class TetrisGroup:
                 self.transfer.waits += 1
                 self.transfer.wait_seconds += time.monotonic() - started
             _, count = req.pieces[m][piece]
-            self._send(self.decode_conns[req.decode], ("receive", rid, m, count, piece))
-            self._send(self.pool_conns[m], ("go", rid, piece))
+            with self._lock:
+                # Under the lock: an abort either came first (then no go) or comes after the
+                # decode instance has the receive (which it runs before freeing the blocks).
+                if rid not in self._requests:
+                    self.managers[req.decode].abort(rid)
+                    self._send(self.pool_conns[m], ("cancel", rid))
+                    continue
+                self._send(self.decode_conns[req.decode], ("receive", rid, m, count, piece))
+                self._send(self.pool_conns[m], ("go", rid, piece))
 
     def _read(self) -> None:
         conns = {id(c): ("pool", i) for i, c in enumerate(self.pool_conns)}

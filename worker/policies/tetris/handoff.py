@@ -140,7 +140,8 @@ def receive_piece(
     src: int, rows: int, comm: CommGroup, kv_cache: list[LayerKV], block_ids: list[int]
 ) -> None:
     """A decode rank's side of one piece: ``rows`` rows of its heads from ``src`` (a rank of
-    ``comm``), written into its paged ``kv_cache`` at the request's slots (``block_ids``)."""
+    ``comm``), written into its paged ``kv_cache`` at the request's slots (``block_ids``; empty:
+    received and dropped, for a request the instance no longer holds)."""
     k_cache = kv_cache[0][0]
     local_heads, block_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     kv = torch.empty((rows, len(kv_cache), 2, local_heads, head_dim), dtype=k_cache.dtype)
@@ -152,6 +153,8 @@ def receive_piece(
     for work in works:
         if work is not None:
             work.wait()
+    if not block_ids:
+        return
     if rows and int(pos.max()) >= len(block_ids) * block_size:
         raise ValueError(f"position {int(pos.max())} lies beyond the request's blocks")
     table = torch.tensor(block_ids, dtype=torch.int64)

@@ -187,6 +187,46 @@ def test_bad_plans_are_refused_naming_the_field(
     assert len(outputs.collect({"ok"})["ok"]) == 3
 
 
+def test_aborts_at_any_point_of_the_hand_off_leave_nothing_behind(
+    tiny_checkpoint: Callable[..., Path],
+    tetris_factory: Callable[..., tuple[TetrisGroup, Outputs]],
+) -> None:
+    """Requests aborted while queued, computing, handshaking or mid-transfer (one slot, pieces
+    of two rows: many handshakes each): no slot or block stays held (the fixture checks), no
+    member is left blocked in a send, and the group serves the next request exactly."""
+    folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=2)
+    prompts = _prompts([40, 33, 27, 36, 21, 30], seed=9)
+    expected = _reference(folder, prompts[:1], 5)
+    group, outputs = tetris_factory(
+        folder,
+        {
+            "prefill_instances": 2,
+            "decode_instances": 1,
+            "decode_tp": 2,
+            "transfer_backends": 1,
+            "transfer_buffer_bytes": 2 * 2 * 2 * 1 * 8 * 4,
+        },
+    )
+    for i, ids in enumerate(prompts):
+        group.submit(
+            f"a{i}",
+            ids,
+            _greedy(5),
+            _plan([(len(ids) // 2, [i % 2]), (len(ids) - len(ids) // 2, [i % 2, 1 - i % 2])]),
+        )
+    aborted = 0
+    for i in range(len(prompts)):
+        time.sleep(0.03 * i)
+        aborted += group.abort(f"a{i}")
+    assert aborted >= 1
+    deadline = time.monotonic() + TIMEOUT_S
+    while any(m.in_transfer or m.free_slots != m.slots for m in group.managers):
+        assert time.monotonic() < deadline, "a transfer slot stayed held"
+        time.sleep(0.05)
+    group.submit("after", prompts[0], _greedy(5), _plan([(40, [1, 0])]))
+    assert outputs.collect({"after"})["after"] == expected[0]
+
+
 def test_a_killed_prefill_instance_fails_its_requests_and_decode_keeps_serving(
     tiny_checkpoint: Callable[..., Path],
     tetris_factory: Callable[..., tuple[TetrisGroup, Outputs]],
