@@ -665,6 +665,14 @@ def start_tetris(
 ) -> TetrisGroup:
     """Spawn the group's ranks on this host and wait until each has loaded."""
     world = policy.world_size
+    if torch.device(config.device).type != "cpu":
+        # The pool's prompts, Holdings and hand-off buffers are host tensors: the NCCL path of
+        # the ring and the hand-off is not built.
+        raise InvalidRequestError(
+            "device",
+            f"the tetris policy runs on CPU (gloo) in this engine; device {config.device!r} is "
+            "not supported yet",
+        )
     _check(config, policy, group)
     store = group.host_store(world)
     port = int(store.port)

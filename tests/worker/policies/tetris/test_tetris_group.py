@@ -159,6 +159,17 @@ def test_chunk_plans_hand_over_to_a_tp2_decode_instance_with_one_process_tokens(
     assert group.managers[0].grants  # granted in first-handshake order (transfer.py's tests)
 
 
+def test_a_gpu_device_is_refused_before_any_rank_starts(
+    tiny_checkpoint: Callable[..., Path],
+) -> None:
+    folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=2)
+    config = EngineConfig(model=str(folder), **{**ENGINE, "device": "cuda"})
+    policy = make_policy({"tetris": {"prefill_instances": 2, "decode_instances": 1}})
+    with pytest.raises(InvalidRequestError) as info:
+        start_tetris(config, policy, GroupConfig(timeout_s=TIMEOUT_S), Outputs())  # type: ignore[arg-type]
+    assert info.value.field == "device"
+
+
 def test_bad_plans_are_refused_naming_the_field(
     tiny_checkpoint: Callable[..., Path],
     tetris_factory: Callable[..., tuple[TetrisGroup, Outputs]],
