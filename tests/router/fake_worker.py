@@ -89,7 +89,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                         prompt_tokens=len(request.prompt_token_ids), completion_tokens=i + 1
                     ),
                 )
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # A cancelled call ends the generator either inside the sleep (CancelledError) or
+            # while it is suspended at a yield (GeneratorExit, when grpc closes it).
             self.cancelled.append(request.request_id)
             raise
 
