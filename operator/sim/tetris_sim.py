@@ -20,10 +20,10 @@ instance, so the handshake never queues), history rebalancing (it overlaps compu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from gearshift.operator.planner.cdsp import PlannerRules, plan_request
 from gearshift.operator.planner.decode_placement import DecodeLoad, DecodePlacer, Placement
@@ -50,7 +50,6 @@ class DecodeHooks:
     def __init__(self, cost: StepCost) -> None:
         self.cost = cost
         self.admission: DecodeAdmission | None = None
-        self._receiving = False
 
     def bind(self, scheduler: Scheduler, blocks: BlockManager) -> None:
         self.admission = DecodeAdmission(scheduler, blocks)
@@ -64,9 +63,9 @@ class DecodeHooks:
 
     def step_time(self, batch: ScheduledBatch) -> tuple[float, int]:
         assert self.admission is not None
-        self._receiving = bool(self.admission.plan_sections())
+        receiving = bool(self.admission.plan_sections())
         if batch.is_empty:
-            return (RECEIVE_STEP_S if self._receiving else 0.0), 1
+            return (RECEIVE_STEP_S if receiving else 0.0), 1
         return self.cost.step_time(batch), 1
 
     def step_submitted(self) -> None:
@@ -194,7 +193,7 @@ def simulate_groups(groups: int, group: TetrisGroupSim, trace: Sequence[TraceReq
     for g, part in enumerate(parts):
         for r in part.requests:
             index = int(r.request_id[1:]) * groups + g
-            requests.append(_renamed(r, f"r{index}"))
+            requests.append(dataclasses.replace(r, request_id=f"r{index}"))
         rejected += [(i * groups + g, why) for i, why in part.rejected]
     requests.sort(key=lambda r: int(r.request_id[1:]))
     return SimResult(
@@ -204,10 +203,3 @@ def simulate_groups(groups: int, group: TetrisGroupSim, trace: Sequence[TraceReq
         busy_s=[b for p in parts for b in p.busy_s],
         preemptions=sum(p.preemptions for p in parts),
     )
-
-
-def _renamed(r: RequestTimes, rid: str) -> RequestTimes:
-    out: Any = RequestTimes(
-        rid, r.arrival, r.prompt_tokens, r.output_tokens, r.replica, r.token_times, r.preemptions
-    )
-    return out

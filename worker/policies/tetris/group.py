@@ -55,7 +55,7 @@ from gearshift.worker.launch.host import bind_rank_cores, die_with_parent, set_t
 from gearshift.worker.launch.leader import _check, _engine
 from gearshift.worker.launch.processes import rank_context, start_rank, stop_processes
 from gearshift.worker.launch.rank import device_for, setup_rank
-from gearshift.worker.launch.replica_rank import ReplicaExecutor
+from gearshift.worker.launch.replica_rank import IDLE_WAIT_S, ReplicaExecutor
 from gearshift.worker.policies.tetris.chunked_prefill import (
     PlannedChunk,
     check_plan,
@@ -71,7 +71,6 @@ from gearshift.worker.sampling.params import SamplingParams
 log = logging.getLogger(__name__)
 
 DEAD_QUEUE_S = 1e9  # a dead prefill instance's reported queue: no planner picks it
-IDLE_WAIT_S = 0.005
 Deliver = Callable[[str, RequestOutput | BaseException], None]
 
 
@@ -314,7 +313,6 @@ class TetrisGroup:
     _handshakes: list[queue.Queue[Any]] = field(default_factory=list)
     _threads: list[threading.Thread] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
-    _rr: int = 0
 
     # ---- pipes --------------------------------------------------------------------------
 
