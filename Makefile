@@ -39,7 +39,7 @@ serve-shift: install
 	$(BIN)/gearshift serve --model smollm2 $(SERVE_SHIFT_ARGS) --port 8000
 
 test: install
-	$(PYTEST) tests
+	$(PYTEST) --durations=30 tests
 
 test-fast: install
 	$(PYTEST) -m "not slow" -x -q tests
