@@ -21,6 +21,7 @@ from gearshift.operator.sim.replica import ReplicaConfig, SimHooks, StepAsk
 from gearshift.operator.sim.results import SimResult
 from gearshift.operator.sim.roofline import Layout, LayoutError, RooflineCost, check
 from gearshift.operator.sim.sidp_cost import SidpCost, rank_bytes
+from gearshift.operator.sim.sidp_cost import shapes as sidp_shapes
 from gearshift.operator.sim.trace import TraceRequest
 from gearshift.worker.engine.contract import pipeline_share
 
@@ -60,6 +61,10 @@ class Candidate:
     # A deployment that is not replicas behind the router's rule (Tetris: a prefill pool and
     # decode instances): simulates a whole trace itself; ``cost``/``config`` describe its engines.
     run: Callable[[Sequence[TraceRequest]], SimResult] | None = None
+    # Settings that depend on the declared traffic (Tetris: the improvement-rate table over the
+    # rates the plan sweeps): ``for_traffic(self, traffic, rates)`` is the candidate to simulate
+    # and render instead.
+    for_traffic: Callable[[Candidate, Any, Sequence[float]], Candidate] | None = None
 
 
 Source = Callable[[ModelDesc, Hardware, PlanSettings], list[Candidate]]
@@ -138,34 +143,31 @@ def _sidp_candidates(model: ModelDesc, hw: Hardware, s: PlanSettings) -> list[Ca
     """SiDP groups of dp × tp GPUs on one node (sidp_cost.py); each of a group's dp engine
     replicas is a routing target of its own, so ``replicas`` counts engines, not groups."""
     out = []
-    for tp in range(1, hw.devices_per_node + 1):
-        if model.heads % tp or model.kv_heads % tp or model.ffn % tp:
+    for tp, dp in sidp_shapes(model, hw.devices_per_node):
+        gpus = dp * tp
+        if hw.count % gpus:
             continue
-        for dp in range(2, hw.devices_per_node // tp + 1):
-            gpus = dp * tp
-            if hw.count % gpus or hw.devices_per_node % gpus or model.layers < dp:
-                continue
-            resident = rank_bytes(model, dp, tp).resident
-            free = hw.device.memory_bytes * s.memory_utilization - resident
-            tokens = max(0, int(free // (model.kv_bytes_per_token() / tp)))
-            blocks = tokens // s.block_size
-            if blocks * s.block_size < max(s.max_num_batched_tokens, s.max_model_len):
-                continue
-            groups = hw.count // gpus
-            name = f"sidp{tp}x{dp}" + (f"x{groups}" if groups > 1 else "")
-            out.append(
-                Candidate(
-                    name,
-                    "sidp",
-                    {"sidp": {"dp": dp, "tp": tp}},
-                    gpus,
-                    groups * dp,
-                    SidpCost(model, hw, dp, tp),
-                    _config(blocks, s),
-                    tokens * dp,
-                    notes={"groups": groups, "engines_per_group": dp},
-                )
+        resident = rank_bytes(model, dp, tp).resident
+        free = hw.device.memory_bytes * s.memory_utilization - resident
+        tokens = max(0, int(free // (model.kv_bytes_per_token() / tp)))
+        blocks = tokens // s.block_size
+        if blocks * s.block_size < max(s.max_num_batched_tokens, s.max_model_len):
+            continue
+        groups = hw.count // gpus
+        name = f"sidp{tp}x{dp}" + (f"x{groups}" if groups > 1 else "")
+        out.append(
+            Candidate(
+                name,
+                "sidp",
+                {"sidp": {"dp": dp, "tp": tp}},
+                gpus,
+                groups * dp,
+                SidpCost(model, hw, dp, tp),
+                _config(blocks, s),
+                tokens * dp,
+                notes={"groups": groups, "engines_per_group": dp},
             )
+        )
     return out
 
 
@@ -268,10 +270,43 @@ def _tetris_candidates(model: ModelDesc, hw: Hardware, s: PlanSettings) -> list[
                     tokens * decode,
                     notes={"groups": groups, "prefill_instances": prefill},
                     run=functools.partial(simulate_groups, groups, group),
+                    for_traffic=functools.partial(_tetris_for_traffic, group, groups),
                 )
             )
     return out
 
+
+def _tetris_for_traffic(
+    group: Any, groups: int, candidate: Candidate, traffic: Any, rates: Sequence[float]
+) -> Candidate:
+    """The candidate with the request-rate → improvement-rate table (§5.1, §7.1) of its pool
+    under the traffic's prompt lengths, at the per-group rates of the sweep: rendered into its
+    policy and used by its simulation (the router's ``ImprovementRate`` in simulated time)."""
+    import dataclasses
+
+    from gearshift.operator.sim.tetris_rates import PoolShape, policy_rows, rate_table
+    from gearshift.operator.sim.tetris_sim import simulate_groups
+
+    per_group = sorted({r / groups for r in rates if r > 0})
+    table, _ = rate_table(
+        group.rules,
+        PoolShape(group.prefill, group.per_node),
+        traffic.prompt,
+        per_group,
+        requests=TETRIS_TABLE_REQUESTS,
+        seed=traffic.seed,
+    )
+    tuned = dataclasses.replace(group, rate_table=tuple(table))
+    policy = {"tetris": {**candidate.policy["tetris"], "improvementRateTable": policy_rows(table)}}
+    return dataclasses.replace(
+        candidate,
+        policy=policy,
+        run=functools.partial(simulate_groups, groups, tuned),
+        for_traffic=None,
+    )
+
+
+TETRIS_TABLE_REQUESTS = 200  # Poisson arrivals per (request rate, improvement rate) of a table
 
 SOURCES: dict[str, Source] = {
     "static+shift": _layout_candidates,

@@ -12,6 +12,7 @@ from gearshift.operator.sim import tetris_models
 from gearshift.operator.sim.hardware import Hardware
 from gearshift.operator.sim.model_desc import ModelDesc
 from gearshift.operator.sim.sidp_cost import b_th
+from gearshift.operator.sim.sidp_cost import shapes as sidp_shapes
 from gearshift.operator.sim.tetris_rates import PoolShape, policy_rows, rate_table
 from gearshift.operator.sim.traffic import Traffic
 
@@ -25,15 +26,9 @@ PREFILL_WEIGHT_SHARE = 0.8
 def sidp_thresholds(model: ModelDesc, hw: Hardware, context: int) -> list[dict[str, Any]]:
     """B_th of every SiDP shape (tp × dp, dp >= 2) that fits one node and the model's heads."""
     out = []
-    per_node = hw.devices_per_node
-    for tp in range(1, per_node + 1):
-        if model.heads % tp or model.kv_heads % tp or model.ffn % tp:
-            continue
-        for dp in range(2, per_node // tp + 1):
-            if per_node % (dp * tp) or model.layers < dp:
-                continue
-            th = b_th(model, hw, dp, tp, context)
-            out.append({"dp": dp, "tp": tp, "tokens": th.tokens, "reason": th.reason})
+    for tp, dp in sidp_shapes(model, hw.devices_per_node):
+        th = b_th(model, hw, dp, tp, context)
+        out.append({"dp": dp, "tp": tp, "tokens": th.tokens, "reason": th.reason})
     return out
 
 

@@ -124,7 +124,9 @@ def plan_deployment(
     settings = settings or PlanSettings()
     sweep = sorted({*(rates or [traffic.rate * m for m in RATE_SWEEP]), traffic.rate})
     candidates = [
-        c for c in enumerate_candidates(model, hardware, settings, kinds) if only is None or only(c)
+        c.for_traffic(c, traffic, sweep) if c.for_traffic is not None else c
+        for c in enumerate_candidates(model, hardware, settings, kinds)
+        if only is None or only(c)
     ]
     if not candidates:
         raise ValueError(

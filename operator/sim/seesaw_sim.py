@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from google.protobuf import json_format
 
 from gearshift.operator.sim.hardware import Hardware, with_count
 from gearshift.operator.sim.model_desc import ModelDesc
@@ -50,10 +51,7 @@ def _thresholds(gpus: int) -> Thresholds:
 
 
 def _proto(gpus: int) -> policy_pb2.Policy:
-    p = policy_pb2.Policy()
-    p.seesaw.prefill.tp, p.seesaw.prefill.pp = 1, gpus
-    p.seesaw.decode.tp, p.seesaw.decode.pp = gpus, 1
-    return p
+    return json_format.ParseDict(policy(gpus), policy_pb2.Policy())
 
 
 @dataclass

@@ -23,6 +23,7 @@ A SiDP group of ``dp × tp`` GPUs on one node is ``dp`` independent engine repli
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from gearshift.operator.sim.hardware import Hardware, with_count
@@ -47,6 +48,17 @@ def model_config(model: ModelDesc) -> ModelConfig:
         rms_norm_eps=1e-5,
         max_position_embeddings=1 << 20,
     )
+
+
+def shapes(model: ModelDesc, devices_per_node: int) -> Iterator[tuple[int, int]]:
+    """(tp, dp) of every SiDP group that fits one node: tp divides the heads, the KV heads and
+    the FFN, dp >= 2 replicas, dp x tp divides the node, and no more replicas than layers."""
+    for tp in range(1, devices_per_node + 1):
+        if model.heads % tp or model.kv_heads % tp or model.ffn % tp:
+            continue
+        for dp in range(2, devices_per_node // tp + 1):
+            if devices_per_node % (dp * tp) == 0 and model.layers >= dp:
+                yield tp, dp
 
 
 def rank_bytes(model: ModelDesc, dp: int, tp: int, slots: int | None = None) -> WeightBytes:

@@ -2,7 +2,9 @@
 on the prefill pool, the KV hand-off, and decode instances that run the engine's own admission.
 
 * **Prefill pool.** Each arrival is planned by the real planner (``operator/planner``:
-  Algorithm 1 with the improvement rate, over the pool's queues advanced by Eq. (2)), with Eq. (1)
+  Algorithm 1 with the improvement rate the router's ``ImprovementRate`` picks from the policy's
+  rate table by the arrivals of the last window, in simulated time, else the constant; over the
+  pool's queues advanced by Eq. (2)), with Eq. (1)
   models fitted to the roofline (``tetris_models.py``); its prefill ends at the plan's TTFT (the
   planner's own estimate, queueing included), and the plan's chunks are booked on the pool.
 * **Decode placement** by the planner's ``DecodePlacer`` (freeness rate with virtual usage,
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 
 from gearshift.operator.planner.cdsp import PlannerRules, plan_request
 from gearshift.operator.planner.decode_placement import DecodeLoad, DecodePlacer, Placement
+from gearshift.operator.planner.improvement_rate import ImprovementRate, RateStep
 from gearshift.operator.planner.instance_pool import Pool
 from gearshift.operator.sim.cost_model import StepCost
 from gearshift.operator.sim.events import EventLoop
@@ -94,6 +97,8 @@ class TetrisGroupSim:
     link_latency: float
     per_node: int = 8
     placement: Placement = Placement.FREENESS
+    rate_table: tuple[RateStep, ...] = ()  # improvementRateTable; empty: the constant rate
+    rate_window_s: float = 30.0  # rateWindowSeconds
 
     def handoff_s(self, tokens: int, senders: int) -> float:
         return tokens * self.kv_bytes_per_token / senders / self.link_bandwidth + self.link_latency
@@ -107,6 +112,7 @@ def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> Sim
         for i in range(group.decode)
     ]
     placer = DecodePlacer(group.placement)
+    rates = ImprovementRate(group.rate_table, group.improvement_rate, group.rate_window_s)
     pool = Pool.uniform([0.0] * group.prefill, group.per_node)
     pool_at = 0.0
     done: list[RequestTimes] = []
@@ -144,6 +150,7 @@ def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> Sim
 
     def arrive(index: int, req: TraceRequest) -> None:
         nonlocal pool, pool_at
+        rates.record_arrival(loop.now)  # as the router counts every request it plans
         if req.prompt_tokens + req.output_tokens > limit:
             rejected.append(
                 (index, f"{req.prompt_tokens} + {req.output_tokens} tokens exceed {limit}")
@@ -170,7 +177,7 @@ def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> Sim
             return
         pool = pool.advance(loop.now - pool_at)
         pool_at = loop.now
-        plan = plan_request(req.prompt_tokens, pool, group.rules, group.improvement_rate)
+        plan = plan_request(req.prompt_tokens, pool, group.rules, rates.current(loop.now))
         pool = pool.commit((c.group, c.end) for c in plan.chunks)
         senders = len(plan.chunks[-1].group)
         landed = loop.now + plan.ttft + group.handoff_s(req.prompt_tokens, senders)

@@ -101,6 +101,28 @@ def test_one_request_gets_its_first_token_one_decode_step_after_the_hand_off() -
     assert len(req.token_times) == 3 and result.rejected == []
 
 
+def test_the_planner_takes_its_improvement_rate_from_the_table_by_simulated_arrivals() -> None:
+    """The router's ImprovementRate runs in simulated time: a table whose only row says 1.0
+    (never a larger SP than the smallest that fits) plans every request on one instance, like
+    the constant 1.0, unlike the default 0.3 on an idle pool."""
+    import dataclasses
+
+    from gearshift.operator.planner.improvement_rate import RateStep
+
+    trace = [
+        TraceRequest(arrival_s=1.0 + 50 * i, prompt_tokens=8000, output_tokens=2) for i in range(3)
+    ]
+    base = _group()
+    tabled = dataclasses.replace(base, rate_table=(RateStep(0.01, 1.0),))
+    constant = dataclasses.replace(base, improvement_rate=1.0)
+    ttft = {
+        name: [r.ttft for r in simulate_tetris(g, trace).requests]
+        for name, g in (("base", base), ("tabled", tabled), ("constant", constant))
+    }
+    assert ttft["tabled"] == pytest.approx(ttft["constant"], rel=1e-12)
+    assert ttft["tabled"][0] > ttft["base"][0]  # one instance is slower than the SP 0.3 picks
+
+
 def _decode_batch(context: int):
     from gearshift.worker.engine.scheduler import ScheduledBatch
     from gearshift.worker.engine.sequence import Sequence
@@ -181,3 +203,9 @@ def test_plan_compares_tetris_with_the_other_policies() -> None:
     assert data["recommended"] in {"tp8", "tetris4p1x4", "tetris6p1x2"}
     tetris = next(c for c in data["candidates"] if c["name"] == "tetris4p1x4")
     assert tetris["policy"]["tetris"]["decodeTp"] == 4
+    # The plan's improvement-rate table for the pool under this traffic (§5.1, §7.1), one row
+    # per swept rate, in a policy the engine takes.
+    table = tetris["policy"]["tetris"]["improvementRateTable"]
+    assert [row["requestRate"] for row in table] == [2.0]
+    assert 0.0 <= table[0]["improvementRate"] <= 1.0
+    assert make_policy(tetris["policy"]).kind == "tetris"
