@@ -5,6 +5,7 @@ that speaks SmolLM2's vocabulary."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -154,17 +155,54 @@ def _tetris_group_ran_the_plans(proc: ServeProcess) -> None:
     ]
     # Every chunk ran on a ring of at least one instance; the pool's two instances bound it.
     assert chunks and len(CHATS) <= chunks[0] <= sp[0] <= 2 * chunks[0], (chunks, sp)
-    with grpc.insecure_channel(proc.admin_address) as channel:
-        groups = (
-            router_pb2_grpc.AdminStub(channel)
-            .GetStatus(router_pb2.GetStatusRequest(), timeout=10, metadata=proc.metadata)
-            .groups
-        )
-    stats = dict(groups[0].stats.policy_stats)
+    # The router shows the stats of its last poll of the worker, which may predate the last
+    # request: wait (bounded) for a poll that follows it.
+    deadline = time.monotonic() + 30
+    while True:
+        with grpc.insecure_channel(proc.admin_address) as channel:
+            groups = (
+                router_pb2_grpc.AdminStub(channel)
+                .GetStatus(router_pb2.GetStatusRequest(), timeout=10, metadata=proc.metadata)
+                .groups
+            )
+        stats = dict(groups[0].stats.policy_stats)
+        if stats.get("prefills") == len(CHATS) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert stats["prefills"] == len(CHATS), stats
     assert stats["transfer_waits"] >= len(CHATS), stats
     roles = sorted((i.role, i.index) for i in groups[0].stats.instances)
     assert len(roles) == 3, roles
+    _tetris_profile_of_the_running_pool(proc)
+
+
+def _tetris_profile_of_the_running_pool(proc: ServeProcess) -> None:
+    """`gearshift tetris-profile --worker` measures the served group's own pool (Worker.
+    ProfileTetris) and prints Eq. (1) models per SP size; without the token it is refused."""
+    import json
+    import subprocess
+    import sys
+
+    address = proc.info["groups"][0]["address"]
+    command = [sys.executable, "-m", "gearshift.operator.cli", "tetris-profile"]
+    grid = ["--worker", address, "--lengths", "4,8,12", "--histories", "0,8", "--timeout", "120"]
+    done = subprocess.run(
+        [*command, *grid, "--token-file", proc.info["control_token_file"]],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert [m["sp"] for m in report["latencyModels"]] == [1, 2], report
+    assert all(
+        len(rows) == 6 and all(r[2] > 0 for r in rows) for rows in report["samples"].values()
+    )
+    refused = subprocess.run(
+        [*command, *grid], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr, refused.stderr
 
 
 def _apply(proc: ServeProcess, **fields: float) -> router_pb2.AdminApplyPolicyResponse:

@@ -175,6 +175,17 @@ def test_full_worker_answers_resource_exhausted(tiny: Path) -> None:
     run(tiny, scenario, max_requests=1)
 
 
+def test_profile_tetris_is_a_failed_precondition_on_another_policy(tiny: Path) -> None:
+    async def scenario(w: Worker) -> None:
+        request = worker_pb2.ProfileTetrisRequest(histories=[0, 8], lengths=[4, 8, 12])
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await w.stub.ProfileTetris(request, timeout=10)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "shift policy" in (info.value.details() or "")
+
+    run(tiny, scenario)
+
+
 def test_apply_policy_changes_the_threshold_live_and_the_gear_follows(tiny: Path) -> None:
     def shift(**kw: int) -> worker_pb2.ApplyPolicyRequest:
         return worker_pb2.ApplyPolicyRequest(

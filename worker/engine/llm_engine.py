@@ -60,6 +60,7 @@ class InstanceLoad:
     kv_slots_free: int  # decode: free KV token slots
     kv_slots_reserved: int  # decode: slots held by requests still in transfer
     batch_size: int  # decode: running requests
+    node: int = 0  # the node (pod of the group) it runs on
 
 
 @dataclass

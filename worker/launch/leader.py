@@ -75,12 +75,14 @@ def _engine(config: EngineConfig, policy: Policy, state: RankState, executor: An
 def _check(config: EngineConfig, policy: Policy, group: GroupConfig) -> None:
     """Refuse a layout the model cannot take before any rank starts."""
     group.check(policy.world_size)
-    if policy.single_node and group.local_ranks(policy.world_size) < policy.world_size:
+    local = group.local_ranks(policy.world_size)
+    if policy.single_node and local < policy.world_size:
         raise InvalidRequestError(
             "ranks_per_node",
             f"the {policy.kind} policy runs every rank on one host; ranks_per_node "
-            f"{group.local_ranks(policy.world_size)} < {policy.world_size} ranks",
+            f"{local} < {policy.world_size} ranks",
         )
+    policy.check_nodes(policy.world_size // local)
     spec, source = inspect_model(config, torch.device("cpu"))
     source.close()
     policy.check_model(spec.config)
@@ -158,6 +160,9 @@ def start_engine(
 def run_node(config: EngineConfig, policy: PolicyLike, group: GroupConfig) -> int:
     """A non-leader pod: run its ranks until the group ends; the first failing exit code wins."""
     policy = _policy(policy)
+    own = policy.node_runner()
+    if own is not None:
+        return own(config, group)
     local = group.local_ranks(policy.world_size)
     first = group.node_rank * local
     procs = spawn_followers(

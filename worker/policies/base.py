@@ -100,7 +100,7 @@ class Policy(ABC):
     kind: ClassVar[str]  # the field name in gearshift.v1.Policy's oneof
     gear_names: tuple[str, ...]
     # True when every rank of a group must share one host (e.g. KV in one node's shared memory);
-    # a group spanning nodes is refused naming spec.group.nodes (support.check_runnable).
+    # a group spanning nodes is refused naming spec.group.nodes (``check_nodes``).
     single_node: ClassVar[bool] = False
     single_node_reason: ClassVar[str] = "its KV tier is the node's shared memory"
 
@@ -122,6 +122,17 @@ class Policy(ABC):
         out = policy_pb2.Policy()
         out.CopyFrom(self._proto)
         return out
+
+    def check_nodes(self, nodes: int) -> None:
+        """Refuse a group spread over ``nodes`` nodes of ``world_size // nodes`` consecutive
+        ranks each that this policy cannot place, naming ``spec.group.nodes``."""
+        if nodes > 1 and self.single_node:
+            field = "spec.group.nodes"
+            raise InvalidRequestError(
+                field,
+                f"{field}: the {self.kind} policy keeps its groups on one node "
+                f"({self.single_node_reason}); use nodes: 1, got {nodes}",
+            )
 
     # ---- every rank ------------------------------------------------------------------------
 
@@ -148,6 +159,12 @@ class Policy(ABC):
         """A policy whose group is neither one engine nor equal engine replicas (Tetris: a
         prefill pool and decode instances) serves through its own endpoint: the EngineHandle
         class the worker server builds from its WorkerSettings. None: the server's own."""
+        return None
+
+    def node_runner(self) -> Callable[[Any, Any], int] | None:
+        """With ``group_handle``: how a non-leader pod runs its ranks, ``f(EngineConfig,
+        GroupConfig) -> exit code`` (``launch.run_node`` calls it); None: the follower ranks of
+        ``build_rank``."""
         return None
 
     def replica_sync(

@@ -38,11 +38,5 @@ def check_runnable(
         if not field.startswith("spec.policy"):
             field = f"spec.policy.{exc.field}"
         raise InvalidRequestError(field, f"{field}: {exc.message}") from exc
-    if nodes > 1 and running.single_node:
-        field = "spec.group.nodes"
-        raise InvalidRequestError(
-            field,
-            f"{field}: the {running.kind} policy keeps its groups on one node "
-            f"({running.single_node_reason}); use nodes: 1, got {nodes}",
-        )
+    running.check_nodes(nodes)
     return running

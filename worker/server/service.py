@@ -210,6 +210,33 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return worker_pb2.ApplyPolicyResponse(applied=True, policy=self.engine.policy)
 
+    async def ProfileTetris(
+        self, request: worker_pb2.ProfileTetrisRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ProfileTetrisResponse:
+        await self._check_ready(context)
+        profile: Any = getattr(self.engine, "profile_tetris", None)
+        if profile is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"ProfileTetris: this group runs the {self.engine.policy.WhichOneof('kind')} "
+                "policy; only a tetris group has a prefill pool to profile",
+            )
+        try:
+            samples = await profile(
+                list(request.sp_sizes),
+                list(request.histories),
+                list(request.lengths),
+                request.repeats,
+            )
+        except InvalidRequestError as exc:
+            await _invalid(context, exc.field, exc.message)
+        except (GroupFailure, EngineStopped) as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        out = worker_pb2.ProfileTetrisResponse()
+        for sp, history, length, seconds in samples:
+            out.samples.add(sp=sp, history=history, length=length, seconds=seconds)
+        return out
+
 
 async def _invalid(context: grpc.aio.ServicerContext, field: str, message: str) -> None:
     await context.abort(

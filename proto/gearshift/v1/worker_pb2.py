@@ -26,7 +26,7 @@ from gearshift.v1 import common_pb2 as gearshift_dot_v1_dot_common__pb2
 from gearshift.v1 import policy_pb2 as gearshift_dot_v1_dot_policy__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19gearshift/v1/worker.proto\x12\x0cgearshift.v1\x1a\x19gearshift/v1/common.proto\x1a\x19gearshift/v1/policy.proto\"\xc6\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.gearshift.v1.SamplingParams\x12-\n\x0btetris_plan\x18\x04 \x01(\x0b\x32\x18.gearshift.v1.TetrisPlan\x12\x14\n\x07replica\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\n\n\x08_replica\"q\n\nTetrisPlan\x12)\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x19.gearshift.v1.TetrisChunk\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x02 \x01(\r\x12\x1f\n\x17planned_prefill_seconds\x18\x03 \x01(\x01\"<\n\x0bTetrisChunk\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12\x19\n\x11prefill_instances\x18\x02 \x03(\r\"m\n\rRequestTiming\x12\x13\n\x0bqueued_time\x18\x01 \x01(\x01\x12\x16\n\x0escheduled_time\x18\x02 \x01(\x01\x12\x18\n\x10\x66irst_token_time\x18\x03 \x01(\x01\x12\x15\n\rfinished_time\x18\x04 \x01(\x01\"\xa6\x02\n\x16WorkerGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.gearshift.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.gearshift.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.gearshift.v1.Usage\x12+\n\x06timing\x18\x06 \x01(\x0b\x32\x1b.gearshift.v1.RequestTiming\x12\x33\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1a.gearshift.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"N\n\tGearStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05steps\x18\x02 \x01(\x04\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\x12\x14\n\x0c\x62usy_seconds\x18\x04 \x01(\x01\"\xf1\x01\n\rInstanceStats\x12.\n\x04role\x18\x01 \x01(\x0e\x32 .gearshift.v1.InstanceStats.Role\x12\r\n\x05index\x18\x02 \x01(\r\x12\x16\n\x0equeued_seconds\x18\x03 \x01(\x01\x12\x15\n\rkv_slots_free\x18\x04 \x01(\r\x12\x19\n\x11kv_slots_reserved\x18\x05 \x01(\r\x12\x12\n\nbatch_size\x18\x06 \x01(\r\x12\x0c\n\x04node\x18\x07 \x01(\r\"5\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PREFILL\x10\x01\x12\n\n\x06\x44\x45\x43ODE\x10\x02\"\xff\x04\n\x0bWorkerStats\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\r\x12\x10\n\x08kv_usage\x18\x07 \x01(\x02\x12\x1a\n\x12outstanding_tokens\x18\x08 \x01(\x04\x12\x0c\n\x04gear\x18\t \x01(\t\x12$\n\x06policy\x18\n \x01(\x0b\x32\x14.gearshift.v1.Policy\x12&\n\x05gears\x18\x0b \x03(\x0b\x32\x17.gearshift.v1.GearStats\x12\x15\n\rgear_switches\x18\x0c \x01(\x04\x12\x15\n\rhost_kv_usage\x18\r \x01(\x02\x12\x17\n\x0freshard_seconds\x18\x0e \x01(\x01\x12\x1c\n\x14\x66\x65tched_weight_bytes\x18\x0f \x01(\x04\x12\x13\n\x0bpreemptions\x18\x10 \x01(\x04\x12\r\n\x05ranks\x18\x11 \x01(\r\x12.\n\tinstances\x18\x12 \x03(\x0b\x32\x1b.gearshift.v1.InstanceStats\x12\x10\n\x08revision\x18\x13 \x01(\t\x12@\n\x0cpolicy_stats\x18\x14 \x03(\x0b\x32*.gearshift.v1.WorkerStats.PolicyStatsEntry\x12,\n\x08replicas\x18\x15 \x03(\x0b\x32\x1a.gearshift.v1.ReplicaStats\x1a\x32\n\x10PolicyStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"[\n\x0cReplicaStats\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x1a\n\x12outstanding_tokens\x18\x04 \x01(\x04\":\n\x12\x41pplyPolicyRequest\x12$\n\x06policy\x18\x01 \x01(\x0b\x32\x14.gearshift.v1.Policy\"]\n\x13\x41pplyPolicyResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12$\n\x06policy\x18\x03 \x01(\x0b\x32\x14.gearshift.v1.Policy2\xbd\x02\n\x06Worker\x12W\n\x08Generate\x12#.gearshift.v1.WorkerGenerateRequest\x1a$.gearshift.v1.WorkerGenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.gearshift.v1.AbortRequest\x1a\x1b.gearshift.v1.AbortResponse\x12\x44\n\x08GetStats\x12\x1d.gearshift.v1.GetStatsRequest\x1a\x19.gearshift.v1.WorkerStats\x12R\n\x0b\x41pplyPolicy\x12 .gearshift.v1.ApplyPolicyRequest\x1a!.gearshift.v1.ApplyPolicyResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19gearshift/v1/worker.proto\x12\x0cgearshift.v1\x1a\x19gearshift/v1/common.proto\x1a\x19gearshift/v1/policy.proto\"]\n\x14ProfileTetrisRequest\x12\x10\n\x08sp_sizes\x18\x01 \x03(\r\x12\x11\n\thistories\x18\x02 \x03(\r\x12\x0f\n\x07lengths\x18\x03 \x03(\r\x12\x0f\n\x07repeats\x18\x04 \x01(\r\"S\n\x13TetrisProfileSample\x12\n\n\x02sp\x18\x01 \x01(\r\x12\x0f\n\x07history\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"K\n\x15ProfileTetrisResponse\x12\x32\n\x07samples\x18\x01 \x03(\x0b\x32!.gearshift.v1.TetrisProfileSample\"\xc6\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.gearshift.v1.SamplingParams\x12-\n\x0btetris_plan\x18\x04 \x01(\x0b\x32\x18.gearshift.v1.TetrisPlan\x12\x14\n\x07replica\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\n\n\x08_replica\"q\n\nTetrisPlan\x12)\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x19.gearshift.v1.TetrisChunk\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x02 \x01(\r\x12\x1f\n\x17planned_prefill_seconds\x18\x03 \x01(\x01\"<\n\x0bTetrisChunk\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12\x19\n\x11prefill_instances\x18\x02 \x03(\r\"m\n\rRequestTiming\x12\x13\n\x0bqueued_time\x18\x01 \x01(\x01\x12\x16\n\x0escheduled_time\x18\x02 \x01(\x01\x12\x18\n\x10\x66irst_token_time\x18\x03 \x01(\x01\x12\x15\n\rfinished_time\x18\x04 \x01(\x01\"\xa6\x02\n\x16WorkerGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.gearshift.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.gearshift.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.gearshift.v1.Usage\x12+\n\x06timing\x18\x06 \x01(\x0b\x32\x1b.gearshift.v1.RequestTiming\x12\x33\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1a.gearshift.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"N\n\tGearStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05steps\x18\x02 \x01(\x04\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\x12\x14\n\x0c\x62usy_seconds\x18\x04 \x01(\x01\"\xf1\x01\n\rInstanceStats\x12.\n\x04role\x18\x01 \x01(\x0e\x32 .gearshift.v1.InstanceStats.Role\x12\r\n\x05index\x18\x02 \x01(\r\x12\x16\n\x0equeued_seconds\x18\x03 \x01(\x01\x12\x15\n\rkv_slots_free\x18\x04 \x01(\r\x12\x19\n\x11kv_slots_reserved\x18\x05 \x01(\r\x12\x12\n\nbatch_size\x18\x06 \x01(\r\x12\x0c\n\x04node\x18\x07 \x01(\r\"5\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PREFILL\x10\x01\x12\n\n\x06\x44\x45\x43ODE\x10\x02\"\xff\x04\n\x0bWorkerStats\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\r\x12\x10\n\x08kv_usage\x18\x07 \x01(\x02\x12\x1a\n\x12outstanding_tokens\x18\x08 \x01(\x04\x12\x0c\n\x04gear\x18\t \x01(\t\x12$\n\x06policy\x18\n \x01(\x0b\x32\x14.gearshift.v1.Policy\x12&\n\x05gears\x18\x0b \x03(\x0b\x32\x17.gearshift.v1.GearStats\x12\x15\n\rgear_switches\x18\x0c \x01(\x04\x12\x15\n\rhost_kv_usage\x18\r \x01(\x02\x12\x17\n\x0freshard_seconds\x18\x0e \x01(\x01\x12\x1c\n\x14\x66\x65tched_weight_bytes\x18\x0f \x01(\x04\x12\x13\n\x0bpreemptions\x18\x10 \x01(\x04\x12\r\n\x05ranks\x18\x11 \x01(\r\x12.\n\tinstances\x18\x12 \x03(\x0b\x32\x1b.gearshift.v1.InstanceStats\x12\x10\n\x08revision\x18\x13 \x01(\t\x12@\n\x0cpolicy_stats\x18\x14 \x03(\x0b\x32*.gearshift.v1.WorkerStats.PolicyStatsEntry\x12,\n\x08replicas\x18\x15 \x03(\x0b\x32\x1a.gearshift.v1.ReplicaStats\x1a\x32\n\x10PolicyStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"[\n\x0cReplicaStats\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x1a\n\x12outstanding_tokens\x18\x04 \x01(\x04\":\n\x12\x41pplyPolicyRequest\x12$\n\x06policy\x18\x01 \x01(\x0b\x32\x14.gearshift.v1.Policy\"]\n\x13\x41pplyPolicyResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12$\n\x06policy\x18\x03 \x01(\x0b\x32\x14.gearshift.v1.Policy2\x97\x03\n\x06Worker\x12W\n\x08Generate\x12#.gearshift.v1.WorkerGenerateRequest\x1a$.gearshift.v1.WorkerGenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.gearshift.v1.AbortRequest\x1a\x1b.gearshift.v1.AbortResponse\x12\x44\n\x08GetStats\x12\x1d.gearshift.v1.GetStatsRequest\x1a\x19.gearshift.v1.WorkerStats\x12R\n\x0b\x41pplyPolicy\x12 .gearshift.v1.ApplyPolicyRequest\x1a!.gearshift.v1.ApplyPolicyResponse\x12X\n\rProfileTetris\x12\".gearshift.v1.ProfileTetrisRequest\x1a#.gearshift.v1.ProfileTetrisResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,38 +35,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERSTATS_POLICYSTATSENTRY']._loaded_options = None
   _globals['_WORKERSTATS_POLICYSTATSENTRY']._serialized_options = b'8\001'
-  _globals['_WORKERGENERATEREQUEST']._serialized_start=98
-  _globals['_WORKERGENERATEREQUEST']._serialized_end=296
-  _globals['_TETRISPLAN']._serialized_start=298
-  _globals['_TETRISPLAN']._serialized_end=411
-  _globals['_TETRISCHUNK']._serialized_start=413
-  _globals['_TETRISCHUNK']._serialized_end=473
-  _globals['_REQUESTTIMING']._serialized_start=475
-  _globals['_REQUESTTIMING']._serialized_end=584
-  _globals['_WORKERGENERATERESPONSE']._serialized_start=587
-  _globals['_WORKERGENERATERESPONSE']._serialized_end=881
-  _globals['_ABORTREQUEST']._serialized_start=883
-  _globals['_ABORTREQUEST']._serialized_end=917
-  _globals['_ABORTRESPONSE']._serialized_start=919
-  _globals['_ABORTRESPONSE']._serialized_end=949
-  _globals['_GETSTATSREQUEST']._serialized_start=951
-  _globals['_GETSTATSREQUEST']._serialized_end=968
-  _globals['_GEARSTATS']._serialized_start=970
-  _globals['_GEARSTATS']._serialized_end=1048
-  _globals['_INSTANCESTATS']._serialized_start=1051
-  _globals['_INSTANCESTATS']._serialized_end=1292
-  _globals['_INSTANCESTATS_ROLE']._serialized_start=1239
-  _globals['_INSTANCESTATS_ROLE']._serialized_end=1292
-  _globals['_WORKERSTATS']._serialized_start=1295
-  _globals['_WORKERSTATS']._serialized_end=1934
-  _globals['_WORKERSTATS_POLICYSTATSENTRY']._serialized_start=1884
-  _globals['_WORKERSTATS_POLICYSTATSENTRY']._serialized_end=1934
-  _globals['_REPLICASTATS']._serialized_start=1936
-  _globals['_REPLICASTATS']._serialized_end=2027
-  _globals['_APPLYPOLICYREQUEST']._serialized_start=2029
-  _globals['_APPLYPOLICYREQUEST']._serialized_end=2087
-  _globals['_APPLYPOLICYRESPONSE']._serialized_start=2089
-  _globals['_APPLYPOLICYRESPONSE']._serialized_end=2182
-  _globals['_WORKER']._serialized_start=2185
-  _globals['_WORKER']._serialized_end=2502
+  _globals['_PROFILETETRISREQUEST']._serialized_start=97
+  _globals['_PROFILETETRISREQUEST']._serialized_end=190
+  _globals['_TETRISPROFILESAMPLE']._serialized_start=192
+  _globals['_TETRISPROFILESAMPLE']._serialized_end=275
+  _globals['_PROFILETETRISRESPONSE']._serialized_start=277
+  _globals['_PROFILETETRISRESPONSE']._serialized_end=352
+  _globals['_WORKERGENERATEREQUEST']._serialized_start=355
+  _globals['_WORKERGENERATEREQUEST']._serialized_end=553
+  _globals['_TETRISPLAN']._serialized_start=555
+  _globals['_TETRISPLAN']._serialized_end=668
+  _globals['_TETRISCHUNK']._serialized_start=670
+  _globals['_TETRISCHUNK']._serialized_end=730
+  _globals['_REQUESTTIMING']._serialized_start=732
+  _globals['_REQUESTTIMING']._serialized_end=841
+  _globals['_WORKERGENERATERESPONSE']._serialized_start=844
+  _globals['_WORKERGENERATERESPONSE']._serialized_end=1138
+  _globals['_ABORTREQUEST']._serialized_start=1140
+  _globals['_ABORTREQUEST']._serialized_end=1174
+  _globals['_ABORTRESPONSE']._serialized_start=1176
+  _globals['_ABORTRESPONSE']._serialized_end=1206
+  _globals['_GETSTATSREQUEST']._serialized_start=1208
+  _globals['_GETSTATSREQUEST']._serialized_end=1225
+  _globals['_GEARSTATS']._serialized_start=1227
+  _globals['_GEARSTATS']._serialized_end=1305
+  _globals['_INSTANCESTATS']._serialized_start=1308
+  _globals['_INSTANCESTATS']._serialized_end=1549
+  _globals['_INSTANCESTATS_ROLE']._serialized_start=1496
+  _globals['_INSTANCESTATS_ROLE']._serialized_end=1549
+  _globals['_WORKERSTATS']._serialized_start=1552
+  _globals['_WORKERSTATS']._serialized_end=2191
+  _globals['_WORKERSTATS_POLICYSTATSENTRY']._serialized_start=2141
+  _globals['_WORKERSTATS_POLICYSTATSENTRY']._serialized_end=2191
+  _globals['_REPLICASTATS']._serialized_start=2193
+  _globals['_REPLICASTATS']._serialized_end=2284
+  _globals['_APPLYPOLICYREQUEST']._serialized_start=2286
+  _globals['_APPLYPOLICYREQUEST']._serialized_end=2344
+  _globals['_APPLYPOLICYRESPONSE']._serialized_start=2346
+  _globals['_APPLYPOLICYRESPONSE']._serialized_end=2439
+  _globals['_WORKER']._serialized_start=2442
+  _globals['_WORKER']._serialized_end=2849
 # @@protoc_insertion_point(module_scope)

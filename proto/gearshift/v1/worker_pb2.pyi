@@ -9,6 +9,36 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ProfileTetrisRequest(_message.Message):
+    __slots__ = ("sp_sizes", "histories", "lengths", "repeats")
+    SP_SIZES_FIELD_NUMBER: _ClassVar[int]
+    HISTORIES_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    REPEATS_FIELD_NUMBER: _ClassVar[int]
+    sp_sizes: _containers.RepeatedScalarFieldContainer[int]
+    histories: _containers.RepeatedScalarFieldContainer[int]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    repeats: int
+    def __init__(self, sp_sizes: _Optional[_Iterable[int]] = ..., histories: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., repeats: _Optional[int] = ...) -> None: ...
+
+class TetrisProfileSample(_message.Message):
+    __slots__ = ("sp", "history", "length", "seconds")
+    SP_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    sp: int
+    history: int
+    length: int
+    seconds: float
+    def __init__(self, sp: _Optional[int] = ..., history: _Optional[int] = ..., length: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class ProfileTetrisResponse(_message.Message):
+    __slots__ = ("samples",)
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    samples: _containers.RepeatedCompositeFieldContainer[TetrisProfileSample]
+    def __init__(self, samples: _Optional[_Iterable[_Union[TetrisProfileSample, _Mapping]]] = ...) -> None: ...
+
 class WorkerGenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "tetris_plan", "replica")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,11 @@ class WorkerStub:
                 request_serializer=gearshift_dot_v1_dot_worker__pb2.ApplyPolicyRequest.SerializeToString,
                 response_deserializer=gearshift_dot_v1_dot_worker__pb2.ApplyPolicyResponse.FromString,
                 _registered_method=True)
+        self.ProfileTetris = channel.unary_unary(
+                '/gearshift.v1.Worker/ProfileTetris',
+                request_serializer=gearshift_dot_v1_dot_worker__pb2.ProfileTetrisRequest.SerializeToString,
+                response_deserializer=gearshift_dot_v1_dot_worker__pb2.ProfileTetrisResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -87,6 +92,17 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProfileTetris(self, request, context):
+        """Tetris only: time CDSP prefill on this running group's prefill pool, for fitting Eq. (1)
+        (`gearshift tetris-profile --worker`). Each point runs a plan of `history` tokens then
+        `length` tokens on `sp` live prefill instances (random prompt, nothing handed over) in the
+        pool's request order, and reports the second chunk's seconds (its slowest member's).
+        FAILED_PRECONDITION on a group of another policy.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +125,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ApplyPolicy,
                     request_deserializer=gearshift_dot_v1_dot_worker__pb2.ApplyPolicyRequest.FromString,
                     response_serializer=gearshift_dot_v1_dot_worker__pb2.ApplyPolicyResponse.SerializeToString,
+            ),
+            'ProfileTetris': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProfileTetris,
+                    request_deserializer=gearshift_dot_v1_dot_worker__pb2.ProfileTetrisRequest.FromString,
+                    response_serializer=gearshift_dot_v1_dot_worker__pb2.ProfileTetrisResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +240,33 @@ class Worker:
             '/gearshift.v1.Worker/ApplyPolicy',
             gearshift_dot_v1_dot_worker__pb2.ApplyPolicyRequest.SerializeToString,
             gearshift_dot_v1_dot_worker__pb2.ApplyPolicyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProfileTetris(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gearshift.v1.Worker/ProfileTetris',
+            gearshift_dot_v1_dot_worker__pb2.ProfileTetrisRequest.SerializeToString,
+            gearshift_dot_v1_dot_worker__pb2.ProfileTetrisResponse.FromString,
             options,
             channel_credentials,
             insecure,

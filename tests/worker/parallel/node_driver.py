@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 from gearshift.worker.config import EngineConfig
@@ -10,11 +11,12 @@ from gearshift.worker.policies.registry import make_policy
 
 
 def main() -> int:
+    """argv: model folder, policy JSON, and optionally EngineConfig overrides as JSON."""
     model, policy = sys.argv[1], make_policy(sys.argv[2])
+    extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
     group = GroupConfig(timeout_s=60.0).with_environment(policy.world_size)
-    config = EngineConfig(
-        model=model, dtype="float32", skip_tokenizer_init=True, kv_cache_bytes=32 << 20
-    )
+    engine = {"dtype": "float32", "skip_tokenizer_init": True, "kv_cache_bytes": 32 << 20}
+    config = EngineConfig(model=model, **{**engine, **extra})
     return run_node(config, policy, group)
 
 

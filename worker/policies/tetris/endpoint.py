@@ -115,6 +115,16 @@ class TetrisGroupEngine:
             return False
         return self._group.abort(request_id)
 
+    async def profile_tetris(
+        self, sizes: list[int], histories: list[int], lengths: list[int], repeats: int
+    ) -> list[tuple[int, int, int, float]]:
+        """Worker.ProfileTetris: ``TetrisGroup.profile`` on a thread (the probes queue with
+        live requests on the pool)."""
+        group = self._group
+        if group is None or group.closed:
+            raise EngineStopped(self.dead or "the tetris group is shutting down")
+        return await asyncio.to_thread(group.profile, sizes, histories, lengths, repeats)
+
     async def apply_live(self, values: dict[str, LiveValue]) -> policy_pb2.Policy:
         # The live fields steer the router's planner, which reads them from GetStats.
         self._policy.update_live(values)

@@ -1,9 +1,11 @@
-"""A running Tetris group on one host: its rank processes and the control that joins them
-(Tetris §3.2 topology, §4.1 CDSP execution, §4.2 hand-off with handshake).
+"""A running Tetris group: its rank processes and the control that joins them (Tetris §3.2
+topology, §4.1 CDSP execution, §4.2 hand-off with handshake).
 
-Every rank is a process of this host in one torch.distributed group whose store this (the
-calling) process hosts. The caller talks to each prefill instance and to each decode instance's
-leader over a pipe; this module is that caller's side (``TetrisGroup``) and the ranks' loops.
+Every rank is a process in one torch.distributed group whose store this (the calling) process
+hosts, on node 0. The caller talks to each prefill instance and to each decode instance's leader
+over a connection: a pipe for this host's ranks; the ranks of other nodes (``run_tetris_node``, a
+follower pod's side) dial this process's control listener, whose address and key it publishes in
+the store. This module is the caller's side (``TetrisGroup``) and the ranks' loops.
 
 A request goes like this:
 
@@ -32,13 +34,15 @@ import logging
 import math
 import os
 import queue
+import socket
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from multiprocessing.connection import wait
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Listener, wait
 from typing import Any
 
 import torch
@@ -90,14 +94,16 @@ def pieces_of(rows: dict[int, int], row_bytes: int, buffer_bytes: int) -> dict[i
 
 
 def _next(conn: Any, stash: list[Any], cancelled: set[str], want: str, rid: str) -> Any:
-    """The next message of kind ``want``, a "cancel" of ``rid``, or "stop"; other requests'
-    cancels are noted in ``cancelled`` and other messages wait in ``stash`` for the main loop."""
+    """The next message of kind ``want``, a "cancel" of ``rid``, or "stop"; the cancel of a
+    request whose prefill waits in ``stash`` is noted in ``cancelled`` (any other is stale: its
+    request is done here), and other messages wait in ``stash`` for the main loop."""
     while True:
         msg = conn.recv()
         if msg[0] == "cancel":
-            cancelled.add(msg[1])
             if msg[1] == rid:
                 return msg
+            if any(m[0] == "prefill" and m[1] == msg[1] for m in stash):
+                cancelled.add(msg[1])
             continue
         if msg[0] in (want, "stop"):
             return msg
@@ -116,7 +122,11 @@ def _pool_loop(state: Any, policy: TetrisPolicy, conn: Any, rank: int) -> None:
         if msg[0] == "stop":
             return
         if msg[0] == "cancel":
-            cancelled.add(msg[1])
+            # Stale: with nothing stashed, the cancelled request's prefill (which precedes its
+            # cancel on this pipe) has already run here.
+            continue
+        if msg[0] == "profile":
+            _profile_probe(model, pool, conn, msg, scale, model.config.vocab_size)
             continue
         if msg[0] != "prefill":
             continue
@@ -148,6 +158,22 @@ def _pool_loop(state: Any, policy: TetrisPolicy, conn: Any, rank: int) -> None:
                 conn.send(("failed", rid, f"prefill instance {rank}: {str(exc).splitlines()[0]}"))
                 break
         cancelled.discard(rid)
+
+
+def _profile_probe(model: Any, pool: Any, conn: Any, msg: tuple, scale: float, vocab: int) -> None:
+    """A ``TetrisGroup.profile`` point on this member: its chunk plan on a random prompt, each
+    chunk timed (``run_chunk_plan``'s timings); nothing is kept or handed over."""
+    _, pid, chunks, seed = msg
+    plan = [PlannedChunk(n, tuple(g)) for n, g in chunks]
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (sum(c.length for c in plan),), generator=gen)
+    timings: list[float] = []
+    try:
+        run_chunk_plan(model, pool, plan, ids, scale, timings)
+    except Exception as exc:  # noqa: BLE001 - a ring peer died: the probe fails
+        conn.send(("profile-failed", pid, str(exc).splitlines()[0]))
+        return
+    conn.send(("profiled", pid, timings))
 
 
 def _decode_loop(engine: Any, policy: TetrisPolicy, conn: Any, block_size: int) -> None:
@@ -220,9 +246,11 @@ def tetris_rank_main(
     logging.basicConfig(level=logging.WARNING, format=f"{name} %(levelname)s %(name)s: %(message)s")
     world = policy.world_size
     set_threads(config, group, world)
-    bind_rank_cores(config, group, world, rank, cores)
+    bind_rank_cores(config, group, world, rank % group.local_ranks(world), cores)
     try:
         store = group.join_store(world, port)
+        if conn is None and (role == "prefill" or t == 0):
+            conn = _dial(store, rank)  # a rank of another node: the endpoint is on node 0
         device = device_for(config, rank)
         timeout = timedelta(seconds=group.timeout_s)
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -258,6 +286,115 @@ def tetris_rank_main(
         log.exception("%s failed", name)
         print(f"gearshift tetris group: {name} failed: {exc}", file=sys.stderr, flush=True)
         os._exit(1)
+
+
+CONTROL_KEY = "tetris/control"  # in the group's store: "host port authkey-hex" of the listener
+
+
+def _dial(store: Any, rank: int) -> Any:
+    """This rank's control connection to the endpoint on node 0 (its listener's address and key
+    come from the group's rendezvous store; ``store.get`` waits for them, bounded by the store's
+    timeout)."""
+    host, port, key = store.get(CONTROL_KEY).decode().split(" ")
+    conn = Client((host, int(port)), authkey=bytes.fromhex(key))
+    conn.send(("hello", rank))
+    return conn
+
+
+def run_tetris_node(config: EngineConfig, policy: TetrisPolicy, group: GroupConfig) -> int:
+    """A non-leader pod of a Tetris group (``launch.run_node``): its ranks, until the group
+    ends; each instance leader dials the endpoint's listener. The first failing exit code
+    wins."""
+    world = policy.world_size
+    local = group.local_ranks(world)
+    first = group.node_rank * local
+    if group.node_rank < 1 or first + local > world:
+        raise InvalidRequestError(
+            "node_rank", f"node {group.node_rank} of {local} ranks has no ranks in {world}"
+        )
+    ctx = rank_context()
+    cores = usable_cores()
+    procs = []
+    for rank in range(first, first + local):
+        role, index, t = policy.role(rank)
+        args = (config, policy, group, rank, group.group_port, None, cores)
+        name = f"gs-{role[0]}{index}" + (f"r{t}" if t else "")
+        procs.append(start_rank(ctx, tetris_rank_main, args, name))
+    codes = []
+    for proc in procs:
+        proc.join()
+        codes.append(proc.exitcode or 0)
+    return next((c for c in codes if c), 0)
+
+
+class _Listener:
+    """Node 0's control listener for the other nodes' instance leaders: each dials it (with the
+    key published in the store) and says which rank it is; accepted on a thread, bounded."""
+
+    def __init__(self, store: Any, group: GroupConfig, ranks: list[int]) -> None:
+        key = os.urandom(32)
+        self.listener = Listener(("0.0.0.0", 0), authkey=key)
+        port = self.listener.address[1]
+        store.set(CONTROL_KEY, f"{group.group_addr} {port} {key.hex()}")
+        self.want = set(ranks)
+        self.conns: dict[int, Any] = {}
+        self.closing = False
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._accept, name="tetris-listen", daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while self.want - set(self.conns) and not self.closing:
+            try:
+                conn = self.listener.accept()
+            except (AuthenticationError, EOFError, ConnectionError):
+                continue  # a caller without the key, or the close below poking accept()
+            except OSError:
+                break
+            if self.closing:
+                conn.close()
+                break
+            try:
+                hello = conn.recv() if conn.poll(30) else None
+            except (EOFError, OSError):
+                hello = None
+            if hello and hello[0] == "hello" and hello[1] in self.want - set(self.conns):
+                self.conns[int(hello[1])] = conn
+            else:
+                conn.close()
+        self.done.set()
+
+    def wait(self, timeout_s: float, alive: Callable[[], None]) -> dict[int, Any]:
+        """Every wanted rank's connection (``alive`` raises when a local rank died meanwhile);
+        GroupFailure after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not self.done.wait(0.1):
+                alive()
+                if time.monotonic() > deadline:
+                    missing = sorted(self.want - set(self.conns))
+                    raise GroupFailure(
+                        f"tetris group: ranks {missing} of the other nodes did not connect "
+                        f"within {timeout_s} s"
+                    )
+            missing = sorted(self.want - set(self.conns))
+            if missing:
+                raise GroupFailure(f"tetris group: the control listener closed before {missing}")
+            return self.conns
+        except BaseException:
+            for conn in self.conns.values():
+                conn.close()
+            raise
+        finally:
+            self.closing = True
+            if self.thread.is_alive():  # blocked in accept(): a bare connection wakes it
+                with (
+                    contextlib.suppress(OSError),
+                    socket.create_connection(("127.0.0.1", self.listener.address[1]), timeout=1),
+                ):
+                    pass
+            self.thread.join(5)
+            self.listener.close()
 
 
 # ---- the caller's side ----------------------------------------------------------------------
@@ -301,6 +438,7 @@ class TetrisGroup:
     deliver: Deliver
     row_bytes: int = 0
     max_model_len: int = 0
+    ranks_per_node: int = 0  # 0: every rank on this host
     managers: list[ReceiveManager] = field(default_factory=list)
     transfer: TransferStats = field(default_factory=TransferStats)
     snapshots: list[tuple[EngineStats, int, int] | None] = field(default_factory=list)
@@ -313,6 +451,9 @@ class TetrisGroup:
     _handshakes: list[queue.Queue[Any]] = field(default_factory=list)
     _threads: list[threading.Thread] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
+    _probes: dict[str, dict[int, Any]] = field(default_factory=dict)  # profile replies by member
+    _probe_done: threading.Condition = field(default_factory=threading.Condition)
+    _probe_lock: threading.Lock = field(default_factory=threading.Lock)  # one profile at a time
 
     # ---- pipes --------------------------------------------------------------------------
 
@@ -407,6 +548,67 @@ class TetrisGroup:
                     self.pool_conns[m], ("prefill", rid, ids, wire, pieces.get(m, []), receivers)
                 )
 
+    def profile(
+        self, sizes: Sequence[int], histories: Sequence[int], lengths: Sequence[int], repeats: int
+    ) -> list[tuple[int, int, int, float]]:
+        """Time CDSP prefill on the running pool (Eq. (1)'s samples, §5.1): for every SP size
+        and (history C, length L) point, ``repeats`` runs of a C-token chunk then an L-token
+        chunk on the first ``sp`` live instances, in the pool's request order (live requests
+        queue with the probes). Returns (sp, C, L, seconds of the L chunk on its slowest
+        member). Raises InvalidRequestError naming the field for a grid the pool cannot run,
+        GroupFailure when an instance fails meanwhile."""
+        live = [m for m in range(self.policy.prefill) if m not in self.dead_pool]
+        sizes = list(sizes) or list(range(1, len(live) + 1))
+        if min(sizes) < 1 or max(sizes) > len(live):
+            raise InvalidRequestError(
+                "sp_sizes", f"sp_sizes: between 1 and the {len(live)} live prefill instances"
+            )
+        if not lengths or min(lengths) < 1 or min(histories, default=0) < 0:
+            raise InvalidRequestError("lengths", "lengths: at least one, each >= 1")
+        if max(histories, default=0) + max(lengths) > self.max_model_len:
+            raise InvalidRequestError(
+                "lengths",
+                f"lengths: history + length up to {max(histories, default=0) + max(lengths)} "
+                f"exceeds the model's {self.max_model_len} positions",
+            )
+        points = [(0, min(sizes), 0, min(lengths))]  # untimed warm-up
+        points += [
+            (r + 1, sp, c, n)
+            for sp in sizes
+            for c in histories
+            for n in lengths
+            for r in range(max(1, repeats))
+        ]
+        out = []
+        with self._probe_lock:
+            for seed, sp, c, n in points:
+                seconds = self._probe(live[:sp], c, n, seed)
+                if seed:
+                    out.append((sp, c, n, seconds))
+        return out
+
+    def _probe(self, members: list[int], history: int, length: int, seed: int) -> float:
+        group = tuple(members)
+        wire = ([(history, group)] if history else []) + [(length, group)]
+        pid = f"profile-{time.monotonic_ns()}"
+        with self._lock:  # in the pool's one request order
+            for m in members:
+                self._send(self.pool_conns[m], ("profile", pid, wire, seed))
+        deadline = time.monotonic() + self.timeout_s
+        with self._probe_done:
+            while len(self._probes.get(pid, {})) < len(members):
+                dead = [m for m in members if m in self.dead_pool]
+                if dead or self.closed or time.monotonic() > deadline:
+                    self._probes.pop(pid, None)
+                    why = self.dead_pool.get(dead[0], "") if dead else "timed out or closed"
+                    raise GroupFailure(f"tetris profile on instances {members}: {why}")
+                self._probe_done.wait(0.1)
+            replies = self._probes.pop(pid)
+        failed = [r for r in replies.values() if isinstance(r, str)]
+        if failed:
+            raise GroupFailure(f"tetris profile on instances {members}: {failed[0]}")
+        return max(float(r[-1]) for r in replies.values())
+
     def abort(self, rid: str) -> bool:
         with self._lock:
             req = self._requests.pop(rid, None)
@@ -493,6 +695,7 @@ class TetrisGroup:
                             self._from_decode(i, msg)
                 except (EOFError, OSError):
                     live.remove(conn)
+                    self._lost(role, i, live)
             self._check_procs(live)
 
     def _from_pool(self, m: int, msg: tuple[Any, ...]) -> None:
@@ -510,6 +713,10 @@ class TetrisGroup:
                         self.transfer.planned_seconds += req.planned_s
         elif kind == "failed":
             self._fail(rid, GroupFailure(msg[2]))
+        elif kind in ("profiled", "profile-failed"):
+            with self._probe_done:
+                self._probes.setdefault(rid, {})[m] = msg[2]
+                self._probe_done.notify_all()
 
     def _from_decode(self, d: int, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
@@ -536,6 +743,19 @@ class TetrisGroup:
         elif kind == "snapshot":
             self.snapshots[d] = (msg[1], msg[2], msg[3])
 
+    def _lost(self, role: str, index: int, live: list[Any]) -> None:
+        """An instance's control connection closed: a rank of this host is reported by its
+        exit (``_check_procs``); one of another node by this."""
+        rank = index if role == "pool" else self.policy.decode_ranks(index)[0]
+        if self.closed or rank < len(self.procs):
+            return
+        role = "prefill" if role == "pool" else "decode"
+        self._down(
+            rank,
+            f"{role} instance {index} (rank {rank}, another node) lost its control connection",
+            live,
+        )
+
     def _check_procs(self, live: list[Any]) -> None:
         if self.closed:
             return
@@ -543,12 +763,22 @@ class TetrisGroup:
             if proc.is_alive():
                 continue
             role, index, _ = self.policy.role(rank)
-            why = f"{role} instance {index} (rank {rank}) exited with code {proc.exitcode}"
-            if role == "decode":
-                self._die(f"tetris group: {why}; the group cannot serve without it")
+            self._down(
+                rank,
+                f"{role} instance {index} (rank {rank}) exited with code {proc.exitcode}",
+                live,
+            )
+            if self.closed:
                 return
-            if index in self.dead_pool:
-                continue
+
+    def _down(self, rank: int, why: str, live: list[Any]) -> None:
+        """A rank is gone: a decode rank ends the group, a prefill instance fails its requests
+        and is reported down."""
+        role, index, _ = self.policy.role(rank)
+        if role == "decode":
+            self._die(f"tetris group: {why}; the group cannot serve without it")
+            return
+        if index not in self.dead_pool:
             log.error("%s", why)
             self.dead_pool[index] = why
             with contextlib.suppress(ValueError):
@@ -588,17 +818,21 @@ class TetrisGroup:
                     if m in r.members and r.prefilled == 0
                 ]
                 queued = max([0.0, *ends])
-            out.append(InstanceLoad("prefill", m, queued, 0, 0, 0))
+            out.append(InstanceLoad("prefill", m, queued, 0, 0, 0, self._node(m)))
         for d, snap in enumerate(self.snapshots):
+            node = self._node(self.policy.decode_ranks(d)[0])
             if snap is None:
-                out.append(InstanceLoad("decode", d, 0.0, 0, 0, 0))
+                out.append(InstanceLoad("decode", d, 0.0, 0, 0, 0, node))
                 continue
             stats, reserved, block = snap
             # Slots not held by admitted requests (InstanceStats): the blocks reserved for
             # requests in transfer are reported apart, as virtual usage.
             free = (stats.kv_blocks_total - stats.kv_blocks_used) * block + reserved
-            out.append(InstanceLoad("decode", d, 0.0, free, reserved, stats.num_running))
+            out.append(InstanceLoad("decode", d, 0.0, free, reserved, stats.num_running, node))
         return out
+
+    def _node(self, rank: int) -> int:
+        return rank // self.ranks_per_node if self.ranks_per_node else 0
 
     def stats(self) -> dict[str, float]:
         t = self.transfer
@@ -655,6 +889,8 @@ class TetrisGroup:
             if proc.is_alive():
                 proc.kill()
         stop_processes(self.procs, timeout=10)
+        for conn in self.pool_conns + self.decode_conns:
+            conn.close()  # the other nodes' instances see EOF and exit
         self.store = None
 
 
@@ -672,14 +908,23 @@ def start_tetris(
             "not supported yet",
         )
     _check(config, policy, group)
+    if group.node_rank != 0:
+        raise InvalidRequestError(
+            "node_rank", "only node 0 hosts the tetris endpoint; other nodes run run_node"
+        )
     store = group.host_store(world)
     port = int(store.port)
     ctx = rank_context()
     cores = usable_cores()
+    local = group.local_ranks(world)
+    # The other nodes' instance leaders dial node 0 (run_tetris_node): listen before they ask.
+    remote = [
+        r for r in range(local, world) if policy.role(r)[0] == "prefill" or not policy.role(r)[2]
+    ]
+    listener = _Listener(store, group, remote) if remote else None
     procs: list[Any] = []
-    pool_conns: list[Any] = []
-    decode_conns: list[Any] = []
-    for rank in range(world):
+    conns: dict[int, Any] = {}
+    for rank in range(local):
         role, index, t = policy.role(rank)
         parent, child = ctx.Pipe() if role == "prefill" or t == 0 else (None, None)
         procs.append(
@@ -692,8 +937,29 @@ def start_tetris(
         )
         if child is not None:
             child.close()
-            (pool_conns if role == "prefill" else decode_conns).append(parent)
+            conns[rank] = parent
+
+    def alive() -> None:
+        for rank, proc in enumerate(procs):
+            if not proc.is_alive():
+                raise GroupFailure(
+                    f"tetris group: rank {rank} exited with code {proc.exitcode} while loading"
+                )
+
+    try:
+        if listener is not None:
+            conns |= listener.wait(group.timeout_s, alive)
+    except BaseException:
+        for conn in conns.values():
+            conn.close()
+        for proc in procs:
+            proc.kill()
+        stop_processes(procs, timeout=10)
+        raise
+    pool_conns = [conns[r] for r in range(policy.prefill)]
+    decode_conns = [conns[policy.decode_ranks(d)[0]] for d in range(policy.decode)]
     handle = TetrisGroup(policy, procs, pool_conns, decode_conns, store, group.timeout_s, deliver)
+    handle.ranks_per_node = local
     try:
         ready = [_await_ready(handle, conn) for conn in pool_conns + decode_conns]
     except BaseException:
@@ -714,10 +980,16 @@ def start_tetris(
 def _await_ready(handle: TetrisGroup, conn: Any) -> dict[str, Any]:
     deadline = time.monotonic() + handle.timeout_s
     while time.monotonic() < deadline:
-        if conn.poll(0.1):
-            msg = conn.recv()
-            if msg[0] == "ready":
-                return msg[1]
+        try:
+            if conn.poll(0.1):
+                msg = conn.recv()
+                if msg[0] == "ready":
+                    return msg[1]
+        except (EOFError, OSError) as exc:
+            raise GroupFailure(
+                "tetris group: an instance of another node closed its control connection while "
+                "loading"
+            ) from exc
         for rank, proc in enumerate(handle.procs):
             if not proc.is_alive():
                 raise GroupFailure(

@@ -10,7 +10,9 @@ after a transfer-slot handshake (``transfer.ReceiveManager``); the decode instan
 continuous batching once every piece has landed (``decode.DecodeAdmission``).
 
 The group is served by its own endpoint (``group.py``, ``endpoint.py``): requests go to the pool,
-not to one engine. This class is what every rank builds and what a decode leader's engine asks.
+not to one engine. Across nodes, the endpoint runs on node 0 and the other nodes' instances dial
+its control listener (``group.run_tetris_node``); a decode instance's ranks share one node.
+This class is what every rank builds and what a decode leader's engine asks.
 """
 
 from __future__ import annotations
@@ -38,9 +40,6 @@ class TetrisPolicy(Policy):
     """A prefill pool of TP-1 instances and TP decode instances (see the module docstring)."""
 
     kind = "tetris"
-    # The group's endpoint drives every instance over pipes from one process.
-    single_node = True
-    single_node_reason = "its endpoint drives every instance from one host"
 
     def __init__(self, policy: policy_pb2.Policy, world_size: int) -> None:
         super().__init__(policy, world_size)
@@ -82,6 +81,33 @@ class TetrisPolicy(Policy):
         from gearshift.worker.policies.tetris.endpoint import TetrisGroupEngine
 
         return TetrisGroupEngine
+
+    def node_runner(self) -> Callable[[Any, Any], int] | None:
+        from gearshift.worker.policies.tetris.group import run_tetris_node
+
+        return lambda config, group: run_tetris_node(config, self, group)
+
+    def check_nodes(self, nodes: int) -> None:
+        """Across nodes (§3.2): prefill instances may sit anywhere (a ring over nodes is
+        point-to-point in the one group), but a decode instance's TP ranks share a node."""
+        if nodes <= 1:
+            return
+        field = "spec.group.nodes"
+        if self.world_size % nodes:
+            raise InvalidRequestError(
+                field, f"{field}: {self.world_size} ranks do not split over {nodes} nodes"
+            )
+        per = self.world_size // nodes
+        for d in range(self.decode):
+            ranks = self.decode_ranks(d)
+            if ranks[0] // per != ranks[-1] // per:
+                raise InvalidRequestError(
+                    field,
+                    f"{field}: with {nodes} nodes of {per} ranks, decode instance {d} (ranks "
+                    f"{ranks[0]}-{ranks[-1]}, after {self.prefill} prefill ranks) would span two "
+                    "nodes; its TP ranks must share one (change nodes, prefillInstances or "
+                    "decodeTp)",
+                )
 
     # ---- every rank ------------------------------------------------------------------------
 

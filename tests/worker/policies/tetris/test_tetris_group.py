@@ -296,3 +296,30 @@ def test_smollm2_long_prompt_over_growing_groups_gives_one_process_tokens(
     )
     group.submit("long", ids, _greedy(8), _plan([(128, [1]), (172, [1, 0])]))
     assert outputs.collect({"long"})["long"] == expected
+
+
+def test_profile_times_the_running_pool_between_live_requests(
+    tiny_checkpoint: Callable[..., Path],
+    tetris_factory: Callable[..., tuple[TetrisGroup, Outputs]],
+) -> None:
+    """Worker.ProfileTetris's group side: every (SP, C, L) point of the grid is timed on the
+    live pool, a request submitted meanwhile still gets the one-process tokens, and a grid the
+    pool cannot run is refused naming the field."""
+    folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=2)
+    prompts = _prompts([21])
+    expected = _reference(folder, prompts, 4)
+    group, outputs = tetris_factory(folder, {"prefill_instances": 2, "decode_instances": 1})
+    group.submit("live", prompts[0], _greedy(4), _plan([(9, [1]), (12, [1, 0])]))
+    samples = group.profile([], [0, 8], [4, 8, 12], 2)
+    assert sorted({(sp, c, n) for sp, c, n, _ in samples}) == [
+        (sp, c, n) for sp in (1, 2) for c in (0, 8) for n in (4, 8, 12)
+    ]
+    assert len(samples) == 24 and all(seconds > 0 for *_, seconds in samples)
+    assert outputs.collect({"live"})["live"] == expected[0]
+    for sizes, lengths, field in (([3], [4], "sp_sizes"), ([1], [0], "lengths")):
+        with pytest.raises(InvalidRequestError) as info:
+            group.profile(sizes, [0], lengths, 1)
+        assert info.value.field == field
+    with pytest.raises(InvalidRequestError, match="positions"):
+        group.profile([1], [0], [group.max_model_len + 1], 1)
+    assert group.stats()["prefills"] == 1  # probes are not requests
