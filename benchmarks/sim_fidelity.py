@@ -95,6 +95,7 @@ def simulated(result) -> dict[str, float]:  # type: ignore[no-untyped-def]
 def main() -> None:
     from google.protobuf import json_format
 
+    from gearshift.operator.sim import model_desc
     from gearshift.operator.sim.arrivals import Arrivals, RateCurve
     from gearshift.operator.sim.lengths import LogNormal
     from gearshift.operator.sim.profile import ProfileGrid, measure
@@ -158,6 +159,8 @@ def main() -> None:
             max_num_batched_tokens=engine.scheduler.config.max_num_batched_tokens,
             max_model_len=engine.max_model_len,
         )
+        stages = max(1, args.pp or 1)
+        desc = model_desc.load(model)
         t0 = time.perf_counter()
         # The engine's own policy decides each step's share (a pipeline's micro-batches).
         deployment = Deployment(
@@ -166,7 +169,9 @@ def main() -> None:
             cost,
             engine.policy.step_request,
             micro_batches=engine.policy.micro_batches(),
-            stages=max(1, args.pp or 1),
+            stages=stages,
+            # The last stage also runs the LM head: most of this small model's work.
+            stage_shares=desc.stage_shares(stages) if stages > 1 else (),
         )
         predicted = simulated(simulate(deployment, trace))
         sim_s = time.perf_counter() - t0

@@ -55,6 +55,7 @@ class Candidate:
     kv_tokens: int
     micro_batches: int = 1
     stages: int = 1
+    stage_shares: tuple[float, ...] = ()  # ModelDesc.stage_shares of a pipeline; (): equal
     step_request: StepAsk | None = None  # the policy's say before each step
     notes: dict[str, Any] = field(default_factory=dict)
     hooks: Callable[[], SimHooks] | None = None  # a policy that drives its own steps
@@ -122,6 +123,7 @@ def _layout_candidates(model: ModelDesc, hw: Hardware, s: PlanSettings) -> list[
                     tokens,
                     micro_batches=micro,
                     stages=micro,
+                    stage_shares=model.stage_shares(micro) if micro > 1 else (),
                     # The static policy's own rule for a pipeline's micro-batches.
                     step_request=functools.partial(pipeline_share, stages=micro),
                 )

@@ -56,6 +56,19 @@ class ModelDesc:
     def weight_bytes(self) -> int:
         return self.params() * self.dtype_bytes
 
+    def stage_shares(self, stages: int) -> tuple[float, ...]:
+        """Each pipeline stage's share of a token's matmul work, for the engine's layer split
+        (``layout.stage_layers``; the last stage also runs the LM head, which is most of the
+        work of a small model with a large vocabulary). Attention over the context is left out."""
+        from gearshift.worker.parallel.layout import stage_layers
+
+        work = [
+            len(stage_layers(self.layers, stages, s)) * self.layer_params() for s in range(stages)
+        ]
+        work[-1] += self.vocab * self.hidden
+        total = sum(work)
+        return tuple(w / total for w in work)
+
     def kv_bytes_per_token(self) -> int:
         """K and V of one token across all layers."""
         return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes

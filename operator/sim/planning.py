@@ -94,6 +94,7 @@ def simulate_point(
         candidate.step_request,
         micro_batches=candidate.micro_batches,
         stages=candidate.stages,
+        stage_shares=candidate.stage_shares,
         hooks=candidate.hooks,
     )
     trace = traffic.trace(rate)

@@ -10,9 +10,9 @@ Pipeline micro-batches follow ``LLMEngine.step``: the replica keeps up to ``micr
 in flight, each scheduled with the in-flight sequences left out (the engine's ``busy``), and
 finishes the oldest; when it finishes, new steps are launched before the next oldest is waited
 for. A step's cost is its whole trip through the pipeline (what ``gearshift profile`` times for a
-lone micro-batch); each of ``stages`` stages holds it for an equal share, so a micro-batch enters
-the first stage once the one before it has left it, and leaves the last stage no sooner than
-one stage time after the one before it.
+lone micro-batch); each of ``stages`` stages holds it for its share (equal, or the model's
+``ModelDesc.stage_shares``: the last stage also runs the LM head), and a micro-batch enters a
+stage once it has left the one before and the micro-batch before it has left this one.
 """
 
 from __future__ import annotations
@@ -109,14 +109,19 @@ class SimReplica:
         micro_batches: int = 1,
         stages: int = 1,
         hooks: SimHooks | None = None,
+        stage_shares: tuple[float, ...] = (),
     ) -> None:
         if micro_batches < 1 or stages < 1:
             raise ValueError(
                 f"micro_batches and stages must be >= 1, got {micro_batches}, {stages}"
             )
+        if stage_shares and (len(stage_shares) != stages or min(stage_shares) < 0):
+            raise ValueError(f"stage_shares {stage_shares} must be {stages} shares >= 0")
         self.index = index
         self.micro_batches = micro_batches
         self.stages = stages
+        # Each stage's share of a step's trip (ModelDesc.stage_shares); empty: equal shares.
+        self.stage_shares = stage_shares
         self.config = config
         self.cost = cost
         self.step_request = step_request or (lambda _: StepRequest())
@@ -135,8 +140,7 @@ class SimReplica:
             self.blocks,
         )
         self.in_flight: deque[_Flight] = deque()
-        self._stage0_free = 0.0  # when the first stage can take the next micro-batch
-        self._last_done = 0.0  # when the newest micro-batch leaves the last stage
+        self._stage_free: list[float] = []  # when each stage can take the next micro-batch
         self.times: dict[str, RequestTimes] = {}
         self.steps = 0
         self.busy_s = 0.0
@@ -186,14 +190,17 @@ class SimReplica:
             self.times[seq.request_id].preemptions += 1
         if batch.is_empty and trip <= 0.0:
             return False
-        stage = trip / stages
-        start = max(now, self._stage0_free)
-        self._stage0_free = start + stage
-        done = max(start + trip, self._last_done + stage)
-        self._last_done = done
+        shares = self.stage_shares if len(self.stage_shares) == stages else (1.0 / stages,) * stages
+        if len(self._stage_free) != stages:  # a gear of another depth (Seesaw): drained first
+            self._stage_free = [max(self._stage_free, default=0.0)] * stages
+        # A micro-batch holds each stage for its share, in order, once the one before it left.
+        done = now
+        for s, share in enumerate(shares):
+            done = max(done, self._stage_free[s]) + trip * share
+            self._stage_free[s] = done
         self.in_flight.append(_Flight(batch, done))
         self.steps += 1
-        self.busy_s += stage
+        self.busy_s += trip * max(shares)
         return True
 
     def finish_step(self, now: float) -> list[tuple[str, int, bool]]:

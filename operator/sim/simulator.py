@@ -36,6 +36,7 @@ class Deployment:
     step_request: StepAsk | None = None  # the policy's say before each step (default: ANY)
     micro_batches: int = 1  # steps in flight per replica (a pipeline's Policy.micro_batches())
     stages: int = 1  # pipeline stages a step's cost is spread over
+    stage_shares: tuple[float, ...] = ()  # each stage's share (ModelDesc.stage_shares); (): equal
     # A policy that drives each step itself (a fresh one per replica; replica.SimHooks).
     hooks: Callable[[], SimHooks] | None = None
 
@@ -57,6 +58,7 @@ def simulate(deployment: Deployment, trace: Sequence[TraceRequest]) -> SimResult
             deployment.micro_batches,
             deployment.stages,
             deployment.hooks() if deployment.hooks is not None else None,
+            deployment.stage_shares,
         )
         for i in range(deployment.replicas)
     ]

@@ -117,3 +117,15 @@ class Layout:
                 raise InvalidRequestError(
                     name, f"{num_kv_heads} KV heads do not split over {name} {size}"
                 )
+
+
+def stage_layers(num_layers: int, pp: int, stage: int) -> range:
+    """Global layer indices of ``stage``: as even as possible, earlier stages take the remainder
+    (the last stage also runs the LM head, the largest single matmul of a small model)."""
+    if pp > num_layers:
+        raise InvalidRequestError(
+            "pp", f"pp {pp} exceeds the model's {num_layers} layers (every stage needs one)"
+        )
+    base, extra = divmod(num_layers, pp)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (1 if stage < extra else 0))

@@ -17,21 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gearshift.worker.errors import InvalidRequestError
-
-
-def stage_layers(num_layers: int, pp: int, stage: int) -> range:
-    """Global layer indices of ``stage``: as even as possible, earlier stages take the remainder
-    (the last stage also runs the LM head, the largest single matmul of a small model)."""
-    if pp > num_layers:
-        raise InvalidRequestError(
-            "pp", f"pp {pp} exceeds the model's {num_layers} layers (every stage needs one)"
-        )
-    base, extra = divmod(num_layers, pp)
-    start = stage * base + min(stage, extra)
-    return range(start, start + base + (1 if stage < extra else 0))
-
-
 # Tags keep a step's two messages apart on the same pair of ranks (gloo matches by tag; NCCL
 # ignores tags but keeps per-pair order, which is the same order here).
 ACTIVATIONS_TAG, LOGITS_TAG = 1, 2

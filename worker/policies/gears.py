@@ -7,8 +7,8 @@ from gearshift.worker.comm import CommGroup
 from gearshift.worker.engine.loading import load_model
 from gearshift.worker.engine.model_runner import Gear
 from gearshift.worker.parallel.groups import GroupSet
-from gearshift.worker.parallel.layout import Layout
-from gearshift.worker.parallel.pipeline import PipelineStage, stage_layers
+from gearshift.worker.parallel.layout import Layout, stage_layers
+from gearshift.worker.parallel.pipeline import PipelineStage
 from gearshift.worker.parallel.ulysses import UlyssesAttention
 from gearshift.worker.policies.base import RankContext
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from gearshift.worker.parallel.pipeline import stage_layers
+from gearshift.worker.parallel.layout import stage_layers
 from gearshift.worker.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -120,7 +120,7 @@ def _load(spec, path: Path, tp: int, tp_rank: int, layers: range | None):
 def test_weights_after_each_reshard_equal_the_checkpoint_shard_of_that_layout(tiny_checkpoint):
     from gearshift.worker.config import EngineConfig
     from gearshift.worker.engine.loading import inspect_model
-    from gearshift.worker.parallel.pipeline import stage_layers
+    from gearshift.worker.parallel.layout import stage_layers
     from gearshift.worker.policies.seesaw.weights import WeightSet, checksums
 
     folder = _model(tiny_checkpoint)
