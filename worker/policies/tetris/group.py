@@ -14,10 +14,13 @@ A request goes like this:
    reserves the prompt's KV blocks); the decode instance's ``ReceiveManager`` (kept here, on its
    behalf) is announced the pieces; every member of the plan's last group gets the request, in
    one global order, so rings on shared members never cross.
-2. A member runs the chunks it is in (``run_chunk_plan``); then, for each piece of its rows (at
-   most a transfer buffer each), it says "ready" and waits. A handshake thread here asks the
-   decode instance's manager for a slot (granted in first-handshake order, bounded wait), tells
-   the decode leader to receive the piece in its next step, and lets the member send.
+2. A member runs the chunks it is in (``run_chunk_plan``); then it offers each piece of its rows
+   (at most a transfer buffer each: "ready") and goes on with its next message. A handshake
+   thread here asks the decode instance's manager for a slot per piece (granted in
+   first-handshake order, bounded wait) and lets the member send ("go"); the member starts the
+   piece's sends in the background and says "sent" (its next prefill overlaps the transfer,
+   §4.2), and only then is the decode leader told to receive the piece in its next step, so a
+   decode step never waits on a member that is still computing.
 3. The decode leader reports each landed piece (the slot frees); with the last one it admits the
    request into its running batch, and its outputs stream back through here.
 
@@ -66,7 +69,7 @@ from gearshift.worker.policies.tetris.chunked_prefill import (
     rows_after,
     run_chunk_plan,
 )
-from gearshift.worker.policies.tetris.handoff import send_piece
+from gearshift.worker.policies.tetris.handoff import Sending, start_piece
 from gearshift.worker.policies.tetris.policy import TetrisPolicy
 from gearshift.worker.policies.tetris.rebalance import Holding
 from gearshift.worker.policies.tetris.transfer import ReceiveManager, TransferError
@@ -93,42 +96,52 @@ def pieces_of(rows: dict[int, int], row_bytes: int, buffer_bytes: int) -> dict[i
 # ---- the rank processes ---------------------------------------------------------------------
 
 
-def _next(conn: Any, stash: list[Any], cancelled: set[str], want: str, rid: str) -> Any:
-    """The next message of kind ``want``, a "cancel" of ``rid``, or "stop"; the cancel of a
-    request whose prefill waits in ``stash`` is noted in ``cancelled`` (any other is stale: its
-    request is done here), and other messages wait in ``stash`` for the main loop."""
-    while True:
-        msg = conn.recv()
-        if msg[0] == "cancel":
-            if msg[1] == rid:
-                return msg
-            if any(m[0] == "prefill" and m[1] == msg[1] for m in stash):
-                cancelled.add(msg[1])
-            continue
-        if msg[0] in (want, "stop"):
-            return msg
-        stash.append(msg)
-
-
 def _pool_loop(state: Any, policy: TetrisPolicy, conn: Any, rank: int) -> None:
+    """A prefill instance: runs each request's chunk plan when its "prefill" arrives, then
+    offers its pieces ("ready", one per piece) and goes on with the next message; each granted
+    piece ("go") is started in the background (``start_piece``) and reported "sent", so the
+    member computes its next prefill while its KV is still leaving (§4.2)."""
     gear = state.model.gears[0]
     model, world = gear.model, state.model.extra["world"]
     pool = type(world)(policy.prefill, rank, tuple(range(policy.prefill)), world.group)
     scale = model.config.head_dim**-0.5
-    stash: list[Any] = []
-    cancelled: set[str] = set()
+    # Requests whose pieces are offered but not all granted: their rows, pieces and receivers.
+    offered: dict[str, tuple[Holding, list[tuple[int, int]], tuple[int, ...]]] = {}
+    sending: list[Sending] = []  # started pieces whose sends may still be in flight
     while True:
-        msg = stash.pop(0) if stash else conn.recv()
-        if msg[0] == "stop":
+        sending = [s for s in sending if not s.done()]
+        msg = conn.recv()
+        kind = msg[0]
+        if kind == "stop":
             return
-        if msg[0] == "cancel":
-            # Stale: with nothing stashed, the cancelled request's prefill (which precedes its
-            # cancel on this pipe) has already run here.
+        if kind == "cancel":
+            offered.pop(msg[1], None)  # its granted pieces are sent (the decode side drops them)
             continue
-        if msg[0] == "profile":
+        if kind == "go":
+            _, rid, piece = msg
+            held = offered.get(rid)
+            if held is None:
+                conn.send(("unsent", rid, piece))
+                continue
+            holding, mine, receivers = held
+            start, count = mine[piece]
+            rows = Holding(
+                holding.kv[start : start + count], holding.positions[start : start + count]
+            )
+            try:
+                sending.append(start_piece(rows, receivers, world))
+            except Exception as exc:  # noqa: BLE001 - a decode rank is gone: this request fails
+                offered.pop(rid, None)
+                conn.send(("failed", rid, f"prefill instance {rank}: {str(exc).splitlines()[0]}"))
+                continue
+            conn.send(("sent", rid, piece))
+            if piece == len(mine) - 1:  # granted in order: the last piece is on its way
+                offered.pop(rid, None)
+            continue
+        if kind == "profile":
             _profile_probe(model, pool, conn, msg, scale, model.config.vocab_size)
             continue
-        if msg[0] != "prefill":
+        if kind != "prefill":
             continue
         _, rid, ids, chunks, mine, receivers = msg
         plan = [PlannedChunk(n, tuple(g)) for n, g in chunks]
@@ -139,25 +152,10 @@ def _pool_loop(state: Any, policy: TetrisPolicy, conn: Any, rank: int) -> None:
             conn.send(("failed", rid, f"prefill instance {rank}: {str(exc).splitlines()[0]}"))
             continue
         conn.send(("prefilled", rid, time.perf_counter() - started))
-        holding = result.holding
-        for i, (start, count) in enumerate(mine):
-            if rid in cancelled:
-                break
-            conn.send(("ready", rid, i))
-            reply = _next(conn, stash, cancelled, "go", rid)
-            if reply[0] == "stop":
-                return
-            if reply[0] == "cancel":
-                break
-            rows = Holding(
-                holding.kv[start : start + count], holding.positions[start : start + count]
-            )
-            try:
-                send_piece(rows, receivers, world)
-            except Exception as exc:  # noqa: BLE001 - a decode rank is gone: this request fails
-                conn.send(("failed", rid, f"prefill instance {rank}: {str(exc).splitlines()[0]}"))
-                break
-        cancelled.discard(rid)
+        if mine:
+            offered[rid] = (result.holding, mine, receivers)
+            for i in range(len(mine)):
+                conn.send(("ready", rid, i))
 
 
 def _profile_probe(model: Any, pool: Any, conn: Any, msg: tuple, scale: float, vocab: int) -> None:
@@ -451,6 +449,8 @@ class TetrisGroup:
     _handshakes: list[queue.Queue[Any]] = field(default_factory=list)
     _threads: list[threading.Thread] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
+    # Pieces granted (go) and not yet reported sent: (member, rid, piece) -> (decode, rows).
+    _granted: dict[tuple[int, str, int], tuple[int, int]] = field(default_factory=dict)
     _probes: dict[str, dict[int, Any]] = field(default_factory=dict)  # profile replies by member
     _probe_done: threading.Condition = field(default_factory=threading.Condition)
     _probe_lock: threading.Lock = field(default_factory=threading.Lock)  # one profile at a time
@@ -660,13 +660,13 @@ class TetrisGroup:
                 self.transfer.wait_seconds += time.monotonic() - started
             _, count = req.pieces[m][piece]
             with self._lock:
-                # Under the lock: an abort either came first (then no go) or comes after the
-                # decode instance has the receive (which it runs before freeing the blocks).
+                # Under the lock: an abort either came first (then no go) or comes after the go,
+                # whose "sent" still makes the decode instance receive (and drop) the piece.
                 if rid not in self._requests:
                     self.managers[req.decode].abort(rid)
                     self._send(self.pool_conns[m], ("cancel", rid))
                     continue
-                self._send(self.decode_conns[req.decode], ("receive", rid, m, count, piece))
+                self._granted[(m, rid, piece)] = (req.decode, count)
                 self._send(self.pool_conns[m], ("go", rid, piece))
 
     def _read(self) -> None:
@@ -713,6 +713,18 @@ class TetrisGroup:
                         self.transfer.planned_seconds += req.planned_s
         elif kind == "failed":
             self._fail(rid, GroupFailure(msg[2]))
+        elif kind in ("sent", "unsent"):
+            # The member started the piece's sends: only now is the decode instance told to
+            # receive it, so its step never waits on a member still computing another prefill.
+            with self._lock:
+                granted = self._granted.pop((m, rid, msg[2]), None)
+            if granted is None:
+                return
+            decode, count = granted
+            if kind == "sent":
+                self._send(self.decode_conns[decode], ("receive", rid, m, count, msg[2]))
+            else:  # the member no longer had it (cannot happen in pipe order): fail, free
+                self._fail(rid, GroupFailure(f"prefill instance {m} lost piece {msg[2]}"))
         elif kind in ("profiled", "profile-failed"):
             with self._probe_done:
                 self._probes.setdefault(rid, {})[m] = msg[2]
@@ -781,6 +793,9 @@ class TetrisGroup:
         if index not in self.dead_pool:
             log.error("%s", why)
             self.dead_pool[index] = why
+            with self._lock:  # its granted pieces will never be sent (their requests fail)
+                for key in [k for k in self._granted if k[0] == index]:
+                    del self._granted[key]
             with contextlib.suppress(ValueError):
                 live.remove(self.pool_conns[index])
             with self._lock:

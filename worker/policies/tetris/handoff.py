@@ -122,18 +122,40 @@ def receive_kv(
     return int(token[0])
 
 
-def send_piece(rows: Holding, receivers: tuple[int, ...], comm: CommGroup) -> None:
-    """A prefill member's side of one granted piece: ``rows`` (a run of its holding), each
-    decode rank (ranks of ``comm``, in TP order) getting its KV heads. Returns once sent."""
+@dataclass
+class Sending:
+    """A piece's sends in flight: their works, and the buffers they read until they complete."""
+
+    works: list
+    buffers: list[torch.Tensor]
+
+    def done(self) -> bool:
+        return all(w is None or w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        for work in self.works:
+            if work is not None:
+                work.wait()
+
+
+def start_piece(rows: Holding, receivers: tuple[int, ...], comm: CommGroup) -> Sending:
+    """A prefill member's side of one granted piece, started: ``rows`` (a run of its holding),
+    each decode rank (ranks of ``comm``, in TP order) getting its KV heads. The sends proceed in
+    the background (the member computes its next prefill meanwhile); keep the result until
+    ``done``."""
     kv_heads = rows.kv.shape[3]
-    works = []
+    sending = Sending([], [])
     for t, dst in enumerate(receivers):
         heads = kv_heads_of(t, len(receivers), kv_heads)
-        works.append(dist.isend(rows.kv[:, :, :, heads].contiguous(), comm.ranks[dst], comm.group))
-        works.append(dist.isend(rows.positions.contiguous(), comm.ranks[dst], comm.group))
-    for work in works:
-        if work is not None:
-            work.wait()
+        for buf in (rows.kv[:, :, :, heads].contiguous(), rows.positions.contiguous()):
+            sending.buffers.append(buf)
+            sending.works.append(dist.isend(buf, comm.ranks[dst], comm.group))
+    return sending
+
+
+def send_piece(rows: Holding, receivers: tuple[int, ...], comm: CommGroup) -> None:
+    """``start_piece`` and wait until it is sent."""
+    start_piece(rows, receivers, comm).wait()
 
 
 def receive_piece(

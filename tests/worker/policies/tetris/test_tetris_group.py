@@ -323,3 +323,40 @@ def test_profile_times_the_running_pool_between_live_requests(
     with pytest.raises(InvalidRequestError, match="positions"):
         group.profile([1], [0], [group.max_model_len + 1], 1)
     assert group.stats()["prefills"] == 1  # probes are not requests
+
+
+def test_a_member_prefills_its_next_request_while_its_pieces_wait_for_a_slot(
+    tiny_checkpoint: Callable[..., Path],
+    tetris_factory: Callable[..., tuple[TetrisGroup, Outputs]],
+) -> None:
+    """§4.2's overlap: with one transfer slot and the decode instance stopped (nothing lands, so
+    the slot stays taken), the member hands its first piece over, offers the rest and goes on
+    to prefill the next request instead of waiting; once the decode instance runs again both
+    requests finish with the one-process tokens."""
+    folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=2)
+    prompts = _prompts([30, 17], seed=11)
+    expected = _reference(folder, prompts, 4)
+    group, outputs = tetris_factory(
+        folder,
+        {
+            "prefill_instances": 2,
+            "decode_instances": 1,
+            "transfer_backends": 1,
+            "transfer_buffer_bytes": 4 * 2 * 2 * 2 * 8 * 4,  # 4 rows a piece: 8 pieces
+        },
+    )
+    decode = group.procs[2]
+    os.kill(decode.pid, signal.SIGSTOP)
+    try:
+        group.submit("a", prompts[0], _greedy(4), _plan([(30, [0])]))
+        group.submit("b", prompts[1], _greedy(4), _plan([(17, [0])]))
+        deadline = time.monotonic() + 60
+        while group.stats()["prefills"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = group.stats()
+        assert stats["prefills"] == 2, stats  # b ran while a's pieces waited
+        assert stats["transfer_slots_free"] == 0 and stats["handshake_queue"] >= 1, stats
+    finally:
+        os.kill(decode.pid, signal.SIGCONT)
+    got = outputs.collect({"a", "b"})
+    assert [got["a"], got["b"]] == expected
