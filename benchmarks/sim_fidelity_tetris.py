@@ -107,7 +107,7 @@ def main() -> None:
         )
         try:
             t0 = time.perf_counter()
-            samples = group.profile([], [0, 128, 256], [32, 96, 192, 320], 2)
+            samples = group.profile([], [0, 128, 256], [32, 96, 192, 320], 4)
             profile_s = time.perf_counter() - t0
             by_sp: dict[int, list[tuple[int, int, float]]] = {}
             for sp, c, n, seconds in samples:
