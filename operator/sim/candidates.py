@@ -204,18 +204,35 @@ def _seesaw_candidates(model: ModelDesc, hw: Hardware, s: PlanSettings) -> list[
 
 
 def _tetris_candidates(model: ModelDesc, hw: Hardware, s: PlanSettings) -> list[Candidate]:
-    """Tetris groups filling one node (tetris_sim.py): P TP-1 prefill instances (each holds the
-    whole model) and D decode instances of TP T, P + D·T = the node's devices, P >= 2; the
-    pool's Eq. (1) models are fitted to the roofline and go into the rendered policy."""
+    """Tetris groups filling one node or two (tetris_sim.py): P TP-1 prefill instances (each
+    holds the whole model) and D decode instances of TP T, P + D·T = the group's devices, P >= 2,
+    no decode instance split over nodes (the engine's rule); over two nodes, D is one instance or
+    a whole node of them. The pool's Eq. (1) models are fitted to the roofline and go into the
+    rendered policy. Over two nodes the planner sees each instance's node, and the hand-off is
+    priced on the inter-node link."""
+    node = hw.devices_per_node
+    if hw.count % node or model.weight_bytes() >= hw.device.memory_bytes * s.memory_utilization:
+        return []  # a prefill instance of TP 1 must hold the whole model
+    fitted: dict[int, Any] = {}
+    out = []
+    for span in (1, 2):
+        if hw.count % (span * node):
+            continue
+        out += _tetris_groups(model, hw, s, span, fitted)
+    return out
+
+
+def _tetris_groups(
+    model: ModelDesc, hw: Hardware, s: PlanSettings, span: int, fitted: dict[int, Any]
+) -> list[Candidate]:
+    """The Tetris candidates of groups of ``span`` nodes (``fitted``: Eq. (1) by SP size)."""
     # Imported here: the decode admission imports torch, which `gearshift plan` otherwise avoids.
     from gearshift.operator.planner.cdsp import PlannerRules, sp_sizes
     from gearshift.operator.sim import tetris_models
     from gearshift.operator.sim.tetris_sim import TetrisGroupSim, simulate_groups
 
     node = hw.devices_per_node
-    if hw.count % node or model.weight_bytes() >= hw.device.memory_bytes * s.memory_utilization:
-        return []  # a prefill instance of TP 1 must hold the whole model
-    fitted: dict[int, Any] = {}
+    size = span * node
     out = []
     for tp in range(1, node):
         if model.heads % tp or model.kv_heads % tp:
@@ -224,16 +241,20 @@ def _tetris_candidates(model: ModelDesc, hw: Hardware, s: PlanSettings) -> list[
         blocks = tokens // s.block_size
         if blocks * s.block_size < max(s.max_num_batched_tokens, s.max_model_len):
             continue
-        for decode in range(1, node // tp + 1):
-            prefill = node - decode * tp
-            if prefill < 2:
-                continue
+        # Over two nodes, what a second node adds is a pool larger than one node: one decode
+        # instance, or a node of them (the other shapes are one-node groups' already).
+        counts = range(1, size // tp + 1) if span == 1 else sorted({1, node // tp})
+        for decode in counts:
+            prefill = size - decode * tp
+            firsts = [prefill + d * tp for d in range(decode)]
+            if prefill < 2 or any(f // node != (f + tp - 1) // node for f in firsts):
+                continue  # no pool, or a decode instance over two nodes
             sizes = sp_sizes(prefill, True)
             for sp in sizes:
                 if sp not in fitted:
                     fitted[sp] = tetris_models.fit(model, hw, sp)
             rules = PlannerRules({sp: fitted[sp] for sp in sizes}, 1024, 4)
-            link = hw.link(node)
+            link = hw.link(size)
             group = TetrisGroupSim(
                 prefill,
                 decode,
@@ -248,7 +269,7 @@ def _tetris_candidates(model: ModelDesc, hw: Hardware, s: PlanSettings) -> list[
                 link.latency,
                 per_node=node,
             )
-            groups = hw.count // node
+            groups = hw.count // size
             policy = {
                 "tetris": {
                     "prefillInstances": prefill,
@@ -262,15 +283,17 @@ def _tetris_candidates(model: ModelDesc, hw: Hardware, s: PlanSettings) -> list[
             }
             out.append(
                 Candidate(
-                    f"tetris{prefill}p{decode}x{tp}" + (f"x{groups}" if groups > 1 else ""),
+                    f"tetris{prefill}p{decode}x{tp}"
+                    + (f"n{span}" if span > 1 else "")
+                    + (f"x{groups}" if groups > 1 else ""),
                     "tetris",
                     policy,
-                    node,
+                    size,
                     groups * decode,
                     group.decode_cost,
                     group.config,
                     tokens * decode,
-                    notes={"groups": groups, "prefill_instances": prefill},
+                    notes={"groups": groups, "prefill_instances": prefill, "nodes": span},
                     run=functools.partial(simulate_groups, groups, group),
                     for_traffic=functools.partial(_tetris_for_traffic, group, groups),
                 )

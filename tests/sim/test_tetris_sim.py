@@ -209,3 +209,27 @@ def test_plan_compares_tetris_with_the_other_policies() -> None:
     assert [row["requestRate"] for row in table] == [2.0]
     assert 0.0 <= table[0]["improvementRate"] <= 1.0
     assert make_policy(tetris["policy"]).kind == "tetris"
+
+
+def test_two_node_candidates_keep_decode_instances_whole_and_simulate() -> None:
+    """On two nodes the candidates include groups whose pool spans both (the engine runs them):
+    every decode instance inside one node (the operator accepts the policy for nodes: 2), and a
+    point simulates with the planner seeing each instance's node."""
+    from google.protobuf import json_format
+
+    from gearshift.v1 import policy_pb2
+    from gearshift.worker.policies.support import check_runnable
+
+    settings = PlanSettings(max_model_len=131072)
+    cands = enumerate_candidates(_model(), hardware.preset("16xH200"), settings, {"tetris"})
+    spanning = {c.name: c for c in cands if c.notes.get("nodes") == 2}
+    assert {"tetris15p1x1n2", "tetris8p2x4n2", "tetris12p1x4n2"} <= set(spanning)
+    for c in spanning.values():
+        assert c.gpus_per_group == 16
+        proto = json_format.ParseDict(c.policy, policy_pb2.Policy())
+        assert check_runnable(proto, nodes=2).kind == "tetris"
+    traffic = Traffic.from_mapping(
+        {"rate": 2, "prompt": {"preset": "tetris-medium"}, "output": {"fixed": 8}, "requests": 12}
+    )
+    point = simulate_point(spanning["tetris12p1x4n2"], traffic, 2.0, None)
+    assert point["requests"] == 12 and point["rejected"] == 0, point
