@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from dataclasses import replace
 from typing import Any
 
@@ -123,7 +124,12 @@ class TetrisGroupEngine:
         group = self._group
         if group is None or group.closed:
             raise EngineStopped(self.dead or "the tetris group is shutting down")
-        return await asyncio.to_thread(group.profile, sizes, histories, lengths, repeats)
+        stop = threading.Event()
+        try:
+            return await asyncio.to_thread(group.profile, sizes, histories, lengths, repeats, stop)
+        except asyncio.CancelledError:
+            stop.set()  # a cancelled call: the profile stops at its next point
+            raise
 
     async def apply_live(self, values: dict[str, LiveValue]) -> policy_pb2.Policy:
         # The live fields steer the router's planner, which reads them from GetStats.

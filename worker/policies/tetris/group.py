@@ -78,6 +78,7 @@ from gearshift.worker.sampling.params import SamplingParams
 log = logging.getLogger(__name__)
 
 DEAD_QUEUE_S = 1e9  # a dead prefill instance's reported queue: no planner picks it
+MAX_PROFILE_POINTS = 4096  # per ProfileTetris call
 Deliver = Callable[[str, RequestOutput | BaseException], None]
 
 
@@ -549,14 +550,20 @@ class TetrisGroup:
                 )
 
     def profile(
-        self, sizes: Sequence[int], histories: Sequence[int], lengths: Sequence[int], repeats: int
+        self,
+        sizes: Sequence[int],
+        histories: Sequence[int],
+        lengths: Sequence[int],
+        repeats: int,
+        stop: threading.Event | None = None,
     ) -> list[tuple[int, int, int, float]]:
         """Time CDSP prefill on the running pool (Eq. (1)'s samples, §5.1): for every SP size
         and (history C, length L) point, ``repeats`` runs of a C-token chunk then an L-token
         chunk on the first ``sp`` live instances, in the pool's request order (live requests
         queue with the probes). Returns (sp, C, L, seconds of the L chunk on its slowest
         member). Raises InvalidRequestError naming the field for a grid the pool cannot run,
-        GroupFailure when an instance fails meanwhile."""
+        GroupFailure when an instance fails meanwhile or ``stop`` is set (the caller went away;
+        checked between points)."""
         live = [m for m in range(self.policy.prefill) if m not in self.dead_pool]
         sizes = list(sizes) or list(range(1, len(live) + 1))
         if min(sizes) < 1 or max(sizes) > len(live):
@@ -571,6 +578,13 @@ class TetrisGroup:
                 f"lengths: history + length up to {max(histories, default=0) + max(lengths)} "
                 f"exceeds the model's {self.max_model_len} positions",
             )
+        count = len(sizes) * max(1, len(histories)) * len(lengths) * max(1, repeats)
+        if count > MAX_PROFILE_POINTS:
+            raise InvalidRequestError(
+                "repeats",
+                f"repeats: the grid has {count} points (sp_sizes x histories x lengths x "
+                f"repeats); at most {MAX_PROFILE_POINTS}",
+            )
         points = [(0, min(sizes), 0, min(lengths))]  # untimed warm-up
         points += [
             (r + 1, sp, c, n)
@@ -582,6 +596,8 @@ class TetrisGroup:
         out = []
         with self._probe_lock:
             for seed, sp, c, n in points:
+                if stop is not None and stop.is_set():
+                    raise GroupFailure("tetris profile: stopped (the caller went away)")
                 seconds = self._probe(live[:sp], c, n, seed)
                 if seed:
                     out.append((sp, c, n, seconds))

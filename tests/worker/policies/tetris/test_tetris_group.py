@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -322,6 +323,14 @@ def test_profile_times_the_running_pool_between_live_requests(
         assert info.value.field == field
     with pytest.raises(InvalidRequestError, match="positions"):
         group.profile([1], [0], [group.max_model_len + 1], 1)
+    with pytest.raises(InvalidRequestError, match="at most 4096") as info:
+        group.profile([1, 2], [0, 8], [4, 8, 12], 1000)
+    assert info.value.field == "repeats"
+    # A caller that went away (a cancelled ProfileTetris) stops it between points.
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(GroupFailure, match="stopped"):
+        group.profile([1], [0, 8], [4, 8, 12], 1, stop)
     assert group.stats()["prefills"] == 1  # probes are not requests
 
 
