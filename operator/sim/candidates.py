@@ -211,21 +211,35 @@ def _tetris_candidates(model: ModelDesc, hw: Hardware, s: PlanSettings) -> list[
     rendered policy. Over two nodes the planner sees each instance's node, and the hand-off is
     priced on the inter-node link."""
     node = hw.devices_per_node
-    if hw.count % node or model.weight_bytes() >= hw.device.memory_bytes * s.memory_utilization:
-        return []  # a prefill instance of TP 1 must hold the whole model
+    ptp = _prefill_tp(model, hw, s)
+    if hw.count % node or ptp is None:
+        return []  # no prefill instance of a node's TP holds the whole model
     fitted: dict[int, Any] = {}
     out = []
     for span in (1, 2):
         if hw.count % (span * node):
             continue
-        out += _tetris_groups(model, hw, s, span, fitted)
+        out += _tetris_groups(model, hw, s, span, ptp, fitted)
     return out
 
 
+def _prefill_tp(model: ModelDesc, hw: Hardware, s: PlanSettings) -> int | None:
+    """The smallest power-of-two TP (within a node, splitting the heads) at which a prefill
+    instance holds the whole model with room for activations; None when none does."""
+    tp = 1
+    while tp <= hw.devices_per_node:
+        fits = model.weight_bytes() / tp < hw.device.memory_bytes * s.memory_utilization
+        if fits and not (model.heads % tp or model.kv_heads % tp) and hw.devices_per_node % tp == 0:
+            return tp
+        tp *= 2
+    return None
+
+
 def _tetris_groups(
-    model: ModelDesc, hw: Hardware, s: PlanSettings, span: int, fitted: dict[int, Any]
+    model: ModelDesc, hw: Hardware, s: PlanSettings, span: int, ptp: int, fitted: dict[int, Any]
 ) -> list[Candidate]:
-    """The Tetris candidates of groups of ``span`` nodes (``fitted``: Eq. (1) by SP size)."""
+    """The Tetris candidates of groups of ``span`` nodes with prefill instances of TP ``ptp``
+    (``fitted``: Eq. (1) by SP size)."""
     # Imported here: the decode admission imports torch, which `gearshift plan` otherwise avoids.
     from gearshift.operator.planner.cdsp import PlannerRules, sp_sizes
     from gearshift.operator.sim import tetris_models
@@ -245,14 +259,17 @@ def _tetris_groups(
         # instance, or a node of them (the other shapes are one-node groups' already).
         counts = range(1, size // tp + 1) if span == 1 else sorted({1, node // tp})
         for decode in counts:
-            prefill = size - decode * tp
-            firsts = [prefill + d * tp for d in range(decode)]
-            if prefill < 2 or any(f // node != (f + tp - 1) // node for f in firsts):
-                continue  # no pool, or a decode instance over two nodes
+            pool_ranks = size - decode * tp
+            prefill = pool_ranks // ptp
+            firsts = [pool_ranks + d * tp for d in range(decode)]
+            if pool_ranks % ptp or prefill < 2:
+                continue  # no pool of whole instances
+            if any(f // node != (f + tp - 1) // node for f in firsts):
+                continue  # a decode instance over two nodes
             sizes = sp_sizes(prefill, True)
             for sp in sizes:
                 if sp not in fitted:
-                    fitted[sp] = tetris_models.fit(model, hw, sp)
+                    fitted[sp] = tetris_models.fit(model, hw, sp, ptp)
             rules = PlannerRules({sp: fitted[sp] for sp in sizes}, 1024, 4)
             link = hw.link(size)
             group = TetrisGroupSim(
@@ -267,12 +284,14 @@ def _tetris_groups(
                 model.kv_bytes_per_token(),
                 link.bandwidth,
                 link.latency,
-                per_node=node,
+                per_node=node // ptp,
+                prefill_tp=ptp,
             )
             groups = hw.count // size
             policy = {
                 "tetris": {
                     "prefillInstances": prefill,
+                    "prefillTp": ptp,
                     "decodeInstances": decode,
                     "decodeTp": tp,
                     "latencyModels": [
@@ -283,7 +302,7 @@ def _tetris_groups(
             }
             out.append(
                 Candidate(
-                    f"tetris{prefill}p{decode}x{tp}"
+                    f"tetris{prefill}{'' if ptp == 1 else f'x{ptp}'}p{decode}x{tp}"
                     + (f"n{span}" if span > 1 else "")
                     + (f"x{groups}" if groups > 1 else ""),
                     "tetris",

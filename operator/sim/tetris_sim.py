@@ -97,11 +97,14 @@ class TetrisGroupSim:
     link_latency: float
     per_node: int = 8
     placement: Placement = Placement.FREENESS
+    prefill_tp: int = 1  # each prefill instance's TP ranks send their head shards in parallel
     rate_table: tuple[RateStep, ...] = ()  # improvementRateTable; empty: the constant rate
     rate_window_s: float = 30.0  # rateWindowSeconds
 
     def handoff_s(self, tokens: int, senders: int) -> float:
-        return tokens * self.kv_bytes_per_token / senders / self.link_bandwidth + self.link_latency
+        """``senders`` instances' rows over the link, each instance's TP ranks in parallel."""
+        per_rank = tokens * self.kv_bytes_per_token / (senders * self.prefill_tp)
+        return per_rank / self.link_bandwidth + self.link_latency
 
 
 def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> SimResult:

@@ -56,13 +56,30 @@ def test_candidates_fill_the_node_and_render_a_policy_the_engine_takes() -> None
         assert sorted(m.sp for m in msg.latency_models) == [
             s for s in (1, 2, 4, 8) if s <= msg.prefill_instances
         ]
-    # 70B in bf16 does not fit one GPU: no TP-1 prefill instance, so no Tetris candidate.
+    # 70B in bf16 does not fit one GPU: its prefill instances are TP 2 on H100s (80 GB), the
+    # pool's Eq. (1) fitted for TP-2 instances, and the policy takes them.
     big = model_desc.from_config(
         {**LLAMA_8B, "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
          "intermediate_size": 28672},
         "70b",
     )  # fmt: skip
-    assert enumerate_candidates(big, hardware.preset("8xH100"), PlanSettings(), {"tetris"}) == []
+    cands = enumerate_candidates(big, hardware.preset("8xH100"), PlanSettings(), {"tetris"})
+    assert cands and all(c.policy["tetris"]["prefillTp"] >= 2 for c in cands)
+    for c in cands:
+        t = c.policy["tetris"]
+        ranks = t["prefillInstances"] * t["prefillTp"] + t["decodeInstances"] * t["decodeTp"]
+        assert ranks == 8 and make_policy(c.policy).world_size == 8
+    traffic = Traffic.from_mapping(
+        {"rate": 1, "prompt": {"fixed": 8000}, "output": {"fixed": 8}, "requests": 8}
+    )
+    assert simulate_point(cands[0], traffic, 1.0, None)["requests"] == 8
+    # Nothing at all fits a TP-8 instance of a 4x larger model.
+    huge = model_desc.from_config(
+        {**LLAMA_8B, "hidden_size": 16384, "num_hidden_layers": 160, "num_attention_heads": 128,
+         "intermediate_size": 53248},
+        "huge",
+    )  # fmt: skip
+    assert enumerate_candidates(huge, hardware.preset("8xH100"), PlanSettings(), {"tetris"}) == []
 
 
 def _group(prefill: int = 4) -> TetrisGroupSim:

@@ -140,7 +140,9 @@ def run_chunk_plan(
     timings: list[float] | None = None,
 ) -> PrefillResult:
     """Prefill ``prompt`` (int64 [L]) chunk by chunk over the pool ``comm`` (§4.1). ``model``
-    is this member's whole model (prefill instances of TP 1); ``scale`` the attention scale.
+    is this member's model: the whole model at TP 1, or this TP rank's head shard of an instance
+    of TP > 1 (``comm`` then joins the same TP rank of every instance, and the model all-reduces
+    in its instance); ``scale`` the attention scale.
     ``timings`` gets each chunk's seconds on this member (rebalance included; 0 when it sat the
     chunk out)."""
     check_plan(plan, int(prompt.shape[0]), comm.size)

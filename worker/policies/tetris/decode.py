@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -62,6 +63,9 @@ class ReceiveHook:
 
     world: CommGroup
     failed_sources: list[int] = field(default_factory=list)
+    # A prefill instance's index -> what ``receive_piece`` takes as its source (its ranks and
+    # the heads each sends this rank, for TP > 1); None: the index is the rank (TP 1).
+    sources: Callable[[int], int | list[tuple[int, int]]] | None = None
 
     def before_step(self, runner: ModelRunner, plan: StepPlan) -> None:
         section = plan.section(SECTION)
@@ -69,7 +73,8 @@ class ReceiveHook:
             return
         for src, rows, block_ids in decode_pieces(section):
             try:
-                receive_piece(src, rows, self.world, runner.kv_caches, block_ids)
+                frm = src if self.sources is None else self.sources(src)
+                receive_piece(frm, rows, self.world, runner.kv_caches, block_ids)
             except RuntimeError as exc:
                 log.error("KV piece from rank %d failed: %s", src, str(exc).splitlines()[0])
                 self.failed_sources.append(src)

@@ -101,10 +101,18 @@ def _pool_loop(state: Any, policy: TetrisPolicy, conn: Any, rank: int) -> None:
     """A prefill instance: runs each request's chunk plan when its "prefill" arrives, then
     offers its pieces ("ready", one per piece) and goes on with the next message; each granted
     piece ("go") is started in the background (``start_piece``) and reported "sent", so the
-    member computes its next prefill while its KV is still leaving (§4.2)."""
+    member computes its next prefill while its KV is still leaving (§4.2).
+
+    Every rank of an instance of TP > 1 gets the same messages and runs the same plans on its
+    head shard (its ring: the same TP rank of the other instances); its TP rank 0 speaks for
+    the instance ("prefilled", "ready", "profiled"), and each rank reports its own share of a
+    piece "sent"."""
     gear = state.model.gears[0]
     model, world = gear.model, state.model.extra["world"]
-    pool = type(world)(policy.prefill, rank, tuple(range(policy.prefill)), world.group)
+    pool = policy.pool_comm(rank, world)
+    _, _, j = policy.role(rank)
+    speaks = j == 0
+    kv_heads = model.config.num_kv_heads
     scale = model.config.head_dim**-0.5
     # Requests whose pieces are offered but not all granted: their rows, pieces and receivers.
     offered: dict[str, tuple[Holding, list[tuple[int, int]], tuple[int, ...]]] = {}
@@ -130,7 +138,9 @@ def _pool_loop(state: Any, policy: TetrisPolicy, conn: Any, rank: int) -> None:
                 holding.kv[start : start + count], holding.positions[start : start + count]
             )
             try:
-                sending.append(start_piece(rows, receivers, world))
+                sending.append(
+                    start_piece(rows, receivers, world, (j, policy.prefill_tp), kv_heads)
+                )
             except Exception as exc:  # noqa: BLE001 - a decode rank is gone: this request fails
                 offered.pop(rid, None)
                 conn.send(("failed", rid, f"prefill instance {rank}: {str(exc).splitlines()[0]}"))
@@ -140,7 +150,9 @@ def _pool_loop(state: Any, policy: TetrisPolicy, conn: Any, rank: int) -> None:
                 offered.pop(rid, None)
             continue
         if kind == "profile":
-            _profile_probe(model, pool, conn, msg, scale, model.config.vocab_size)
+            _profile_probe(
+                model, pool, conn if speaks else None, msg, scale, model.config.vocab_size
+            )
             continue
         if kind != "prefill":
             continue
@@ -152,16 +164,21 @@ def _pool_loop(state: Any, policy: TetrisPolicy, conn: Any, rank: int) -> None:
         except Exception as exc:  # noqa: BLE001 - a ring peer died or the plan broke: it fails
             conn.send(("failed", rid, f"prefill instance {rank}: {str(exc).splitlines()[0]}"))
             continue
-        conn.send(("prefilled", rid, time.perf_counter() - started))
         if mine:
             offered[rid] = (result.holding, mine, receivers)
-            for i in range(len(mine)):
-                conn.send(("ready", rid, i))
+        if not speaks:
+            continue
+        conn.send(("prefilled", rid, time.perf_counter() - started))
+        for i in range(len(mine)):
+            conn.send(("ready", rid, i))
 
 
-def _profile_probe(model: Any, pool: Any, conn: Any, msg: tuple, scale: float, vocab: int) -> None:
+def _profile_probe(
+    model: Any, pool: Any, conn: Any | None, msg: tuple, scale: float, vocab: int
+) -> None:
     """A ``TetrisGroup.profile`` point on this member: its chunk plan on a random prompt, each
-    chunk timed (``run_chunk_plan``'s timings); nothing is kept or handed over."""
+    chunk timed (``run_chunk_plan``'s timings); nothing is kept or handed over. ``conn`` None:
+    a TP rank other than the instance's first, which runs it without reporting."""
     _, pid, chunks, seed = msg
     plan = [PlannedChunk(n, tuple(g)) for n, g in chunks]
     gen = torch.Generator().manual_seed(seed)
@@ -170,9 +187,11 @@ def _profile_probe(model: Any, pool: Any, conn: Any, msg: tuple, scale: float, v
     try:
         run_chunk_plan(model, pool, plan, ids, scale, timings)
     except Exception as exc:  # noqa: BLE001 - a ring peer died: the probe fails
-        conn.send(("profile-failed", pid, str(exc).splitlines()[0]))
+        if conn is not None:
+            conn.send(("profile-failed", pid, str(exc).splitlines()[0]))
         return
-    conn.send(("profiled", pid, timings))
+    if conn is not None:
+        conn.send(("profiled", pid, timings))
 
 
 def _decode_loop(engine: Any, policy: TetrisPolicy, conn: Any, block_size: int) -> None:
@@ -430,7 +449,7 @@ class TetrisGroup:
 
     policy: TetrisPolicy
     procs: list[Any]
-    pool_conns: list[Any]
+    pool_conns: list[Any]  # each prefill instance's first rank (it speaks for the instance)
     decode_conns: list[Any]
     store: Any
     timeout_s: float
@@ -438,6 +457,7 @@ class TetrisGroup:
     row_bytes: int = 0
     max_model_len: int = 0
     ranks_per_node: int = 0  # 0: every rank on this host
+    pool_tp_conns: list[list[Any]] = field(default_factory=list)  # by instance, TP order
     managers: list[ReceiveManager] = field(default_factory=list)
     transfer: TransferStats = field(default_factory=TransferStats)
     snapshots: list[tuple[EngineStats, int, int] | None] = field(default_factory=list)
@@ -451,7 +471,8 @@ class TetrisGroup:
     _threads: list[threading.Thread] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     # Pieces granted (go) and not yet reported sent: (member, rid, piece) -> (decode, rows).
-    _granted: dict[tuple[int, str, int], tuple[int, int]] = field(default_factory=dict)
+    # (member, rid, piece) -> [decode, rows, the member's ranks yet to report it sent].
+    _granted: dict[tuple[int, str, int], list[int]] = field(default_factory=dict)
     _probes: dict[str, dict[int, Any]] = field(default_factory=dict)  # profile replies by member
     _probe_done: threading.Condition = field(default_factory=threading.Condition)
     _probe_lock: threading.Lock = field(default_factory=threading.Lock)  # one profile at a time
@@ -462,6 +483,18 @@ class TetrisGroup:
         lock = self._send_locks.setdefault(id(conn), threading.Lock())
         with lock, contextlib.suppress(OSError, BrokenPipeError):
             conn.send(message)
+
+    def _pool_ranks_conns(self, m: int) -> list[Any]:
+        """Every rank's connection of prefill instance ``m`` (its first rank's alone at TP 1)."""
+        return self.pool_tp_conns[m] if self.pool_tp_conns else [self.pool_conns[m]]
+
+    def _to_pool(self, m: int, message: tuple[Any, ...]) -> None:
+        for conn in self._pool_ranks_conns(m):
+            self._send(conn, message)
+
+    def _all_conns(self) -> list[Any]:
+        pool = [c for m in range(len(self.pool_conns)) for c in self._pool_ranks_conns(m)]
+        return pool + list(self.decode_conns)
 
     def start_threads(self) -> None:
         self.managers = [
@@ -545,9 +578,7 @@ class TetrisGroup:
             self._send(self.decode_conns[d], ("expect", rid, ids, params, req.total))
             wire = [(c.length, c.group) for c in chunks]
             for m in req.members:  # in one global order: rings on shared members never cross
-                self._send(
-                    self.pool_conns[m], ("prefill", rid, ids, wire, pieces.get(m, []), receivers)
-                )
+                self._to_pool(m, ("prefill", rid, ids, wire, pieces.get(m, []), receivers))
 
     def profile(
         self,
@@ -609,7 +640,7 @@ class TetrisGroup:
         pid = f"profile-{time.monotonic_ns()}"
         with self._lock:  # in the pool's one request order
             for m in members:
-                self._send(self.pool_conns[m], ("profile", pid, wire, seed))
+                self._to_pool(m, ("profile", pid, wire, seed))
         deadline = time.monotonic() + self.timeout_s
         with self._probe_done:
             while len(self._probes.get(pid, {})) < len(members):
@@ -637,7 +668,7 @@ class TetrisGroup:
         """Whatever ``rid`` holds: its handshakes, its pieces, its decode blocks."""
         self.managers[req.decode].abort(rid)
         for m in req.members:
-            self._send(self.pool_conns[m], ("cancel", rid))
+            self._to_pool(m, ("cancel", rid))
         self._send(self.decode_conns[req.decode], ("abort", rid))
 
     def _fail(self, rid: str, exc: BaseException) -> None:
@@ -662,13 +693,13 @@ class TetrisGroup:
             with self._lock:
                 req = self._requests.get(rid)
             if req is None:
-                self._send(self.pool_conns[m], ("cancel", rid))
+                self._to_pool(m, ("cancel", rid))
                 continue
             started = time.monotonic()
             try:
                 self.managers[req.decode].acquire(rid, self.timeout_s)
             except TransferError as exc:
-                self._send(self.pool_conns[m], ("cancel", rid))
+                self._to_pool(m, ("cancel", rid))
                 self._fail(rid, GroupFailure(f"KV transfer: {exc}"))
                 continue
             with self._lock:
@@ -680,15 +711,23 @@ class TetrisGroup:
                 # whose "sent" still makes the decode instance receive (and drop) the piece.
                 if rid not in self._requests:
                     self.managers[req.decode].abort(rid)
-                    self._send(self.pool_conns[m], ("cancel", rid))
+                    self._to_pool(m, ("cancel", rid))
                     continue
-                self._granted[(m, rid, piece)] = (req.decode, count)
-                self._send(self.pool_conns[m], ("go", rid, piece))
+                senders = len(self._pool_ranks_conns(m))
+                self._granted[(m, rid, piece)] = [req.decode, count, senders]
+                self._to_pool(m, ("go", rid, piece))
 
     def _read(self) -> None:
-        conns = {id(c): ("pool", i) for i, c in enumerate(self.pool_conns)}
-        conns |= {id(c): ("decode", i) for i, c in enumerate(self.decode_conns)}
-        live = list(self.pool_conns) + list(self.decode_conns)
+        conns = {
+            id(c): ("pool", m, self.policy.prefill_ranks(m)[j])
+            for m in range(len(self.pool_conns))
+            for j, c in enumerate(self._pool_ranks_conns(m))
+        }
+        conns |= {
+            id(c): ("decode", i, self.policy.decode_ranks(i)[0])
+            for i, c in enumerate(self.decode_conns)
+        }
+        live = self._all_conns()
         next_stats = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
@@ -701,7 +740,7 @@ class TetrisGroup:
             except OSError:
                 ready = []
             for conn in ready:
-                role, i = conns[id(conn)]
+                role, i, rank = conns[id(conn)]
                 try:
                     while conn.poll():
                         msg = conn.recv()
@@ -711,7 +750,7 @@ class TetrisGroup:
                             self._from_decode(i, msg)
                 except (EOFError, OSError):
                     live.remove(conn)
-                    self._lost(role, i, live)
+                    self._lost(role, i, rank, live)
             self._check_procs(live)
 
     def _from_pool(self, m: int, msg: tuple[Any, ...]) -> None:
@@ -732,11 +771,16 @@ class TetrisGroup:
         elif kind in ("sent", "unsent"):
             # The member started the piece's sends: only now is the decode instance told to
             # receive it, so its step never waits on a member still computing another prefill.
+            key = (m, rid, msg[2])
             with self._lock:
-                granted = self._granted.pop((m, rid, msg[2]), None)
+                granted = self._granted.get(key)
+                if granted is not None and kind == "sent" and granted[2] > 1:
+                    granted[2] -= 1  # another TP rank of the instance has yet to start its share
+                    return
+                self._granted.pop(key, None)
             if granted is None:
                 return
-            decode, count = granted
+            decode, count, _ = granted
             if kind == "sent":
                 self._send(self.decode_conns[decode], ("receive", rid, m, count, msg[2]))
             else:  # the member no longer had it (cannot happen in pipe order): fail, free
@@ -771,10 +815,9 @@ class TetrisGroup:
         elif kind == "snapshot":
             self.snapshots[d] = (msg[1], msg[2], msg[3])
 
-    def _lost(self, role: str, index: int, live: list[Any]) -> None:
+    def _lost(self, role: str, index: int, rank: int, live: list[Any]) -> None:
         """An instance's control connection closed: a rank of this host is reported by its
         exit (``_check_procs``); one of another node by this."""
-        rank = index if role == "pool" else self.policy.decode_ranks(index)[0]
         if self.closed or rank < len(self.procs):
             return
         role = "prefill" if role == "pool" else "decode"
@@ -812,8 +855,9 @@ class TetrisGroup:
             with self._lock:  # its granted pieces will never be sent (their requests fail)
                 for key in [k for k in self._granted if k[0] == index]:
                     del self._granted[key]
-            with contextlib.suppress(ValueError):
-                live.remove(self.pool_conns[index])
+            for conn in self._pool_ranks_conns(index):
+                with contextlib.suppress(ValueError):
+                    live.remove(conn)
             with self._lock:
                 hit = [
                     rid for rid, r in self._requests.items() if index in r.members and not r.done
@@ -849,7 +893,8 @@ class TetrisGroup:
                     if m in r.members and r.prefilled == 0
                 ]
                 queued = max([0.0, *ends])
-            out.append(InstanceLoad("prefill", m, queued, 0, 0, 0, self._node(m)))
+            node = self._node(self.policy.prefill_ranks(m)[0])
+            out.append(InstanceLoad("prefill", m, queued, 0, 0, 0, node))
         for d, snap in enumerate(self.snapshots):
             node = self._node(self.policy.decode_ranks(d)[0])
             if snap is None:
@@ -890,9 +935,9 @@ class TetrisGroup:
         for t in self._threads:
             t.join(5)
         reports = []
-        for m, conn in enumerate(self.pool_conns):
+        for m in range(len(self.pool_conns)):
             if m not in self.dead_pool:
-                self._send(conn, ("stop",))
+                self._to_pool(m, ("stop",))
         for conn in self.decode_conns:
             self._send(conn, ("stop",))
         deadline = time.monotonic() + self.timeout_s
@@ -908,7 +953,7 @@ class TetrisGroup:
                     break
         self.closed = True
         stop_processes(self.procs, timeout=10)
-        for conn in self.pool_conns + self.decode_conns:
+        for conn in self._all_conns():
             conn.close()
         self.store = None
         return reports
@@ -920,7 +965,7 @@ class TetrisGroup:
             if proc.is_alive():
                 proc.kill()
         stop_processes(self.procs, timeout=10)
-        for conn in self.pool_conns + self.decode_conns:
+        for conn in self._all_conns():
             conn.close()  # the other nodes' instances see EOF and exit
         self.store = None
 
@@ -987,12 +1032,14 @@ def start_tetris(
             proc.kill()
         stop_processes(procs, timeout=10)
         raise
-    pool_conns = [conns[r] for r in range(policy.prefill)]
+    pool_tp = [[conns[r] for r in policy.prefill_ranks(m)] for m in range(policy.prefill)]
+    pool_conns = [ranks[0] for ranks in pool_tp]
     decode_conns = [conns[policy.decode_ranks(d)[0]] for d in range(policy.decode)]
     handle = TetrisGroup(policy, procs, pool_conns, decode_conns, store, group.timeout_s, deliver)
     handle.ranks_per_node = local
+    handle.pool_tp_conns = pool_tp
     try:
-        ready = [_await_ready(handle, conn) for conn in pool_conns + decode_conns]
+        ready = [_await_ready(handle, conn) for conn in handle._all_conns()]
     except BaseException:
         handle.kill()
         raise

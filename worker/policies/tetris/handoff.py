@@ -41,6 +41,20 @@ def kv_heads_of(tp_rank: int, tp_size: int, kv_heads: int) -> slice:
     return slice(tp_rank * per, (tp_rank + 1) * per)
 
 
+def head_route(j: int, prefill_tp: int, t: int, decode_tp: int, kv_heads: int) -> slice | None:
+    """The KV heads (global indices) prefill TP rank ``j`` sends to decode TP rank ``t``: what
+    both hold, when ``j`` is the first prefill rank holding those heads (under replication,
+    prefill TP above the KV heads, one copy travels); None when it sends that rank nothing."""
+    mine = kv_heads_of(j, prefill_tp, kv_heads)
+    theirs = kv_heads_of(t, decode_tp, kv_heads)
+    start, stop = max(mine.start, theirs.start), min(mine.stop, theirs.stop)
+    if start >= stop:
+        return None
+    if prefill_tp > kv_heads and j % (prefill_tp // kv_heads):
+        return None
+    return slice(start, stop)
+
+
 @dataclass(frozen=True)
 class Transfer:
     """Who sends what to whom: ``senders`` (ranks of ``comm``) with their row counts, the
@@ -138,43 +152,66 @@ class Sending:
                 work.wait()
 
 
-def start_piece(rows: Holding, receivers: tuple[int, ...], comm: CommGroup) -> Sending:
-    """A prefill member's side of one granted piece, started: ``rows`` (a run of its holding),
-    each decode rank (ranks of ``comm``, in TP order) getting its KV heads. The sends proceed in
-    the background (the member computes its next prefill meanwhile); keep the result until
-    ``done``."""
-    kv_heads = rows.kv.shape[3]
+def start_piece(
+    rows: Holding,
+    receivers: tuple[int, ...],
+    comm: CommGroup,
+    tp: tuple[int, int] = (0, 1),
+    kv_heads: int | None = None,
+) -> Sending:
+    """A prefill rank's side of one granted piece, started: ``rows`` (a run of its holding, its
+    TP rank's KV heads; ``tp`` = (its TP rank, the prefill TP), ``kv_heads`` the model's),
+    each decode rank (ranks of ``comm``, in TP order) getting the heads ``head_route`` gives it.
+    The sends proceed in the background (the member computes its next prefill meanwhile); keep
+    the result until ``done``."""
+    j, prefill_tp = tp
+    total = rows.kv.shape[3] if kv_heads is None else kv_heads
+    base = kv_heads_of(j, prefill_tp, total).start
     sending = Sending([], [])
     for t, dst in enumerate(receivers):
-        heads = kv_heads_of(t, len(receivers), kv_heads)
-        for buf in (rows.kv[:, :, :, heads].contiguous(), rows.positions.contiguous()):
+        heads = head_route(j, prefill_tp, t, len(receivers), total)
+        if heads is None:
+            continue
+        local = slice(heads.start - base, heads.stop - base)
+        for buf in (rows.kv[:, :, :, local].contiguous(), rows.positions.contiguous()):
             sending.buffers.append(buf)
             sending.works.append(dist.isend(buf, comm.ranks[dst], comm.group))
     return sending
 
 
 def send_piece(rows: Holding, receivers: tuple[int, ...], comm: CommGroup) -> None:
-    """``start_piece`` and wait until it is sent."""
+    """``start_piece`` of a TP-1 prefill rank, and wait until it is sent."""
     start_piece(rows, receivers, comm).wait()
 
 
 def receive_piece(
-    src: int, rows: int, comm: CommGroup, kv_cache: list[LayerKV], block_ids: list[int]
+    src: int | list[tuple[int, int]],
+    rows: int,
+    comm: CommGroup,
+    kv_cache: list[LayerKV],
+    block_ids: list[int],
 ) -> None:
     """A decode rank's side of one piece: ``rows`` rows of its heads from ``src`` (a rank of
-    ``comm``), written into its paged ``kv_cache`` at the request's slots (``block_ids``; empty:
-    received and dropped, for a request the instance no longer holds)."""
+    ``comm``; or, from a prefill instance of TP > 1, its ranks as (rank, heads it sends here),
+    in head order), written into its paged ``kv_cache`` at the request's slots (``block_ids``;
+    empty: received and dropped, for a request the instance no longer holds)."""
     k_cache = kv_cache[0][0]
     local_heads, block_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    kv = torch.empty((rows, len(kv_cache), 2, local_heads, head_dim), dtype=k_cache.dtype)
+    sources = [(src, local_heads)] if isinstance(src, int) else src
+    if sum(n for _, n in sources) != local_heads:
+        raise ValueError(f"the senders' heads {sources} do not make this rank's {local_heads}")
+    parts, works = [], []
     pos = torch.empty(rows, dtype=torch.int64)
-    works = [
-        dist.irecv(kv, comm.ranks[src], comm.group),
-        dist.irecv(pos, comm.ranks[src], comm.group),
-    ]
+    for k, (rank, heads) in enumerate(sources):
+        part = torch.empty((rows, len(kv_cache), 2, heads, head_dim), dtype=k_cache.dtype)
+        where = pos if k == 0 else torch.empty_like(pos)  # every sender sends the positions
+        parts += [part, where]
+        works.append(dist.irecv(part, comm.ranks[rank], comm.group))
+        works.append(dist.irecv(where, comm.ranks[rank], comm.group))
     for work in works:
         if work is not None:
             work.wait()
+    kv = parts[0] if len(parts) == 2 else torch.cat(parts[0::2], dim=3)
     if not block_ids:
         return
     if rows and int(pos.max()) >= len(block_ids) * block_size:

@@ -1,17 +1,18 @@
 """Tetris (CDSP): a prefill pool and decode instances in one group (Tetris §3.2, Fig. 4).
 
-Ranks ``0 .. P-1`` are the prefill pool: ``P`` instances of TP 1, each holding the whole model,
-all in the group's one process group, so any subset can form a ring by point-to-point without
-creating groups on the hot path (``chunked_prefill.run_chunk_plan``). Ranks ``P + i·T .. P +
-(i+1)·T - 1`` are decode instance ``i`` (TP ``T``): an engine of its own (scheduler, paged KV,
-sampler) whose leader is its first rank. A request runs its chunk plan on the pool; the members
+Ranks ``0 .. P·Tp-1`` are the prefill pool: ``P`` instances of TP ``Tp`` (instance ``m`` is
+ranks ``m·Tp ..``), each holding the whole model over its TP ranks, all in the group's one process
+group, so any subset of instances can form a ring by point-to-point (per TP index: rank ``j`` of
+each) without creating groups on the hot path (``chunked_prefill.run_chunk_plan``). The ranks
+after the pool are the decode instances, ``T`` ranks each: an engine of its own (scheduler, paged
+KV, sampler) whose leader is its first rank. A request runs its chunk plan on the pool; the members
 of its last chunk's group hand their KV to the chosen decode instance piece by piece, each piece
 after a transfer-slot handshake (``transfer.ReceiveManager``); the decode instance admits it into
 continuous batching once every piece has landed (``decode.DecodeAdmission``).
 
 The group is served by its own endpoint (``group.py``, ``endpoint.py``): requests go to the pool,
 not to one engine. Across nodes, the endpoint runs on node 0 and the other nodes' instances dial
-its control listener (``group.run_tetris_node``); a decode instance's ranks share one node.
+its control listener (``group.run_tetris_node``); an instance's ranks share one node.
 This class is what every rank builds and what a decode leader's engine asks.
 """
 
@@ -33,11 +34,11 @@ from gearshift.worker.model.config import ModelConfig
 from gearshift.worker.parallel.layout import Layout
 from gearshift.worker.policies.base import Policy, RankContext, RankModel
 from gearshift.worker.policies.tetris.decode import DecodeAdmission, ReceiveHook
-from gearshift.worker.policies.tetris.handoff import kv_heads_of
+from gearshift.worker.policies.tetris.handoff import head_route, kv_heads_of
 
 
 class TetrisPolicy(Policy):
-    """A prefill pool of TP-1 instances and TP decode instances (see the module docstring)."""
+    """A prefill pool of TP instances and TP decode instances (see the module docstring)."""
 
     kind = "tetris"
 
@@ -45,15 +46,10 @@ class TetrisPolicy(Policy):
         super().__init__(policy, world_size)
         msg = self.message
         self.prefill = int(msg.prefill_instances)
+        self.prefill_tp = int(msg.prefill_tp)
         self.decode = int(msg.decode_instances)
         self.decode_tp = int(msg.decode_tp)
         self.gear_names = ("decode",)
-        if msg.prefill_tp != 1:
-            raise InvalidRequestError(
-                "policy.tetris.prefillTp",
-                "policy.tetris.prefillTp: prefill instances run TP 1 on this engine (the ring "
-                f"attention shards tokens, not heads); got {msg.prefill_tp}",
-            )
         if msg.layerwise_transfer:
             raise InvalidRequestError(
                 "policy.tetris.layerwiseTransfer",
@@ -66,16 +62,34 @@ class TetrisPolicy(Policy):
 
     # ---- roles -----------------------------------------------------------------------------
 
+    @property
+    def pool_ranks(self) -> int:
+        """Ranks of the prefill pool: ``prefill`` instances of ``prefill_tp`` ranks each."""
+        return self.prefill * self.prefill_tp
+
     def role(self, rank: int) -> tuple[str, int, int]:
-        """("prefill", instance, 0) or ("decode", instance, tp rank) of global ``rank``."""
-        if rank < self.prefill:
-            return ("prefill", rank, 0)
-        d, t = divmod(rank - self.prefill, self.decode_tp)
+        """("prefill" or "decode", instance, TP rank in the instance) of global ``rank``."""
+        if rank < self.pool_ranks:
+            m, j = divmod(rank, self.prefill_tp)
+            return ("prefill", m, j)
+        d, t = divmod(rank - self.pool_ranks, self.decode_tp)
         return ("decode", d, t)
 
+    def prefill_ranks(self, instance: int) -> tuple[int, ...]:
+        first = instance * self.prefill_tp
+        return tuple(range(first, first + self.prefill_tp))
+
     def decode_ranks(self, instance: int) -> tuple[int, ...]:
-        first = self.prefill + instance * self.decode_tp
+        first = self.pool_ranks + instance * self.decode_tp
         return tuple(range(first, first + self.decode_tp))
+
+    def pool_comm(self, rank: int, world: CommGroup) -> CommGroup:
+        """A prefill rank's pool: the ranks of the same TP index in every prefill instance, in
+        instance order (a chunk's ring of instances runs per head shard; point-to-point in the
+        one world group, so any subset forms a ring)."""
+        m, j = divmod(rank, self.prefill_tp)
+        ranks = tuple(i * self.prefill_tp + j for i in range(self.prefill))
+        return CommGroup(self.prefill, m, ranks, world.group)
 
     def group_handle(self) -> Callable[[Any], Any] | None:
         from gearshift.worker.policies.tetris.endpoint import TetrisGroupEngine
@@ -98,34 +112,37 @@ class TetrisPolicy(Policy):
                 field, f"{field}: {self.world_size} ranks do not split over {nodes} nodes"
             )
         per = self.world_size // nodes
-        for d in range(self.decode):
-            ranks = self.decode_ranks(d)
+        instances = [("prefill", m, self.prefill_ranks(m)) for m in range(self.prefill)]
+        instances += [("decode", d, self.decode_ranks(d)) for d in range(self.decode)]
+        for role, i, ranks in instances:
             if ranks[0] // per != ranks[-1] // per:
                 raise InvalidRequestError(
                     field,
-                    f"{field}: with {nodes} nodes of {per} ranks, decode instance {d} (ranks "
-                    f"{ranks[0]}-{ranks[-1]}, after {self.prefill} prefill ranks) would span two "
-                    "nodes; its TP ranks must share one (change nodes, prefillInstances or "
-                    "decodeTp)",
+                    f"{field}: with {nodes} nodes of {per} ranks, {role} instance {i} (ranks "
+                    f"{ranks[0]}-{ranks[-1]}) would span two nodes; an instance's TP ranks "
+                    "must share one (change nodes, the instance counts or their TP)",
                 )
 
     # ---- every rank ------------------------------------------------------------------------
 
     def check_model(self, cfg: ModelConfig) -> None:
-        try:
-            Layout(tp=self.decode_tp).check_model(cfg.num_heads, cfg.num_kv_heads)
-            kv_heads_of(0, self.decode_tp, cfg.num_kv_heads)
-        except (InvalidRequestError, ValueError) as exc:
-            raise InvalidRequestError(
-                "policy.tetris.decodeTp", f"policy.tetris.decodeTp: {exc}"
-            ) from exc
+        for name, tp in (("prefillTp", self.prefill_tp), ("decodeTp", self.decode_tp)):
+            try:
+                Layout(tp=tp).check_model(cfg.num_heads, cfg.num_kv_heads)
+                kv_heads_of(0, tp, cfg.num_kv_heads)
+            except (InvalidRequestError, ValueError) as exc:
+                raise InvalidRequestError(
+                    f"policy.tetris.{name}", f"policy.tetris.{name}: {exc}"
+                ) from exc
 
     def _instance_groups(self, rank: int, timeout: timedelta, backend: str | None) -> Any:
-        """Every decode instance's group (collective: every rank creates each, in order);
-        returns this rank's, or None."""
+        """Every instance's TP group, prefill then decode (collective: every rank creates each,
+        in order); returns this rank's, or None."""
         mine = None
-        for d in range(self.decode):
-            members = list(self.decode_ranks(d))
+        every = [self.prefill_ranks(m) for m in range(self.prefill)]
+        every += [self.decode_ranks(d) for d in range(self.decode)]
+        for ranks in every:
+            members = list(ranks)
             if len(members) == 1:
                 continue
             pg = dist.new_group(members, timeout=timeout, backend=backend)
@@ -145,7 +162,13 @@ class TetrisPolicy(Policy):
         local_heads = kv_heads_of(0, self.decode_tp, cfg.num_kv_heads)
         heads = local_heads.stop - local_heads.start
         if role == "prefill":
-            model = load_model(ctx.spec, ctx.open_source(), ctx.device, show_progress=False)
+            members = self.prefill_ranks(index)
+            tp = (
+                CommGroup(len(members), t, members, tp_pg)
+                if tp_pg is not None
+                else CommGroup.single()
+            )
+            model = load_model(ctx.spec, ctx.open_source(), ctx.device, tp=tp, show_progress=False)
             gear = Gear("prefill", model, ctx.make_core(), CommGroup.single())
             return RankModel(
                 gears=[gear],
@@ -159,7 +182,7 @@ class TetrisPolicy(Policy):
         model = load_model(
             ctx.spec, ctx.open_source(), ctx.device, tp=tp, show_progress=ctx.show_progress
         )
-        self.hook = ReceiveHook(world)
+        self.hook = ReceiveHook(world, sources=self._piece_sources(t, cfg.num_kv_heads))
         return RankModel(
             gears=[Gear("decode", model, ctx.make_core(), CommGroup.single())],
             kv_layers=cfg.num_layers,
@@ -167,6 +190,19 @@ class TetrisPolicy(Policy):
             hook=self.hook,
             extra={"world": world, "instance": index},
         )
+
+    def _piece_sources(self, t: int, kv_heads: int) -> Callable[[int], list[tuple[int, int]]]:
+        """Decode TP rank ``t``'s senders in a prefill instance: (rank, heads it sends)."""
+
+        def sources(instance: int) -> list[tuple[int, int]]:
+            out = []
+            for j, rank in enumerate(self.prefill_ranks(instance)):
+                heads = head_route(j, self.prefill_tp, t, self.decode_tp, kv_heads)
+                if heads is not None:
+                    out.append((rank, heads.stop - heads.start))
+            return out
+
+        return sources
 
     def instance_control(self, rank: int, timeout: timedelta) -> CommGroup | None:
         """This rank's decode instance's gloo control group (None for a one-rank instance or a

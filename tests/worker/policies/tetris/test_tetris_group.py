@@ -369,3 +369,61 @@ def test_a_member_prefills_its_next_request_while_its_pieces_wait_for_a_slot(
         os.kill(decode.pid, signal.SIGCONT)
     got = outputs.collect({"a", "b"})
     assert [got["a"], got["b"]] == expected
+
+
+@pytest.mark.parametrize("decode_tp", [1, 2])
+def test_prefill_instances_of_tp2_hand_over_to_any_decode_tp_with_one_process_tokens(
+    decode_tp: int,
+    tiny_checkpoint: Callable[..., Path],
+    tetris_factory: Callable[..., tuple[TetrisGroup, Outputs]],
+) -> None:
+    """Prefill instances of TP 2 (§3.2: each instance a TP group; a chunk's ring runs per head
+    shard between the same TP rank of each instance): growing groups and one-chunk plans, KV
+    handed from both TP ranks of each member, re-laid into decode TP 1 (the two head shards
+    joined) or TP 2 (one shard each)."""
+    folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=2)
+    prompts = _prompts([29, 18, 23], seed=13)
+    expected = _reference(folder, prompts, 5)
+    group, outputs = tetris_factory(
+        folder,
+        {
+            "prefill_instances": 2,
+            "prefill_tp": 2,
+            "decode_instances": 1,
+            "decode_tp": decode_tp,
+            "transfer_buffer_bytes": 6 * 2 * 2 * 1 * 8 * 4,  # a few pieces per member
+        },
+    )
+    assert len(group.pool_tp_conns) == 2 and all(len(c) == 2 for c in group.pool_tp_conns)
+    plans = [
+        _plan([(12, [1]), (17, [1, 0])]),  # 1 -> 2 instances
+        _plan([(18, [0])]),
+        _plan([(23, [0, 1])]),
+    ]
+    for i, (ids, plan) in enumerate(zip(prompts, plans, strict=True)):
+        group.submit(f"r{i}", ids, _greedy(5), plan)
+    got = outputs.collect({f"r{i}" for i in range(3)})
+    assert [got[f"r{i}"] for i in range(3)] == expected
+    samples = group.profile([1, 2], [0, 8], [4, 8, 12], 1)  # the probes run on TP 2 too
+    assert len(samples) == 12 and all(s > 0 for *_, s in samples)
+
+
+def test_head_routes_send_each_head_once_whatever_the_two_tps() -> None:
+    from gearshift.worker.policies.tetris.handoff import head_route, kv_heads_of
+
+    for kv_heads in (1, 2, 4):
+        for prefill_tp in (1, 2, 4, 8):
+            for decode_tp in (1, 2, 4, 8):
+                try:
+                    kv_heads_of(0, prefill_tp, kv_heads)
+                    kv_heads_of(0, decode_tp, kv_heads)
+                except ValueError:
+                    continue
+                for t in range(decode_tp):
+                    routes = [
+                        head_route(j, prefill_tp, t, decode_tp, kv_heads) for j in range(prefill_tp)
+                    ]
+                    got = [h for r in routes if r is not None for h in range(r.start, r.stop)]
+                    want = kv_heads_of(t, decode_tp, kv_heads)
+                    # Every head this decode rank keeps arrives exactly once, in head order.
+                    assert got == list(range(want.start, want.stop)), (kv_heads, prefill_tp, t)

@@ -165,6 +165,22 @@ def test_a_decode_instance_split_over_nodes_is_refused_naming_the_field() -> Non
         check_runnable(proto, nodes=2)
     assert info.value.field == "spec.group.nodes"
     assert "decode instance 0" in info.value.message
+    # Prefill instances of TP > 1 stay whole too: one of TP 3 + 3 decode ranks over 2 nodes of 3
+    # is fine; 2 of TP 3 + TP 2 over 4 nodes of 2 splits prefill instance 0 (ranks 0-2).
+    whole = policy_pb2.Policy(
+        tetris=policy_pb2.TetrisPolicy(
+            prefill_instances=1, prefill_tp=3, decode_instances=3, decode_tp=1
+        )
+    )
+    assert check_runnable(whole, nodes=2).kind == "tetris"
+    split = policy_pb2.Policy(
+        tetris=policy_pb2.TetrisPolicy(
+            prefill_instances=2, prefill_tp=3, decode_instances=1, decode_tp=2
+        )
+    )
+    with pytest.raises(InvalidRequestError, match="prefill instance 0") as info:
+        check_runnable(split, nodes=4)
+    assert info.value.field == "spec.group.nodes"
     # 2 prefill + 2 x TP 2 over 3 nodes of 2: each decode instance on its own node.
     ok = policy_pb2.Policy(
         tetris=policy_pb2.TetrisPolicy(prefill_instances=2, decode_instances=2, decode_tp=2)
