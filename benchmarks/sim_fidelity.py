@@ -70,6 +70,12 @@ def run_engine(engine, trace) -> dict[str, float]:  # type: ignore[no-untyped-de
             first.setdefault(out.request_id, t)
             last[out.request_id] = t
             count[out.request_id] = count.get(out.request_id, 0) + len(out.new_token_ids)
+    return measured_figures(trace, first, last, count)
+
+
+def measured_figures(trace, first, last, count) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Makespan, throughput, mean TTFT and mean TPOT from each request's first and last token
+    times (seconds from the start) and token count; requests are ``r{index}`` of ``trace``."""
     ids = [f"r{i}" for i in range(len(trace))]
     ttft = [first[k] - r.arrival_s for k, r in zip(ids, trace, strict=True)]
     tpot = [(last[k] - first[k]) / (count[k] - 1) for k in ids if count[k] > 1]

@@ -32,7 +32,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from sim_fidelity import random_llama  # noqa: E402
+from sim_fidelity import measured_figures, random_llama  # noqa: E402
 
 
 def main() -> None:
@@ -213,16 +213,7 @@ def _run(group, trace, plans, outputs, worker_pb2, SamplingParams) -> dict[str, 
             count[rid] = count.get(rid, 0) + len(item.new_token_ids)
         if item.finished:
             ended.add(rid)
-    ids = [f"r{i}" for i in range(len(trace))]
-    ttft = [first[k] - r.arrival_s for k, r in zip(ids, trace, strict=True)]
-    tpot = [(last[k] - first[k]) / (count[k] - 1) for k in ids if count[k] > 1]
-    span = max(last.values())
-    return {
-        "makespan_s": span,
-        "output_tokens_per_s": sum(count.values()) / span,
-        "ttft_mean_s": statistics.mean(ttft),
-        "tpot_mean_s": statistics.mean(tpot),
-    }
+    return measured_figures(trace, first, last, count)
 
 
 if __name__ == "__main__":
