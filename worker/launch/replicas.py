@@ -23,6 +23,7 @@ from gearshift.worker.launch.group_config import GroupConfig
 from gearshift.worker.launch.host import usable_cores
 from gearshift.worker.launch.processes import rank_context, start_rank, stop_processes
 from gearshift.worker.launch.replica_rank import replica_main
+from gearshift.worker.parallel.watchdog import EXIT_PEER_FAILED
 from gearshift.worker.policies.base import Policy
 from gearshift.worker.sampling.params import SamplingParams
 
@@ -50,19 +51,47 @@ class ReplicaGroup:
         return len(self.conns)
 
     def _check(self) -> None:
+        """GroupFailure naming the replica that most likely failed first, if any rank has
+        exited. Its peers follow it within moments (their watchdog exits with
+        ``EXIT_PEER_FAILED``, or a collective with it fails and they exit with 1), so a rank
+        killed by a signal is named before one that exited with a code, and those codes last."""
+        if self._closed:
+            return
         n = len(self.procs) // max(1, self.replicas)
-        for rank, proc in enumerate(self.procs):
-            if not proc.is_alive() and not self._closed:
-                raise GroupFailure(
-                    f"replica group: replica {rank // n} (rank {rank}) exited with code "
-                    f"{proc.exitcode}; the group's replicas fail together"
-                )
+        dead = [(r, p.exitcode) for r, p in enumerate(self.procs) if not p.is_alive()]
+        if not dead:
+            return
+
+        def likely_first(item: tuple[int, Any]) -> tuple[int, int]:
+            rank, code = item
+            followed = code in (1, EXIT_PEER_FAILED)
+            return (0 if code is not None and code < 0 else 2 if followed else 1, rank)
+
+        rank, code = min(dead, key=likely_first)
+        raise GroupFailure(
+            f"replica group: replica {rank // n} (rank {rank}) exited with code {code}; the "
+            "group's replicas fail together"
+        )
+
+    def _lost(self, r: int, exc: BaseException) -> GroupFailure:
+        """A replica's pipe broke: its process is gone (or going); name who failed."""
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                self._check()
+            except GroupFailure as failure:
+                return failure
+            time.sleep(0.05)
+        return GroupFailure(f"replica group: replica {r}'s connection failed: {exc}")
 
     def _recv(self, r: int, kind: str) -> Any:
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
-            if self.conns[r].poll(0.05):
-                msg = self.conns[r].recv()
+            try:
+                msg = self.conns[r].recv() if self.conns[r].poll(0.05) else None
+            except (EOFError, OSError) as exc:
+                raise self._lost(r, exc) from exc
+            if msg is not None:
                 if msg[0] == kind:
                     return msg
                 if msg[0] == "out":
@@ -78,7 +107,10 @@ class ReplicaGroup:
         pending: Pending = {}
         for r, reqs in work.items():
             for rid, ids, params in reqs:
-                self.conns[r].send(("add", rid, ids, params))
+                try:
+                    self.conns[r].send(("add", rid, ids, params))
+                except OSError as exc:
+                    raise self._lost(r, exc) from exc
             pending[r] = {rid for rid, _, _ in reqs}
         return pending
 
@@ -87,10 +119,13 @@ class ReplicaGroup:
         finish reason or error)); raises GroupFailure if a replica died."""
         for r, left in pending.items():
             early = self._early.pop(r, [])
-            while left and (early or self.conns[r].poll(wait_s)):
-                _, rid, tokens, reason = early.pop(0) if early else self.conns[r].recv()
-                results[rid] = (tokens, reason)
-                left.discard(rid)
+            try:
+                while left and (early or self.conns[r].poll(wait_s)):
+                    _, rid, tokens, reason = early.pop(0) if early else self.conns[r].recv()
+                    results[rid] = (tokens, reason)
+                    left.discard(rid)
+            except (EOFError, OSError) as exc:
+                raise self._lost(r, exc) from exc
             if early:
                 self._early[r] = early
         self._check()
