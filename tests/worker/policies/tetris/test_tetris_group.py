@@ -360,9 +360,11 @@ def test_a_member_prefills_its_next_request_while_its_pieces_wait_for_a_slot(
         group.submit("a", prompts[0], _greedy(4), _plan([(30, [0])]))
         group.submit("b", prompts[1], _greedy(4), _plan([(17, [0])]))
         deadline = time.monotonic() + 60
-        while group.stats()["prefills"] < 2 and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            stats = group.stats()
+            if stats["prefills"] == 2 and stats["handshake_queue"] >= 1:
+                break
             time.sleep(0.05)
-        stats = group.stats()
         assert stats["prefills"] == 2, stats  # b ran while a's pieces waited
         assert stats["transfer_slots_free"] == 0 and stats["handshake_queue"] >= 1, stats
     finally:
