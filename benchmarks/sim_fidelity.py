@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
@@ -43,6 +44,22 @@ def random_llama(folder: Path, hidden: int, layers: int) -> Path:
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(folder)
     return folder
+
+
+def engine_config(model: str, num_threads: int, **extra: Any) -> Any:
+    """The engine settings both fidelity scripts run (fp32, no prefix cache, 1024 positions)."""
+    from gearshift.worker.config import EngineConfig
+
+    return EngineConfig(
+        model=model,
+        dtype="float32",
+        max_model_len=1024,
+        max_num_batched_tokens=512,
+        enable_prefix_caching=False,
+        skip_tokenizer_init=True,
+        num_threads=num_threads,
+        **extra,
+    )
 
 
 def run_engine(engine, trace) -> dict[str, float]:  # type: ignore[no-untyped-def]
@@ -109,7 +126,6 @@ def main() -> None:
     from gearshift.operator.sim.simulator import Deployment, simulate
     from gearshift.operator.sim.trace import TraceRequest
     from gearshift.operator.sim.workload import synthesize
-    from gearshift.worker.config import EngineConfig
     from gearshift.worker.launch import start_engine
     from gearshift.worker.policies.flags import add_policy_args, policy_from_args
 
@@ -126,15 +142,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(random_llama(Path(tmp), hidden=256, layers=4))
-        config = EngineConfig(
-            model=model,
-            dtype="float32",
-            max_model_len=1024,
-            max_num_batched_tokens=512,
-            enable_prefix_caching=False,
-            skip_tokenizer_init=True,
-            num_threads=args.num_threads,
-        )
+        config = engine_config(model, args.num_threads)
         engine = start_engine(config, policy)
         grid = ProfileGrid(
             prompt_lens=(16, 64, 160, 320, 500),

@@ -32,7 +32,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from sim_fidelity import measured_figures, random_llama  # noqa: E402
+from sim_fidelity import engine_config, measured_figures, random_llama  # noqa: E402
 
 
 def main() -> None:
@@ -47,7 +47,6 @@ def main() -> None:
     from gearshift.operator.sim.tetris_sim import TetrisGroupSim, simulate_tetris
     from gearshift.operator.sim.workload import synthesize
     from gearshift.v1 import worker_pb2
-    from gearshift.worker.config import EngineConfig
     from gearshift.worker.launch import GroupConfig, start_engine
     from gearshift.worker.policies.registry import make_policy
     from gearshift.worker.policies.tetris.group import start_tetris
@@ -67,16 +66,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model = str(random_llama(Path(tmp), hidden=256, layers=4))
-        config = EngineConfig(
-            model=model,
-            dtype="float32",
-            max_model_len=1024,
-            max_num_batched_tokens=512,
-            enable_prefix_caching=False,
-            skip_tokenizer_init=True,
-            num_threads=1,
-            kv_cache_bytes=64 << 20,
-        )
+        config = engine_config(model, 1, kv_cache_bytes=64 << 20)
         # The decode instance's step cost: a one-rank engine of the same settings, alone.
         engine = start_engine(config)
         grid = ProfileGrid(

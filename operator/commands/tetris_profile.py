@@ -110,12 +110,12 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        # What the fit needs (ProfilePoints.check; the worker checks the model's positions).
-        if len(set(args.lengths)) < 3 or len(set(args.histories)) < 2 or args.repeats < 1:
-            print(
-                "error: Eq. (1) needs at least three --lengths, two --histories and --repeats >= 1",
-                file=sys.stderr,
-            )
+        from gearshift.worker.policies.tetris.profile import ProfilePoints
+
+        try:  # what the fit needs; the worker checks the model's positions
+            ProfilePoints(args.histories, args.lengths, args.repeats).check()
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
             return 2
         got = _remote(args)
         if isinstance(got, int):
@@ -140,8 +140,6 @@ def run(args: argparse.Namespace) -> int:
         source.close()
         if args.instances < 1:
             raise ValueError(f"--instances must be at least 1, got {args.instances}")
-        if args.repeats < 1:
-            raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
         points.check(spec.max_model_len)
     except (GearshiftError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

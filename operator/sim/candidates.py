@@ -204,14 +204,16 @@ def _seesaw_candidates(model: ModelDesc, hw: Hardware, s: PlanSettings) -> list[
 
 
 def _tetris_candidates(model: ModelDesc, hw: Hardware, s: PlanSettings) -> list[Candidate]:
-    """Tetris groups filling one node or two (tetris_sim.py): P TP-1 prefill instances (each
-    holds the whole model) and D decode instances of TP T, P + D·T = the group's devices, P >= 2,
-    no decode instance split over nodes (the engine's rule); over two nodes, D is one instance or
-    a whole node of them. The pool's Eq. (1) models are fitted to the roofline and go into the
-    rendered policy. Over two nodes the planner sees each instance's node, and the hand-off is
-    priced on the inter-node link."""
+    """Tetris groups filling one node or two (tetris_sim.py): P prefill instances of TP Tp (the
+    smallest that holds the whole model) and D decode instances of TP T, P·Tp + D·T = the group's
+    devices, P >= 2, no instance split over nodes (the engine's rule); over two nodes, D is one
+    instance or a whole node of them. The pool's Eq. (1) models are fitted to the roofline and
+    go into the rendered policy. Over two nodes the planner sees each instance's node, and the
+    hand-off is priced on the inter-node link."""
+    from gearshift.operator.sim import tetris_models
+
     node = hw.devices_per_node
-    ptp = _prefill_tp(model, hw, s)
+    ptp = tetris_models.prefill_tp(model, hw, s.memory_utilization)
     if hw.count % node or ptp is None:
         return []  # no prefill instance of a node's TP holds the whole model
     fitted: dict[int, Any] = {}
@@ -221,18 +223,6 @@ def _tetris_candidates(model: ModelDesc, hw: Hardware, s: PlanSettings) -> list[
             continue
         out += _tetris_groups(model, hw, s, span, ptp, fitted)
     return out
-
-
-def _prefill_tp(model: ModelDesc, hw: Hardware, s: PlanSettings) -> int | None:
-    """The smallest power-of-two TP (within a node, splitting the heads) at which a prefill
-    instance holds the whole model with room for activations; None when none does."""
-    tp = 1
-    while tp <= hw.devices_per_node:
-        fits = model.weight_bytes() / tp < hw.device.memory_bytes * s.memory_utilization
-        if fits and not (model.heads % tp or model.kv_heads % tp) and hw.devices_per_node % tp == 0:
-            return tp
-        tp *= 2
-    return None
 
 
 def _tetris_groups(

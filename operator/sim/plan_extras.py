@@ -35,13 +35,8 @@ def sidp_thresholds(model: ModelDesc, hw: Hardware, context: int) -> list[dict[s
 def tetris_pool(model: ModelDesc, hw: Hardware) -> dict[str, int] | None:
     """Half the devices as prefill instances of the smallest TP that holds the weights (a power
     of two dividing the heads), the other half as decode; None when no instance fits."""
-    tp = 1
-    while tp <= hw.devices_per_node:
-        fits = model.weight_bytes() / tp <= PREFILL_WEIGHT_SHARE * hw.device.memory_bytes
-        if fits and not (model.heads % tp or model.kv_heads % tp):
-            break
-        tp *= 2
-    else:
+    tp = tetris_models.prefill_tp(model, hw, PREFILL_WEIGHT_SHARE)
+    if tp is None:
         return None
     instances = max(hw.count // 2 // tp, 1)
     decode = hw.count - instances * tp

@@ -63,3 +63,16 @@ def fit_error(model: ModelDesc, hw: Hardware, fitted: LatencyModel, tp: int = 1)
             true = chunk_seconds(model, hw, fitted.sp, tp, c, n)
             worst = max(worst, abs(fitted.seconds(c, n) - true) / true)
     return worst
+
+
+def prefill_tp(model: ModelDesc, hw: Hardware, share: float) -> int | None:
+    """The smallest power-of-two TP within a node, splitting the heads, at which a prefill
+    instance's share of the weights fits in ``share`` of a device's memory; None when none
+    does."""
+    tp = 1
+    while tp <= hw.devices_per_node:
+        fits = model.weight_bytes() / tp <= share * hw.device.memory_bytes
+        if fits and not (model.heads % tp or model.kv_heads % tp) and hw.devices_per_node % tp == 0:
+            return tp
+        tp *= 2
+    return None

@@ -449,7 +449,8 @@ class TetrisGroup:
 
     policy: TetrisPolicy
     procs: list[Any]
-    pool_conns: list[Any]  # each prefill instance's first rank (it speaks for the instance)
+    # Each prefill instance's ranks' connections, in TP order (the first speaks for it).
+    pool_conns: list[list[Any]]
     decode_conns: list[Any]
     store: Any
     timeout_s: float
@@ -457,7 +458,6 @@ class TetrisGroup:
     row_bytes: int = 0
     max_model_len: int = 0
     ranks_per_node: int = 0  # 0: every rank on this host
-    pool_tp_conns: list[list[Any]] = field(default_factory=list)  # by instance, TP order
     managers: list[ReceiveManager] = field(default_factory=list)
     transfer: TransferStats = field(default_factory=TransferStats)
     snapshots: list[tuple[EngineStats, int, int] | None] = field(default_factory=list)
@@ -470,7 +470,7 @@ class TetrisGroup:
     _handshakes: list[queue.Queue[Any]] = field(default_factory=list)
     _threads: list[threading.Thread] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
-    # Pieces granted (go) and not yet reported sent: (member, rid, piece) -> (decode, rows).
+    # Pieces granted (go), not yet reported sent by every rank of their member:
     # (member, rid, piece) -> [decode, rows, the member's ranks yet to report it sent].
     _granted: dict[tuple[int, str, int], list[int]] = field(default_factory=dict)
     _probes: dict[str, dict[int, Any]] = field(default_factory=dict)  # profile replies by member
@@ -484,17 +484,12 @@ class TetrisGroup:
         with lock, contextlib.suppress(OSError, BrokenPipeError):
             conn.send(message)
 
-    def _pool_ranks_conns(self, m: int) -> list[Any]:
-        """Every rank's connection of prefill instance ``m`` (its first rank's alone at TP 1)."""
-        return self.pool_tp_conns[m] if self.pool_tp_conns else [self.pool_conns[m]]
-
     def _to_pool(self, m: int, message: tuple[Any, ...]) -> None:
-        for conn in self._pool_ranks_conns(m):
+        for conn in self.pool_conns[m]:
             self._send(conn, message)
 
     def _all_conns(self) -> list[Any]:
-        pool = [c for m in range(len(self.pool_conns)) for c in self._pool_ranks_conns(m)]
-        return pool + list(self.decode_conns)
+        return [c for ranks in self.pool_conns for c in ranks] + list(self.decode_conns)
 
     def start_threads(self) -> None:
         self.managers = [
@@ -713,7 +708,7 @@ class TetrisGroup:
                     self.managers[req.decode].abort(rid)
                     self._to_pool(m, ("cancel", rid))
                     continue
-                senders = len(self._pool_ranks_conns(m))
+                senders = len(self.pool_conns[m])
                 self._granted[(m, rid, piece)] = [req.decode, count, senders]
                 self._to_pool(m, ("go", rid, piece))
 
@@ -721,7 +716,7 @@ class TetrisGroup:
         conns = {
             id(c): ("pool", m, self.policy.prefill_ranks(m)[j])
             for m in range(len(self.pool_conns))
-            for j, c in enumerate(self._pool_ranks_conns(m))
+            for j, c in enumerate(self.pool_conns[m])
         }
         conns |= {
             id(c): ("decode", i, self.policy.decode_ranks(i)[0])
@@ -855,7 +850,7 @@ class TetrisGroup:
             with self._lock:  # its granted pieces will never be sent (their requests fail)
                 for key in [k for k in self._granted if k[0] == index]:
                     del self._granted[key]
-            for conn in self._pool_ranks_conns(index):
+            for conn in self.pool_conns[index]:
                 with contextlib.suppress(ValueError):
                     live.remove(conn)
             with self._lock:
@@ -1015,16 +1010,9 @@ def start_tetris(
             child.close()
             conns[rank] = parent
 
-    def alive() -> None:
-        for rank, proc in enumerate(procs):
-            if not proc.is_alive():
-                raise GroupFailure(
-                    f"tetris group: rank {rank} exited with code {proc.exitcode} while loading"
-                )
-
     try:
         if listener is not None:
-            conns |= listener.wait(group.timeout_s, alive)
+            conns |= listener.wait(group.timeout_s, lambda: _loading(procs))
     except BaseException:
         for conn in conns.values():
             conn.close()
@@ -1032,12 +1020,10 @@ def start_tetris(
             proc.kill()
         stop_processes(procs, timeout=10)
         raise
-    pool_tp = [[conns[r] for r in policy.prefill_ranks(m)] for m in range(policy.prefill)]
-    pool_conns = [ranks[0] for ranks in pool_tp]
+    pool_conns = [[conns[r] for r in policy.prefill_ranks(m)] for m in range(policy.prefill)]
     decode_conns = [conns[policy.decode_ranks(d)[0]] for d in range(policy.decode)]
     handle = TetrisGroup(policy, procs, pool_conns, decode_conns, store, group.timeout_s, deliver)
     handle.ranks_per_node = local
-    handle.pool_tp_conns = pool_tp
     try:
         ready = [_await_ready(handle, conn) for conn in handle._all_conns()]
     except BaseException:
@@ -1068,9 +1054,14 @@ def _await_ready(handle: TetrisGroup, conn: Any) -> dict[str, Any]:
                 "tetris group: an instance of another node closed its control connection while "
                 "loading"
             ) from exc
-        for rank, proc in enumerate(handle.procs):
-            if not proc.is_alive():
-                raise GroupFailure(
-                    f"tetris group: rank {rank} exited with code {proc.exitcode} while loading"
-                )
+        _loading(handle.procs)
     raise GroupFailure(f"tetris group: not loaded within {handle.timeout_s} s")
+
+
+def _loading(procs: list[Any]) -> None:
+    """GroupFailure naming a rank of this host that exited while the group was loading."""
+    for rank, proc in enumerate(procs):
+        if not proc.is_alive():
+            raise GroupFailure(
+                f"tetris group: rank {rank} exited with code {proc.exitcode} while loading"
+            )

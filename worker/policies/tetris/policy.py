@@ -102,8 +102,8 @@ class TetrisPolicy(Policy):
         return lambda config, group: run_tetris_node(config, self, group)
 
     def check_nodes(self, nodes: int) -> None:
-        """Across nodes (§3.2): prefill instances may sit anywhere (a ring over nodes is
-        point-to-point in the one group), but a decode instance's TP ranks share a node."""
+        """Across nodes (§3.2): a ring of instances may cross nodes (point-to-point in the one
+        group), but each instance's TP ranks, prefill or decode, share a node."""
         if nodes <= 1:
             return
         field = "spec.group.nodes"

@@ -33,13 +33,17 @@ class ProfilePoints:
     lengths: tuple[int, ...]
     repeats: int = 1
 
-    def check(self, max_model_len: int) -> None:
+    def check(self, max_model_len: int | None = None) -> None:
+        """Refuse a grid Eq. (1) cannot be fitted from (or, given ``max_model_len``, that the
+        model cannot run)."""
         if not self.lengths or min(self.lengths) < 1 or min(self.histories, default=0) < 0:
             raise ValueError("profile lengths must be >= 1 and histories >= 0")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be at least 1, got {self.repeats}")
         # a + b·L + c·C·L + d·L²: three lengths tell L² from L, two histories give C·L.
         if len(set(self.lengths)) < 3 or len(set(self.histories)) < 2:
             raise ValueError("Eq. (1) needs at least three lengths and two histories")
-        if max(self.histories) + max(self.lengths) > max_model_len:
+        if max_model_len is not None and max(self.histories) + max(self.lengths) > max_model_len:
             raise ValueError(
                 f"history + length up to {max(self.histories) + max(self.lengths)} exceeds the "
                 f"model's {max_model_len} positions"

@@ -396,7 +396,7 @@ def test_prefill_instances_of_tp2_hand_over_to_any_decode_tp_with_one_process_to
             "transfer_buffer_bytes": 6 * 2 * 2 * 1 * 8 * 4,  # a few pieces per member
         },
     )
-    assert len(group.pool_tp_conns) == 2 and all(len(c) == 2 for c in group.pool_tp_conns)
+    assert len(group.pool_conns) == 2 and all(len(c) == 2 for c in group.pool_conns)
     plans = [
         _plan([(12, [1]), (17, [1, 0])]),  # 1 -> 2 instances
         _plan([(18, [0])]),
