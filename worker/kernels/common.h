@@ -11,15 +11,20 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
-#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace gearshift {
 
+// std::bit_cast is C++20; torch builds extensions as C++17 before 2.13 (seen with 2.11 on the GPU
+// machine), so the copy is spelled out. Compilers turn it into a register move.
 template <typename To, typename From>
 inline To bits_as(From v) {
-  return std::bit_cast<To>(v);
+  static_assert(sizeof(To) == sizeof(From), "bits_as needs equal sizes");
+  To out;
+  std::memcpy(&out, &v, sizeof(To));
+  return out;
 }
 
 // Load a value as fp32, store fp32 rounded (nearest-even) to the storage type, and round an fp32

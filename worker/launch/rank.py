@@ -20,7 +20,7 @@ from gearshift.worker.engine.control import ControlChannel
 from gearshift.worker.engine.executor import follow
 from gearshift.worker.engine.loading import ModelSpec, inspect_model, kv_cache_blocks
 from gearshift.worker.engine.model_runner import ModelRunner, StepThreads
-from gearshift.worker.errors import GroupFailure
+from gearshift.worker.errors import GroupFailure, InvalidRequestError
 from gearshift.worker.kv.cache import KVCacheSpec, allocate_kv_cache
 from gearshift.worker.launch.group_config import GroupConfig
 from gearshift.worker.launch.host import bind_rank_cores, die_with_parent, set_threads
@@ -47,10 +47,27 @@ class RankState:
 
 
 def device_for(config: EngineConfig, local_rank: int) -> torch.device:
+    """``cuda``: local rank i on GPU i; ``cuda:N``: every rank of the host on GPU N (ranks then
+    share it, and the group runs over gloo, since NCCL refuses two ranks on one device)."""
     if config.device.startswith("cuda"):
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        pinned = torch.device(config.device).index
+        index = local_rank if pinned is None else pinned
+        count = torch.cuda.device_count()
+        if index >= count:
+            raise InvalidRequestError(
+                "device",
+                f"device {config.device}: local rank {local_rank} needs GPU {index}, but this "
+                f"host shows {count}",
+            )
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device(config.device)
+
+
+def group_backend(config: EngineConfig, device: torch.device) -> str:
+    """NCCL for one GPU per rank; gloo on CPU and for ranks pinned to one shared GPU."""
+    shared = torch.device(config.device).index is not None
+    return "nccl" if device.type == "cuda" and not shared else "gloo"
 
 
 def setup_rank(
@@ -81,7 +98,8 @@ def setup_rank(
     )
     blocks = kv_cache_blocks(config, kv_spec, device, spec.max_model_len, held.kv_extra_bytes)
     if policy.world_size > 1:
-        agreed = torch.tensor([blocks], dtype=torch.int64, device=device)
+        on = device if dist.get_backend() == "nccl" else "cpu"
+        agreed = torch.tensor([blocks], dtype=torch.int64, device=on)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         blocks = int(agreed.item())
     if held.kv_allocator is not None:
@@ -110,7 +128,7 @@ def join_group(
     """init_process_group, the control channel, heartbeats, then ``setup_rank``."""
     world = policy.world_size
     device = device_for(config, rank % group.local_ranks(world))
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = group_backend(config, device)
     timeout = timedelta(seconds=group.timeout_s)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     control = create_control_group(world, rank, timeout)

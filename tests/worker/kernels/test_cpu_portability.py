@@ -173,3 +173,25 @@ def test_kernels_built_for_a_portable_isa_match_torch(isa, tmp_path):
     assert "skipped" not in summary, tail
     built = [p for p in tmp_path.iterdir() if p.is_dir()]
     assert [p.name for p in built] == [build.build_key(isa)], "one library, for that ISA"
+
+
+@pytest.mark.slow
+def test_the_kernels_compile_as_cpp17():
+    """torch before 2.13 builds extensions as C++17 (2.11 on the GPU machine did, and our
+    kernels failed there on std::bit_cast); the sources must compile under both standards."""
+    from torch.utils.cpp_extension import include_paths
+
+    cxx = os.environ.get("CXX", "c++")
+    flags = ["-std=c++17", "-fsyntax-only", "-fopenmp", *build.cflags("native")[:1]]
+    includes = [f"-isystem{p}" for p in include_paths()]
+    import sysconfig
+
+    includes.append(f"-isystem{sysconfig.get_paths()['include']}")
+    for name in build.SOURCES:
+        done = subprocess.run(
+            [cxx, *flags, *includes, str(Path(build.__file__).parent / name)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, f"{name} is not C++17:\n{done.stderr[-3000:]}"

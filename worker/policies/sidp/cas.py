@@ -17,7 +17,9 @@ dp ranks each.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,12 +51,37 @@ class CasExchange:
     rows: list[int] = field(default_factory=list)  # this step's rows per replica
     stats: CasStats = field(default_factory=CasStats)
     tp_rank: int = 0  # TP rank 0's partial sums carry down's bias
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     def __post_init__(self) -> None:
         # Staging buffers, used in turn, so a layer's buffer is not reused while an earlier
         # layer's slices may still be in flight (§4.4 CaS slots).
-        self._staging = [torch.empty(0, self.layout.hidden, dtype=self.dtype)] * self.cas_slots
+        self._staging = [self._empty(0)] * self.cas_slots
         self._next = 0
+        # gloo moves CPU tensors only (ranks sharing one GPU run gloo): device rows go through
+        # host memory there; NCCL sends them as they are.
+        self._via_host = self.device.type != "cpu" and (
+            self.world.group is not None and dist.get_backend(self.world.group) == "gloo"
+        )
+
+    def _empty(self, n: int) -> torch.Tensor:
+        return torch.empty(n, self.layout.hidden, dtype=self.dtype, device=self.device)
+
+    def _send(self, t: torch.Tensor, peer: int) -> Any:
+        return dist.isend(t.cpu() if self._via_host else t.contiguous(), peer)
+
+    def _recv(self, t: torch.Tensor, peer: int) -> Callable[[], None]:
+        """Post a receive into ``t``; the returned call waits for it."""
+        buf = torch.empty(t.shape, dtype=t.dtype) if self._via_host else t
+        work = dist.irecv(buf, peer)
+
+        def wait() -> None:
+            if work is not None:
+                work.wait()
+            if buf is not t:
+                t.copy_(buf)
+
+        return wait
 
     def begin_step(self, rows: list[int]) -> None:
         self.rows = list(rows)
@@ -74,7 +101,7 @@ class CasExchange:
     def _stage(self, n: int) -> torch.Tensor:
         buf = self._staging[self._next]
         if buf.shape[0] < n:
-            buf = torch.empty(n, self.layout.hidden, dtype=self.dtype)
+            buf = self._empty(n)
             self._staging[self._next] = buf
         self._next = (self._next + 1) % self.cas_slots
         return buf[:n]
@@ -86,11 +113,13 @@ class CasExchange:
             return self._serve(x, owned)
         if x.shape[0] == 0 and self.dummy_skipping:
             return x  # a dummy step sends nothing (§4.3 dummy skipping)
-        payload = x if x.shape[0] else torch.zeros(1, x.shape[1], dtype=x.dtype)
+        payload = x if x.shape[0] else torch.zeros(1, x.shape[1], dtype=x.dtype, device=x.device)
         peer = self.world.ranks[owner]
-        dist.send(payload.contiguous(), peer)
+        sent = self._send(payload, peer)
+        if sent is not None:
+            sent.wait()
         out = torch.empty_like(payload)
-        dist.recv(out, peer)
+        self._recv(out, peer)()
         return out[: x.shape[0]]
 
     def _serve(self, x: torch.Tensor, owned: FfnWeights) -> torch.Tensor:
@@ -104,18 +133,16 @@ class CasExchange:
         parts = list(staging.split(sizes))
         parts[0].copy_(x)
         recvs = [
-            dist.irecv(part, self.world.ranks[r])
+            self._recv(part, self.world.ranks[r])
             for part, r in zip(parts[1:], senders, strict=True)
         ]
-        for work in recvs:
-            if work is not None:
-                work.wait()
+        for wait in recvs:
+            wait()
         fused = run_ffn(staging, owned, self.tp_rank == 0)
         self.stats.fused_rows += fused.shape[0]
         out = list(fused.split(sizes))
         sends = [
-            dist.isend(part.contiguous(), self.world.ranks[r])
-            for part, r in zip(out[1:], senders, strict=True)
+            self._send(part, self.world.ranks[r]) for part, r in zip(out[1:], senders, strict=True)
         ]
         for work in sends:
             if work is not None:
@@ -125,7 +152,7 @@ class CasExchange:
     @torch.inference_mode()
     def dummy_step(self) -> None:
         """An idle replica's step: serve the layers it owns, send nothing for the others."""
-        empty = torch.empty(0, self.layout.hidden, dtype=self.dtype)
+        empty = self._empty(0)
         for layer in range(self.own.num_layers):
             owner = self.own.owner(layer)
             if owner == self.rank:

@@ -5,6 +5,11 @@ The housekeeper walks the remote layers of every forward pass in ``Ownership.fet
 (peak-shifted) and copies each from its owner's shared memory into a free slot, at most
 ``prefetch_depth`` layers ahead of compute. Compute waits on the slot's own readiness, never on
 a collective, and hands the slot back as soon as the layer's FFN has run.
+
+On a GPU the slots live in device memory and the thread copies on its own CUDA stream (§4.2's
+side stream), recording an event per copy: compute's stream waits on that event, not the host, and
+a slot handed back records an event on compute's stream that the next copy into it waits on, so a
+slot is never overwritten while a queued FFN still reads it.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import functools
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -28,6 +34,8 @@ class Slot:
     flat: torch.Tensor
     weights: FfnWeights
     key: tuple[int, int] | None = None  # (pass, layer) it holds or is being filled with
+    copied: Any = None  # CUDA: recorded on the copy stream once the slot holds its layer
+    used: Any = None  # CUDA: recorded on compute's stream once the layer's FFN is queued
 
 
 @dataclass
@@ -50,9 +58,13 @@ class Housekeeper:
     prefetch_depth: int
     peak_shifting: bool
     dtype: torch.dtype = torch.float32
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     stats: WasStats = field(default_factory=WasStats)
 
     def __post_init__(self) -> None:
+        self._cuda = self.device.type == "cuda"
+        # The side stream the copies run on (GPU only); compute keeps its own stream.
+        self.stream = torch.cuda.Stream(self.device) if self._cuda and self.slots else None
         self._slots = [self._new_slot() for _ in range(self.slots)]
         self._free = list(self._slots)
         self._ready: dict[tuple[int, int], Slot] = {}
@@ -64,8 +76,11 @@ class Housekeeper:
         self._thread: threading.Thread | None = None
 
     def _new_slot(self) -> Slot:
-        flat = torch.empty(self.layout.numel, dtype=self.dtype)
-        return Slot(flat, self.layout.views(flat))
+        flat = torch.empty(self.layout.numel, dtype=self.dtype, device=self.device)
+        slot = Slot(flat, self.layout.views(flat))
+        if self._cuda:
+            slot.copied, slot.used = torch.cuda.Event(), torch.cuda.Event()
+        return slot
 
     @property
     def slot_bytes(self) -> int:
@@ -101,12 +116,18 @@ class Housekeeper:
                     raise GroupFailure(f"SiDP housekeeper failed: {self._error}")
                 if not ok or key not in self._ready:
                     raise GroupFailure(f"SiDP: layer {layer}'s weights never reached a slot")
-            return self._ready[key].weights
+            slot = self._ready[key]
+        if slot.copied is not None:
+            # The GPU waits for the copy; the host goes on queueing work (§4.2).
+            torch.cuda.current_stream(self.device).wait_event(slot.copied)
+        return slot.weights
 
     def release(self, layer: int) -> None:
         """The layer's FFN ran: its slot is free for the next fetch (§4.2)."""
         with self._cond:
             slot = self._ready.pop((self._pass, layer))
+            if slot.used is not None:
+                slot.used.record(torch.cuda.current_stream(self.device))
             slot.key = None
             self._free.append(slot)
             self._cond.notify_all()
@@ -123,8 +144,20 @@ class Housekeeper:
     def _can_fetch(self, key: tuple[int, int]) -> bool:
         return self._stopped or (bool(self._free) and self._allowed(key))
 
+    def _copy(self, slot: Slot, src: torch.Tensor) -> None:
+        if self.stream is None:
+            slot.flat.copy_(src)
+            return
+        with torch.cuda.stream(self.stream):
+            # Not before the FFN that last read this slot has run on compute's stream.
+            self.stream.wait_event(slot.used)
+            slot.flat.copy_(src, non_blocking=True)
+            slot.copied.record(self.stream)
+
     def _run(self) -> None:
         try:
+            if self._cuda:
+                torch.cuda.set_device(self.device)  # the current device is per thread
             n = 0
             while True:
                 for layer in self.order:
@@ -136,7 +169,7 @@ class Housekeeper:
                         slot = self._free.pop()
                         slot.key = key
                     src = self.sources[layer]
-                    slot.flat.copy_(src)
+                    self._copy(slot, src)
                     with self._cond:
                         self.stats.fetches += 1
                         self.stats.fetched_bytes += src.numel() * src.element_size()
@@ -165,6 +198,8 @@ class Housekeeper:
         if self._thread is not None:
             self._thread.join(timeout=SLOT_WAIT_S)
             self._thread = None
+        if self.stream is not None:
+            self.stream.synchronize()  # no copy still writes a slot
 
     @property
     def alive(self) -> bool:

@@ -34,6 +34,7 @@ from gearshift.worker.policies.sidp.group_step import GroupStep, request_mode
 from gearshift.worker.policies.sidp.housekeeper import Housekeeper
 from gearshift.worker.policies.sidp.ownership import Ownership, WeightBytes, weight_bytes
 from gearshift.worker.policies.sidp.shared_weights import (
+    DeviceSegment,
     FfnLayout,
     Segment,
     clean_stale,
@@ -97,53 +98,75 @@ class SidpPolicy(Policy):
                 "intermediate features",
             )
 
-    def _groups(self, rank: int, timeout: timedelta) -> tuple[CommGroup, CommGroup]:
-        """(this replica's TP group, this TP rank's peers: TP rank t of every replica).
+    def _groups(self, rank: int, timeout: timedelta) -> tuple[CommGroup, CommGroup, CommGroup]:
+        """(this replica's TP group, this TP rank's peers: TP rank t of every replica, the
+        replicas' leading ranks over gloo: the step boundaries' small CPU exchanges).
 
         Replica r is ranks [r * tp, (r + 1) * tp) (its leader first, as engine_replicas says);
         every rank creates every group in the same order (new_group is collective)."""
         dp, tp = self.dp, self.tp
-        if tp == 1:
-            everyone = tuple(range(self.world_size))
-            return CommGroup.single(), CommGroup(dp, rank, everyone, dist.group.WORLD)
-        mine = {}
+        world = dist.group.WORLD if self.world_size > 1 else None
+        on_gloo = world is None or dist.get_backend() == "gloo"
+        mine: dict[str, CommGroup] = {}
         for kind, groups in (
             ("tp", [[r * tp + t for t in range(tp)] for r in range(dp)]),
             ("peers", [[r * tp + t for r in range(dp)] for t in range(tp)]),
+            ("leaders", [[r * tp for r in range(dp)]]),
         ):
             for members in groups:
-                pg = dist.new_group(members, timeout=timeout) if len(members) > 1 else None
+                if len(members) == 1:
+                    pg = None
+                elif len(members) == self.world_size and (kind != "leaders" or on_gloo):
+                    pg = world  # the whole group already is this one
+                else:
+                    backend = "gloo" if kind == "leaders" else None
+                    pg = dist.new_group(members, timeout=timeout, backend=backend)
                 if rank in members:
                     mine[kind] = CommGroup(len(members), members.index(rank), tuple(members), pg)
-        return mine["tp"], mine["peers"]
+        leaders = mine.get("leaders", CommGroup.single())
+        return mine["tp"], mine["peers"], leaders
 
     def build_rank(self, ctx: RankContext) -> RankModel:
         cfg = ctx.spec.config
         self.check_model(cfg)
         msg = self.message
         own = Ownership(self.dp, cfg.num_layers)
-        tp_group, peers = self._groups(ctx.rank, ctx.timeout)
+        tp_group, peers, leaders = self._groups(ctx.rank, ctx.timeout)
         replica, tp_rank = ctx.rank // self.tp, ctx.rank % self.tp
         layout = FfnLayout.of(cfg, self.tp)
         dtype = ctx.spec.dtype
         nbytes = layout.numel * torch.tensor([], dtype=dtype).element_size()
-        clean_stale()
+        on_gpu = ctx.device.type == "cuda"
         key = shm_segments.group_key()
-        mine = {
-            layer: Segment(new_segment_name(key, layer, tp_rank), nbytes, create=True)
-            for layer in own.owned(replica)
-        }
+        mine: dict[int, Segment | DeviceSegment] = {}
+        if on_gpu:
+            # Owned FFN shards live in device memory; readers map them over CUDA IPC.
+            for layer in own.owned(replica):
+                name = new_segment_name(key, layer, tp_rank)
+                mine[layer] = DeviceSegment.create(name, layout.numel, dtype, ctx.device)
+        else:
+            clean_stale()
+            for layer in own.owned(replica):
+                name = new_segment_name(key, layer, tp_rank)
+                mine[layer] = Segment(name, nbytes, create=True)
         segments = list(mine.values())
         try:
-            names = {(layer, tp_rank): seg.name for layer, seg in mine.items()}
+            addresses: dict[tuple[int, int], Any] = {
+                (layer, tp_rank): seg.address() if isinstance(seg, DeviceSegment) else seg.name
+                for layer, seg in mine.items()
+            }
             if self.world_size > 1:
                 everyone: list[Any] = [None] * self.world_size
-                dist.all_gather_object(everyone, names)
+                dist.all_gather_object(everyone, addresses)
                 for part in everyone:
-                    names.update(part)
+                    addresses.update(part)
             # TP rank t reads TP rank t's shard of each owner (§4.2 per TP rank).
-            remote = {
-                layer: Segment(names[(layer, tp_rank)], nbytes, create=False)
+            remote: dict[int, Segment | DeviceSegment] = {
+                layer: (
+                    DeviceSegment.attach(addresses[(layer, tp_rank)])
+                    if on_gpu
+                    else Segment(addresses[(layer, tp_rank)], nbytes, create=False)
+                )
                 for layer in own.remote(replica)
             }
             segments += list(remote.values())
@@ -158,6 +181,7 @@ class SidpPolicy(Policy):
                 prefetch_depth=int(msg.prefetch_depth),
                 peak_shifting=msg.peak_shifting,
                 dtype=dtype,
+                device=ctx.device,
             )
             cas = CasExchange(
                 own,
@@ -169,6 +193,7 @@ class SidpPolicy(Policy):
                 msg.dummy_skipping,
                 owned,
                 tp_rank=tp_rank,
+                device=ctx.device,
             )
             service = FfnService(owned, housekeeper, cas, self.initial_mode, tp_group)
             model = load_model(
@@ -179,6 +204,8 @@ class SidpPolicy(Policy):
                 show_progress=ctx.show_progress,
                 mlp_factory=lambda layer: SidpFFN(layer, service, owned.get(layer)),
             )
+            if on_gpu:
+                torch.cuda.synchronize(ctx.device)  # the owned shards are written on the device
             if self.world_size > 1:
                 dist.barrier()  # every owner's segments are written before anyone reads them
         except BaseException:
@@ -187,7 +214,7 @@ class SidpPolicy(Policy):
             raise
         if service.mode == Mode.WAS:
             housekeeper.start()
-        self._service, self._world = service, peers
+        self._service, self._world = service, leaders
         self.bytes = weight_bytes(cfg, own, replica, housekeeper.slots, dtype.itemsize, self.tp)
         log.info(
             "sidp replica %d tp rank %d: owns FFN of layers %s; weights %.1f MiB resident "

@@ -15,6 +15,7 @@ import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -117,3 +118,47 @@ class Segment:
             with contextlib.suppress(BufferError):
                 self._map.close()
             self._map = None
+
+
+class DeviceSegment:
+    """One owned layer's FFN shard in GPU memory, read by the host's other ranks over CUDA IPC
+    (SiDP §4.2 on GPUs: a one-sided read of the owner's memory, no collective).
+
+    The owner allocates the flat tensor on its device and publishes ``address()`` (the CUDA IPC
+    handle torch's multiprocessing reductions make, picklable) with the group's other segment
+    names; a reader ``attach``es it and gets a tensor on the owner's memory. The owner keeps the
+    allocation until ``close``; torch's IPC reference counts keep it mapped while a reader holds
+    a view.
+    """
+
+    def __init__(self, name: str, flat: torch.Tensor, owner: bool) -> None:
+        self.name = name
+        self.owner = owner
+        self.nbytes = flat.numel() * flat.element_size()
+        self._flat: torch.Tensor | None = flat
+
+    @staticmethod
+    def create(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> DeviceSegment:
+        return DeviceSegment(name, torch.empty(numel, dtype=dtype, device=device), owner=True)
+
+    def address(self) -> tuple[str, Any]:
+        """What a reader needs to map it: the name and torch's (rebuild, IPC handle args)."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        assert self._flat is not None
+        return (self.name, reduce_tensor(self._flat))
+
+    @staticmethod
+    def attach(address: tuple[str, Any]) -> DeviceSegment:
+        name, reduced = address
+        rebuild, args = reduced
+        return DeviceSegment(name, rebuild(*args), owner=False)
+
+    def tensor(self, dtype: torch.dtype) -> torch.Tensor:
+        assert self._flat is not None
+        if self._flat.dtype != dtype:
+            raise TypeError(f"{self.name} holds {self._flat.dtype}, not {dtype}")
+        return self._flat
+
+    def close(self) -> None:
+        self._flat = None

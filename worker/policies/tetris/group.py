@@ -61,7 +61,7 @@ from gearshift.worker.launch.group_config import GroupConfig
 from gearshift.worker.launch.host import bind_rank_cores, die_with_parent, set_threads, usable_cores
 from gearshift.worker.launch.leader import _check, _engine
 from gearshift.worker.launch.processes import rank_context, start_rank, stop_processes
-from gearshift.worker.launch.rank import device_for, setup_rank
+from gearshift.worker.launch.rank import device_for, group_backend, setup_rank
 from gearshift.worker.launch.replica_rank import IDLE_WAIT_S, ReplicaExecutor
 from gearshift.worker.policies.tetris.chunked_prefill import (
     PlannedChunk,
@@ -271,7 +271,7 @@ def tetris_rank_main(
             conn = _dial(store, rank)  # a rank of another node: the endpoint is on node 0
         device = device_for(config, rank)
         timeout = timedelta(seconds=group.timeout_s)
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = group_backend(config, device)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         state = setup_rank(config, policy, rank, device, timeout)
         control = policy.instance_control(rank, timeout)
