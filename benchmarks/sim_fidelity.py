@@ -10,6 +10,13 @@ at t = 0 (offline). The policy flags are ``gearshift serve``'s (``--tp 2``, ``--
     python benchmarks/sim_fidelity.py                     # → sim_fidelity.json
     python benchmarks/sim_fidelity.py --rate 4 --requests 48
     python benchmarks/sim_fidelity.py --tp 2 --out sim_fidelity_tp2.json
+
+On a GPU (``--device cuda --dtype bfloat16``), ``--roofline H200`` also prices the same trace
+from the hardware preset alone (no profile: ``RooflineCost``), which shows how far the preset's
+datasheet figures are from what this engine reaches on that device.
+
+    python benchmarks/sim_fidelity.py --device cuda --dtype bfloat16 --hidden 2048 --layers 16 \
+        --roofline H200 --out sim_fidelity_h200.json
 """
 
 from __future__ import annotations
@@ -46,13 +53,13 @@ def random_llama(folder: Path, hidden: int, layers: int) -> Path:
     return folder
 
 
-def engine_config(model: str, num_threads: int, **extra: Any) -> Any:
+def engine_config(model: str, num_threads: int, dtype: str = "float32", **extra: Any) -> Any:
     """The engine settings both fidelity scripts run (fp32, no prefix cache, 1024 positions)."""
     from gearshift.worker.config import EngineConfig
 
     return EngineConfig(
         model=model,
-        dtype="float32",
+        dtype=dtype,
         max_model_len=1024,
         max_num_batched_tokens=512,
         enable_prefix_caching=False,
@@ -115,6 +122,16 @@ def simulated(result) -> dict[str, float]:  # type: ignore[no-untyped-def]
     }
 
 
+def _device_name(device: str) -> str:
+    import platform
+
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     from google.protobuf import json_format
 
@@ -136,13 +153,21 @@ def main() -> None:
     ap.add_argument("--num-threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=HERE / "sim_fidelity.json")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--hidden", type=int, default=256, help="the random Llama's hidden size")
+    ap.add_argument("--layers", type=int, default=4, help="the random Llama's layer count")
+    ap.add_argument(
+        "--roofline", default=None, help="also price the trace from this hardware preset"
+    )
     add_policy_args(ap)
     args = ap.parse_args()
     policy = policy_from_args(args)
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model or str(random_llama(Path(tmp), hidden=256, layers=4))
-        config = engine_config(model, args.num_threads)
+        model = args.model or str(random_llama(Path(tmp), hidden=args.hidden, layers=args.layers))
+        gpu = {"device": args.device} if args.device != "cpu" else {}
+        config = engine_config(model, args.num_threads, args.dtype, **gpu)
         engine = start_engine(config, policy)
         grid = ProfileGrid(
             prompt_lens=(16, 64, 160, 320, 500),
@@ -189,17 +214,40 @@ def main() -> None:
         )
         predicted = simulated(simulate(deployment, trace))
         sim_s = time.perf_counter() - t0
+        roofline = None
+        if args.roofline:
+            from dataclasses import replace
+
+            from gearshift.operator.sim.hardware import load as load_hardware
+            from gearshift.operator.sim.roofline import Layout, RooflineCost
+
+            if engine.policy.world_size != 1:
+                raise SystemExit("--roofline prices one rank: give no policy flags with it")
+            spec_desc = replace(desc, dtype=args.dtype)
+            priced = replace(
+                deployment,
+                cost=RooflineCost(spec_desc, load_hardware(args.roofline), Layout("one")),
+            )
+            roofline = simulated(simulate(priced, trace))
         engine.shutdown()
 
     rows = []
-    print(f"{'figure':22} {'measured':>10} {'simulated':>10} {'error':>8}")
+    print(f"{'figure':22} {'measured':>10} {'simulated':>10} {'error':>8}", end="")
+    print(f" {'roofline':>10} {'error':>8}" if roofline else "")
     for key, real in measured.items():
         err = (predicted[key] - real) / real
-        rows.append({"figure": key, "measured": real, "simulated": predicted[key], "error": err})
-        print(f"{key:22} {real:10.4f} {predicted[key]:10.4f} {err:+8.1%}")
+        row = {"figure": key, "measured": real, "simulated": predicted[key], "error": err}
+        line = f"{key:22} {real:10.4f} {predicted[key]:10.4f} {err:+8.1%}"
+        if roofline:
+            row["roofline"] = roofline[key]
+            row["roofline_error"] = (roofline[key] - real) / real
+            line += f" {roofline[key]:10.4f} {row['roofline_error']:+8.1%}"
+        rows.append(row)
+        print(line)
     print(f"profile {profile_s:.1f} s; simulation {sim_s * 1000:.1f} ms for {len(trace)} requests")
     result = {
         "command": "python " + " ".join(sys.argv),
+        "device": _device_name(args.device),
         "policy": json_format.MessageToDict(policy),
         "cost_model": {"prefill": vars(cost.prefill), "decode": vars(cost.decode), **cost.about},
         "rows": rows,

@@ -86,7 +86,12 @@ def add_engine_args(
     """The engine flags `generate`, `serve` and `worker` share (EngineConfig's knobs, vLLM's
     names where vLLM has one)."""
     p.add_argument("--dtype", default=dtype_default, help="auto, float32, bfloat16 or float16")
-    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu; cuda (local rank i on GPU i, NCCL); cuda:N (every rank of this host on GPU "
+        "N, gloo)",
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
