@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from gearshift.operator.sim.cost_model import StepCost
 from gearshift.operator.sim.hardware import Hardware, with_count
 from gearshift.operator.sim.model_desc import ModelDesc
 from gearshift.operator.sim.roofline import Layout, RooflineCost, StepShape, p2p, shape_of
@@ -112,6 +113,29 @@ class SidpCost:
 
     def step_time(self, batch: ScheduledBatch) -> float:
         return self.time(shape_of(batch))
+
+
+@dataclass(frozen=True)
+class MeasuredWasCost:
+    """A WaS replica's step from measurements (``gearshift profile``'s ``StepCost`` of a
+    one-rank engine of the same model, and the timed fetch of one remote FFN layer): every
+    forward pass fetches its ``remote_layers`` again (the slots hold dp − 1 of them, §4.2).
+
+    ``overlap``: whether the fetches run beside compute, so a pass takes max(compute, fetches),
+    as on GPUs whose copies have an engine and a link of their own (``SidpCost``); or take
+    their turn on the same core, so they add up, as on CPU ranks pinned to one core each, where
+    the housekeeper thread shares its replica's core.
+    """
+
+    base: StepCost
+    remote_layers: int
+    fetch_seconds: float
+    overlap: bool = False
+
+    def step_time(self, batch: ScheduledBatch) -> float:
+        compute = self.base.step_time(batch)
+        fetch = self.remote_layers * self.fetch_seconds
+        return max(compute, fetch) if self.overlap else compute + fetch
 
 
 # B_th search bound: a step of more tokens than this is beyond any engine's batch.

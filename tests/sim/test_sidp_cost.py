@@ -86,3 +86,22 @@ def test_b_th_is_where_the_forward_hides_the_fetches() -> None:
     crawl = replace(hw, intra_node=replace(hw.intra_node, bandwidth=1.0))
     none = b_th(model, crawl, 8, 1)
     assert none.tokens is None and "never hides" in none.reason
+
+
+def test_measured_was_cost_adds_fetches_on_a_shared_core_and_overlaps_them_otherwise() -> None:
+    """``MeasuredWasCost``: a profiled step plus the pass's remote-layer fetches, summed where
+    the housekeeper shares the replica's core (CPU), max'ed where copies have their own engine."""
+    from gearshift.operator.sim.sidp_cost import MeasuredWasCost
+    from gearshift.worker.engine.scheduler import ScheduledBatch
+
+    class Flat:
+        def step_time(self, batch: ScheduledBatch) -> float:
+            return 0.010
+
+    batch = ScheduledBatch()
+    summed = MeasuredWasCost(Flat(), remote_layers=3, fetch_seconds=0.002, overlap=False)
+    assert summed.step_time(batch) == pytest.approx(0.016)
+    overlapped = replace(summed, overlap=True)
+    assert overlapped.step_time(batch) == pytest.approx(0.010)  # the fetches hide behind compute
+    slow_link = replace(overlapped, fetch_seconds=0.005)
+    assert slow_link.step_time(batch) == pytest.approx(0.015)  # or compute waits for them

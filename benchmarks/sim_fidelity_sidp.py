@@ -1,0 +1,306 @@
+"""SiDP's simulation against a real SiDP group on this machine (issue 16, "each new policy once
+it exists"): the same trace through a running group (dp 2 replicas of one rank each, gloo, WaS
+pinned) and through the simulator, predicted vs measured.
+
+The simulator's inputs are measured here first, on the same model and settings:
+
+* a replica's step without weight fetches: ``gearshift profile``'s measurement of a one-rank
+  engine without the fused decode-layer op (a SiDP replica computes every layer, as that engine
+  does, but its FFN modules are the policy's, which the fused op cannot run), taken while a second
+  one-rank engine decodes in another process, as the other replica does when the group runs
+  (``--no-neighbour``: alone);
+* one remote FFN layer's fetch: the housekeeper's copy of a layer from a shared-memory segment
+  into a cache slot, timed on one thread (a replica's rank has one core and one torch thread);
+* the replica's KV capacity: the block count each started replica reports (SiDP gives the KV
+  cache the FFN bytes a replica does not hold).
+
+A step is priced as compute plus its pass's fetches (``sidp_cost.MeasuredWasCost`` without
+overlap: here the housekeeper thread shares its replica's core). Requests are assigned to
+replicas by the router's rule (fewest outstanding tokens, as they arrive), the same assignment on
+both sides; WaS replicas run independently (§4.2), so the simulator runs each replica on its own
+share of the trace. Both sides are warm: the profiled engine from its grid, the group from a
+short warm-up trace of its own before the measured one.
+
+    python benchmarks/sim_fidelity_sidp.py              # → sim_fidelity_sidp.json, ~1 min
+    python benchmarks/sim_fidelity_sidp.py --rate 4 --out sim_fidelity_sidp_online.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from sim_fidelity import engine_config, measured_figures, random_llama  # noqa: E402
+
+DP = 2
+
+
+def _neighbour(config: Any, ready: Any, stop: Any) -> None:
+    """Another replica's load while the profile runs: a one-rank engine decoding batches of 16
+    requests until told to stop."""
+    from gearshift.worker.launch import start_engine
+    from gearshift.worker.sampling.params import SamplingParams
+
+    engine = start_engine(config)
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    n = 0
+    ready.set()
+    while not stop.is_set():
+        if not engine.has_unfinished_requests():
+            for _ in range(16):
+                engine.add_request(f"n{n}", [(5 * n + k) % 1000 for k in range(120)], params)
+                n += 1
+        engine.step()
+    engine.shutdown()
+
+
+def profile_beside_neighbour(config: Any, grid: Any, seed: int, neighbour: bool) -> Any:
+    import multiprocessing as mp
+
+    from gearshift.operator.sim.profile import measure
+    from gearshift.worker.launch import start_engine
+
+    ctx = mp.get_context("spawn")
+    ready, stop = ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_neighbour, args=(config, ready, stop)) if neighbour else None
+    engine = start_engine(config)
+    # A SiDP replica's FFN modules are the policy's (SidpFFN), which the fused decode-layer CPU
+    # op cannot run (llama.prepare_fused_decode): profile the unfused path the replica takes.
+    for gear in engine.executor.gears:
+        gear.model.fused_layers = []
+    try:
+        if proc is not None:
+            proc.start()
+            if not ready.wait(120):
+                raise RuntimeError("the neighbour engine did not start in 120 s")
+        return measure(engine, grid, seed).model({"model": "random-llama"})
+    finally:
+        stop.set()
+        if proc is not None:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+        engine.shutdown()
+
+
+def fetch_seconds(config: Any, repeats: int = 30) -> tuple[float, int]:
+    """Median time of one remote FFN layer's copy from a shared segment into a slot (one
+    thread), and the layer's bytes."""
+    import torch
+
+    from gearshift.worker import shm_segments
+    from gearshift.worker.engine.loading import inspect_model
+    from gearshift.worker.policies.sidp.shared_weights import FfnLayout, Segment, new_segment_name
+
+    spec, source = inspect_model(config, torch.device("cpu"))
+    source.close()
+    layout = FfnLayout.of(spec.config)
+    nbytes = layout.numel * spec.dtype.itemsize
+    seg = Segment(new_segment_name(shm_segments.group_key(), 0), nbytes, create=True)
+    try:
+        src = seg.tensor(spec.dtype)
+        src.normal_()
+        slot = torch.empty(layout.numel, dtype=spec.dtype)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            slot.copy_(src)
+            times.append(time.perf_counter() - t)
+        torch.set_num_threads(threads)
+        return statistics.median(times), nbytes
+    finally:
+        seg.close()
+
+
+def run_group(
+    group: Any, trace: list[Any], picks: list[int], prefix: str = "r"
+) -> dict[str, float]:
+    """Replay ``trace`` on the group's replicas (request i on replica picks[i]) in real time,
+    timing each streamed token batch as it arrives here."""
+    from gearshift.worker.sampling.params import SamplingParams
+
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    count: dict[str, int] = {}
+    finished: set[str] = set()
+    pending = list(enumerate(trace))
+    start = time.perf_counter()
+    deadline = start + 600
+    while pending or len(finished) < len(trace):
+        if time.perf_counter() > deadline:
+            raise RuntimeError("the group did not finish the trace in 600 s")
+        now = time.perf_counter() - start
+        while pending and pending[0][1].arrival_s <= now:
+            i, r = pending.pop(0)
+            ids = [(7 * i + k) % 1000 for k in range(r.prompt_tokens)]
+            params = SamplingParams(temperature=0.0, max_tokens=r.output_tokens, ignore_eos=True)
+            group.conns[picks[i]].send(("add", f"{prefix}{i}", ids, params))
+        # Block until a replica sends something or the next arrival is due: a polling loop
+        # would take CPU from the two replicas on this 2-core machine.
+        due = pending[0][1].arrival_s - (time.perf_counter() - start) if pending else 1.0
+        for conn in wait(group.conns, timeout=max(0.0, min(due, 1.0))):
+            while conn.poll(0):
+                kind, out = conn.recv()
+                assert kind == "out", kind
+                t = time.perf_counter() - start
+                if out.new_token_ids:
+                    first.setdefault(out.request_id, t)
+                    last[out.request_id] = t
+                    count[out.request_id] = count.get(out.request_id, 0) + len(out.new_token_ids)
+                if out.finished:
+                    finished.add(out.request_id)
+    if prefix != "r":  # measured_figures names requests r{i}
+        rename = {f"{prefix}{i}": f"r{i}" for i in range(len(trace))}
+        first, last = ({rename[k]: v for k, v in d.items()} for d in (first, last))
+        count = {rename[k]: v for k, v in count.items()}
+    return measured_figures(trace, first, last, count)
+
+
+def combined(times: list[Any]) -> dict[str, float]:
+    """The group's figures from every replica's simulated requests (``simulated``'s)."""
+    span = max(t.finished for t in times) - min(t.arrival for t in times)
+    tpot = [v for t in times if (v := t.tpot) is not None]
+    return {
+        "makespan_s": span,
+        "output_tokens_per_s": sum(t.output_tokens for t in times) / span,
+        "ttft_mean_s": statistics.mean(t.ttft for t in times),
+        "tpot_mean_s": statistics.mean(tpot),
+    }
+
+
+def main() -> None:
+    from gearshift.operator.sim.arrivals import Arrivals, RateCurve
+    from gearshift.operator.sim.lengths import LogNormal
+    from gearshift.operator.sim.profile import ProfileGrid
+    from gearshift.operator.sim.replica import ReplicaConfig
+    from gearshift.operator.sim.routing import LeastOutstandingRouter
+    from gearshift.operator.sim.sidp_cost import MeasuredWasCost
+    from gearshift.operator.sim.simulator import Deployment, simulate
+    from gearshift.operator.sim.trace import TraceRequest
+    from gearshift.operator.sim.workload import synthesize
+    from gearshift.worker.launch import GroupConfig
+    from gearshift.worker.launch.replicas import start_replicas
+    from gearshift.worker.policies.registry import make_policy
+    from gearshift.worker.policies.sidp.ownership import Ownership
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--rate", type=float, default=0.0, help="Poisson req/s; 0: offline")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-neighbour", dest="neighbour", action="store_false")
+    ap.add_argument("--out", type=Path, default=HERE / "sim_fidelity_sidp.json")
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(random_llama(Path(tmp), hidden=args.hidden, layers=args.layers))
+        config = engine_config(model, 1, kv_cache_bytes=32 << 20)
+        grid = ProfileGrid(
+            prompt_lens=(16, 64, 160, 320, 500),
+            prefill_batches=(1, 3),
+            decode_batches=(1, 4, 16, 32),
+            contexts=(32, 256, 600),
+            decode_steps=5,
+            repeats=2,
+        )
+        t0 = time.perf_counter()
+        base = profile_beside_neighbour(config, grid, args.seed, args.neighbour)
+        profile_s = time.perf_counter() - t0
+        fetch_s, layer_bytes = fetch_seconds(config)
+        remote = args.layers - len(Ownership(DP, args.layers).owned(0))
+
+        arrivals = Arrivals(RateCurve.constant(args.rate or 1.0))
+        trace = synthesize(
+            args.requests,
+            arrivals,
+            LogNormal.from_median_p90(120, 400, 8, 700),
+            LogNormal.from_median_p90(40, 120, 2, 200),
+            args.seed,
+        )
+        if not args.rate:
+            trace = [TraceRequest(0.0, r.prompt_tokens, r.output_tokens) for r in trace]
+        # The router's rule (fewest outstanding tokens, as requests arrive), fixed up front.
+        router = LeastOutstandingRouter(DP)
+        picks = [
+            router.pick(f"r{i}", r.prompt_tokens, r.output_tokens) for i, r in enumerate(trace)
+        ]
+        policy = make_policy({"sidp": {"dp": DP, "mode": "WAS"}})
+        group = start_replicas(config, policy, GroupConfig(timeout_s=120), stream=True)
+        try:
+            blocks = [int(r["num_blocks"]) for r in group.ready]
+            # Warm both replicas as the profile warmed its engine (first steps of a fresh process
+            # pay one-time setup), with a trace of its own.
+            warm = [TraceRequest(0.0, n, 8) for n in (500, 320, 160, 64, 16, 300, 200, 100)]
+            run_group(group, warm, [i % DP for i in range(len(warm))], prefix="w")
+            measured = run_group(group, trace, picks)
+            stats = [group.stats(r) for r in range(DP)]
+        finally:
+            group.shutdown()
+        cost = MeasuredWasCost(base, remote, fetch_s, overlap=False)
+        t0 = time.perf_counter()
+        times = []
+        for r in range(DP):
+            # Each replica alone on its share (WaS replicas are independent, §4.2): both sides
+            # run the same assignment, online too.
+            replica = ReplicaConfig(
+                num_blocks=blocks[r],
+                block_size=config.block_size,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=config.max_model_len,
+            )
+            mine = [req for req, pick in zip(trace, picks, strict=True) if pick == r]
+            times += simulate(Deployment(1, replica, cost), mine).requests
+        sim_s = time.perf_counter() - t0
+        predicted = combined(times)
+
+    rows = []
+    print(f"{'figure':22} {'measured':>10} {'simulated':>10} {'error':>8}")
+    for key, real in measured.items():
+        err = (predicted[key] - real) / real
+        rows.append({"figure": key, "measured": real, "simulated": predicted[key], "error": err})
+        print(f"{key:22} {real:10.4f} {predicted[key]:10.4f} {err:+8.1%}")
+    fetched = sum(s["policy"]["sidp_fetched_weight_bytes"] for s in stats)
+    steps = sum(s["engine"].steps for s in stats)
+    waits = sum(s["policy"]["sidp_slot_waits"] for s in stats)
+    print(
+        f"profile {profile_s:.1f} s; one layer's fetch {fetch_s * 1e3:.3f} ms "
+        f"({layer_bytes / 2**20:.1f} MiB); {remote} remote layers a pass; KV blocks {blocks}; "
+        f"fetched {fetched / 2**20:.0f} MiB over {steps} steps, compute waited for a slot "
+        f"{waits:.0f} times; simulation {sim_s * 1e3:.1f} ms"
+    )
+    result_json = {
+        "command": "python " + " ".join(sys.argv),
+        "dp": DP,
+        "mode": "WAS",
+        "profile_beside_a_neighbour": args.neighbour,
+        "cost_model": {
+            "prefill": vars(base.prefill),
+            "decode": vars(base.decode),
+            "fetch_seconds_per_layer": fetch_s,
+            "layer_bytes": layer_bytes,
+            "remote_layers": remote,
+            "overlap": False,
+        },
+        "kv_blocks": blocks,
+        "group": {"steps": steps, "fetched_bytes": fetched, "slot_waits": waits},
+        "rows": rows,
+    }
+    args.out.write_text(json.dumps(result_json, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
