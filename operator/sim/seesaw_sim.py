@@ -13,6 +13,10 @@ is priced by the gear its phase runs on.
   host link (§4.1), before the switching step runs.
 - The host store holds ``HOST_BYTES_PER_GPU`` per GPU (Seesaw §6.1: 80 GiB of CPU memory per
   GPU); switch points and prefetch limits are the policy's defaults.
+
+``Measured`` replaces every price above by what a running engine showed on the machine at hand
+(``benchmarks/sim_fidelity_seesaw.py``): each gear's profiled step, one block's copy, one
+re-shard, the host store's size, and whether KV writes overlap compute.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from google.protobuf import json_format
 
+from gearshift.operator.sim.cost_model import StepCost
 from gearshift.operator.sim.hardware import Hardware, with_count
 from gearshift.operator.sim.model_desc import ModelDesc
 from gearshift.operator.sim.roofline import Layout, RooflineCost
@@ -54,6 +59,19 @@ def _proto(gpus: int) -> policy_pb2.Policy:
     return json_format.ParseDict(policy(gpus), policy_pb2.Policy())
 
 
+@dataclass(frozen=True)
+class Measured:
+    """Seesaw's prices from measurements instead of the roofline."""
+
+    prefill: StepCost  # the prefill gear's step (its whole pipeline traversal)
+    decode: StepCost  # the decode gear's step
+    copy_block_s: float  # one KV block from the host store (the whole group's share)
+    reshard_s: float  # one gear switch
+    host_pages: int  # blocks the host store holds
+    overlap_out: bool = False  # KV writes beside compute (a copy engine), or before it
+    copy_out_block_s: float | None = None  # one block to the host store; None: copy_block_s
+
+
 @dataclass
 class SeesawHooks:
     """One replica's Seesaw leader and the price of each step (replica.SimHooks)."""
@@ -62,11 +80,13 @@ class SeesawHooks:
     hw: Hardware
     gpus: int
     block_size: int
+    measured: Measured | None = None
     leader: SeesawLeader = field(init=False)
 
     def __post_init__(self) -> None:
         block_bytes = self.model.kv_bytes_per_token() * self.block_size
-        pages = int(HOST_BYTES_PER_GPU * self.gpus // block_bytes)
+        m = self.measured
+        pages = m.host_pages if m else int(HOST_BYTES_PER_GPU * self.gpus // block_bytes)
         thresholds = _thresholds(self.gpus)
         self.leader = SeesawLeader(
             PageAllocator(pages),
@@ -77,11 +97,23 @@ class SeesawHooks:
             ReadinessBoard(torch.zeros(self.gpus + 1, dtype=torch.int64)),
             async_swap=False,
         )
+        self._overlap_out = True
+        self._prefill: StepCost
+        self._decode: StepCost
+        if m is not None:
+            self._prefill, self._decode = m.prefill, m.decode
+            self._copy_s, self._reshard_s = m.copy_block_s, m.reshard_s
+            self._copy_out_s = (
+                m.copy_out_block_s if m.copy_out_block_s is not None else m.copy_block_s
+            )
+            self._overlap_out = m.overlap_out
+            return
         group = with_count(self.hw, self.gpus)
         self._prefill = RooflineCost(self.model, group, Layout("pp", self.gpus))
         self._decode = RooflineCost(self.model, group, Layout("tp", self.gpus))
         # Every GPU moves its 1/G of a block, and its 1/G of the weights, over its own link.
         self._copy_s = block_bytes / self.gpus / self.hw.host_device.bandwidth
+        self._copy_out_s = self._copy_s
         self._reshard_s = self.model.weight_bytes() / self.gpus / self.hw.host_device.bandwidth
 
     def bind(self, scheduler: Scheduler, blocks: BlockManager) -> None:
@@ -105,9 +137,9 @@ class SeesawHooks:
         if not batch.is_empty:
             compute = (self._prefill if prefill else self._decode).step_time(batch)
         blocks_out, blocks_in, switching = self.leader.pending
-        out_s, in_s = blocks_out * self._copy_s, blocks_in * self._copy_s
+        out_s, in_s = blocks_out * self._copy_out_s, blocks_in * self._copy_s
         reshard = self._reshard_s if switching else 0.0
-        trip = reshard + in_s + max(compute, out_s)
+        trip = reshard + in_s + (max(compute, out_s) if self._overlap_out else compute + out_s)
         return trip, self.gpus if prefill else 1
 
     @property

@@ -4,6 +4,8 @@ the leader never stalls with prompts waiting."""
 
 from __future__ import annotations
 
+import pytest
+
 from gearshift.operator.sim import hardware, model_desc
 from gearshift.operator.sim.candidates import PlanSettings, enumerate_candidates
 from gearshift.operator.sim.planning import plan_deployment
@@ -84,3 +86,36 @@ def test_seesaw_candidates_are_policies_the_engine_runs_and_beat_static_on_pcie(
     # PCIe: PP's prefill and TP's decode together beat either alone (Seesaw §6.2).
     assert tps["seesaw8"] > max(tps["tp8"], tps["pp8"])
     assert hardware.preset("8xL4").count == 8
+
+
+def test_measured_prices_replace_the_roofline_and_writes_add_to_the_step_on_cpu() -> None:
+    """``Measured`` (benchmarks/sim_fidelity_seesaw.py): each gear's profiled step, a block's
+    copy each way, a re-shard and the host store's size, and KV writes before the step (CPU)
+    or beside it (a copy engine)."""
+    from dataclasses import replace
+
+    from gearshift.operator.sim.seesaw_sim import Measured
+    from gearshift.worker.engine.scheduler import ScheduledBatch
+
+    class Flat:
+        def __init__(self, s: float) -> None:
+            self.s = s
+
+        def step_time(self, batch: ScheduledBatch) -> float:
+            return self.s
+
+    prices = Measured(Flat(0.010), Flat(0.002), 0.001, 0.05, host_pages=7, copy_out_block_s=0.003)
+    h = SeesawHooks(_model(), gpu("L4"), 2, 16, measured=prices)
+    assert h.leader.pages.num_pages == 7
+    busy = ScheduledBatch(decodes=[object()])  # type: ignore[list-item]
+    assert h.step_time(busy) == (0.010, 2)  # the prefill gear's price
+    h.leader._out = [1, 2, 3, 4]  # two blocks to the host store
+    h.leader._in = [5, 6]  # one from it
+    h.leader._switched = True
+    assert h.step_time(busy)[0] == pytest.approx(0.05 + 0.001 + 0.010 + 2 * 0.003)
+    overlapped = SeesawHooks(_model(), gpu("L4"), 2, 16, measured=replace(prices, overlap_out=True))
+    overlapped.leader._out = [1, 2, 3, 4]
+    assert overlapped.step_time(busy)[0] == pytest.approx(max(0.010, 2 * 0.003))
+    h.leader.phase = Phase.DECODE
+    h.leader._out, h.leader._in, h.leader._switched = [], [], False
+    assert h.step_time(busy) == (0.002, 1)  # the decode gear's price

@@ -1,0 +1,202 @@
+"""Seesaw's simulation against a real Seesaw engine on this machine (issue 16, "each new policy
+once it exists"): P2 prefill -> T2 decode on 2 CPU ranks (gloo), the same trace through the
+running engine and through ``operator/sim/seesaw_sim.py`` (the engine's own Seesaw leader in
+simulated time), predicted vs measured.
+
+The simulator's prices (``seesaw_sim.Measured``) are measured here first, same model and settings:
+
+* the prefill gear's step: ``gearshift profile`` of a static PP 2 engine (one micro-batch at a
+  time: the whole traversal, which the simulator spreads over the 2 stages);
+* the decode gear's step: ``gearshift profile`` of a static TP 2 engine;
+* one re-shard and one KV block's host copy each way: a warm-up trace through the Seesaw engine
+  (its ``reshard_seconds`` per transition; its synchronous swap-in seconds over the bytes swapped
+  in; the leader rank's swap-out seconds over the bytes swapped out, which include the barrier a
+  synchronous swap-out takes and first writes to the store's pages);
+* the host store's pages from the policy's ``hostKvCapacityBytes``; KV writes add to their step
+  (``asyncSwap: false``: the CPU hook writes before the step runs).
+
+    python benchmarks/sim_fidelity_seesaw.py            # → sim_fidelity_seesaw.json, ~2 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from sim_fidelity import (  # noqa: E402
+    engine_config,
+    random_llama,
+    run_engine,
+    simulated,
+)
+
+HOST_BYTES = 64 << 20
+
+
+def seesaw_policy() -> dict[str, Any]:
+    return {
+        "seesaw": {
+            "prefill": {"tp": 1, "pp": 2},
+            "decode": {"tp": 2, "pp": 1},
+            "hostKvCapacityBytes": HOST_BYTES,
+            "asyncSwap": False,
+        }
+    }
+
+
+def main() -> None:
+    from gearshift.operator.sim import model_desc
+    from gearshift.operator.sim.arrivals import Arrivals, RateCurve
+    from gearshift.operator.sim.hardware import load as load_hardware
+    from gearshift.operator.sim.lengths import LogNormal
+    from gearshift.operator.sim.profile import ProfileGrid, measure
+    from gearshift.operator.sim.replica import ReplicaConfig
+    from gearshift.operator.sim.seesaw_sim import Measured, SeesawHooks
+    from gearshift.operator.sim.simulator import Deployment, simulate
+    from gearshift.operator.sim.trace import TraceRequest
+    from gearshift.operator.sim.workload import synthesize
+    from gearshift.worker.launch import start_engine
+    from gearshift.worker.policies.registry import make_policy
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--rate", type=float, default=0.0, help="Poisson req/s; 0: offline")
+    ap.add_argument("--kv-bytes", type=int, default=4 << 20, help="device KV per rank")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=HERE / "sim_fidelity_seesaw.json")
+    args = ap.parse_args()
+
+    grid = ProfileGrid(
+        prompt_lens=(16, 64, 160, 320, 500),
+        prefill_batches=(1, 3),
+        decode_batches=(1, 4, 16, 32),
+        contexts=(32, 256, 600),
+        decode_steps=5,
+        repeats=2,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(random_llama(Path(tmp), hidden=256, layers=4))
+        config = engine_config(model, 1, kv_cache_bytes=args.kv_bytes)
+        costs = {}
+        t0 = time.perf_counter()
+        for name, layout in (("prefill", {"pp": 2}), ("decode", {"tp": 2})):
+            engine = start_engine(config, make_policy({"static": layout}))
+            try:
+                costs[name] = measure(engine, grid, args.seed).model({"layout": layout})
+            finally:
+                engine.shutdown()
+        profile_s = time.perf_counter() - t0
+
+        arrivals = Arrivals(RateCurve.constant(args.rate or 1.0))
+        trace = synthesize(
+            args.requests,
+            arrivals,
+            LogNormal.from_median_p90(120, 400, 8, 700),
+            LogNormal.from_median_p90(40, 120, 2, 200),
+            args.seed,
+        )
+        if not args.rate:
+            trace = [TraceRequest(0.0, r.prompt_tokens, r.output_tokens) for r in trace]
+        warm = synthesize(
+            16,
+            arrivals,
+            LogNormal.from_median_p90(200, 500, 8, 700),
+            LogNormal.from_median_p90(30, 80, 2, 120),
+            args.seed + 1,
+        )
+        warm = [TraceRequest(0.0, r.prompt_tokens, r.output_tokens) for r in warm]
+
+        engine = start_engine(config, make_policy(seesaw_policy()))
+        try:
+            run_engine(engine, warm)
+            warm_stats = dict(engine.policy.stats())
+            # The leader rank's hook (this process): its swap work, re-shards included.
+            hook = engine.policy.hook
+            assert hook is not None
+            c = hook.counters
+            out_seconds = c.seconds - c.sync_in_seconds - sum(c.reshards)
+            measured = run_engine(engine, trace)
+            stats = dict(engine.policy.stats())
+            blocks = engine.blocks.num_blocks
+            block_size = engine.blocks.block_size
+            replica = ReplicaConfig(
+                num_blocks=blocks,
+                block_size=block_size,
+                max_num_seqs=engine.scheduler.config.max_num_seqs,
+                max_num_batched_tokens=engine.scheduler.config.max_num_batched_tokens,
+                max_model_len=engine.max_model_len,
+            )
+        finally:
+            engine.shutdown()
+
+        desc = model_desc.load(model)
+        block_bytes = desc.kv_bytes_per_token() * block_size
+        swapped_in = warm_stats["swap_in_bytes"]
+        copy_block_s = (
+            warm_stats["swap_wait_seconds"] / swapped_in * block_bytes if swapped_in else 0.0
+        )
+        swapped_out = warm_stats["swap_out_bytes"]
+        copy_out_block_s = out_seconds / swapped_out * block_bytes if swapped_out else 0.0
+        transitions = max(warm_stats["transitions"], 1.0)
+        prices = Measured(
+            prefill=costs["prefill"],
+            decode=costs["decode"],
+            copy_block_s=copy_block_s,
+            reshard_s=warm_stats["reshard_seconds"] / transitions,
+            host_pages=HOST_BYTES // block_bytes,
+            overlap_out=False,
+            copy_out_block_s=copy_out_block_s,
+        )
+        # The hardware preset is not read when every price is measured.
+        hooks = functools.partial(
+            SeesawHooks, desc, load_hardware("2xL4"), 2, block_size, measured=prices
+        )
+        t0 = time.perf_counter()
+        result = simulate(Deployment(1, replica, costs["decode"], hooks=hooks), trace)
+        sim_s = time.perf_counter() - t0
+        predicted = simulated(result)
+
+    rows = []
+    print(f"{'figure':22} {'measured':>10} {'simulated':>10} {'error':>8}")
+    for key, real in measured.items():
+        err = (predicted[key] - real) / real
+        rows.append({"figure": key, "measured": real, "simulated": predicted[key], "error": err})
+        print(f"{key:22} {real:10.4f} {predicted[key]:10.4f} {err:+8.1%}")
+    run_transitions = stats["transitions"] - warm_stats["transitions"]
+    print(
+        f"profile {profile_s:.1f} s; device KV {blocks} blocks of {block_size}; re-shard "
+        f"{prices.reshard_s * 1e3:.1f} ms, a block's copy in {copy_block_s * 1e6:.1f} us, out "
+        f"{copy_out_block_s * 1e6:.1f} us; "
+        f"transitions: run {run_transitions:.0f}; simulation {sim_s * 1e3:.1f} ms"
+    )
+    out = {
+        "command": "python " + " ".join(sys.argv),
+        "policy": seesaw_policy(),
+        "prices": {
+            "prefill": vars(costs["prefill"].prefill),
+            "prefill_decode_steps": vars(costs["prefill"].decode),
+            "decode": vars(costs["decode"].decode),
+            "decode_prefill_steps": vars(costs["decode"].prefill),
+            "copy_block_s": copy_block_s,
+            "copy_out_block_s": copy_out_block_s,
+            "reshard_s": prices.reshard_s,
+            "host_pages": prices.host_pages,
+        },
+        "device_blocks": blocks,
+        "run_stats": stats,
+        "rows": rows,
+    }
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
