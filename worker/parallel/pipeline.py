@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gearshift.worker.comm import via_host
+
 # Tags keep a step's two messages apart on the same pair of ranks (gloo matches by tag; NCCL
 # ignores tags but keeps per-pair order, which is the same order here).
 ACTIVATIONS_TAG, LOGITS_TAG = 1, 2
@@ -49,8 +51,9 @@ class PipelineStage:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden states, residual stream) [tokens, hidden] from the previous stage."""
         assert self.prev_rank is not None
-        buf = torch.empty((2, tokens, hidden), dtype=dtype, device=device)
+        buf = torch.empty((2, tokens, hidden), dtype=dtype, device=_wire(device, self.group))
         dist.recv(buf, src=self.prev_rank, group=self.group, tag=ACTIVATIONS_TAG)
+        buf = buf.to(device)
         return buf[0], buf[1]
 
     def send_activations(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
@@ -65,6 +68,8 @@ class PipelineStage:
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         while len(self._pending) >= self.depth:
             self._pending.popleft()[0].wait()
+        if via_host(tensor.device, self.group):
+            tensor = tensor.cpu()
         work = dist.isend(tensor, dst=dst, group=self.group, tag=tag)
         self._pending.append((work, tensor))  # the tensor must live until the send completes
 
@@ -78,6 +83,11 @@ def recv_logits(
     src: int, rows: int, vocab: int, dtype: torch.dtype, device: torch.device, group: Any
 ) -> torch.Tensor:
     """The leader's receive of one step's logits [rows, vocab] from the last stage."""
-    buf = torch.empty((rows, vocab), dtype=dtype, device=device)
+    buf = torch.empty((rows, vocab), dtype=dtype, device=_wire(device, group))
     dist.recv(buf, src=src, group=group, tag=LOGITS_TAG)
-    return buf
+    return buf.to(device)
+
+
+def _wire(device: torch.device, group: Any) -> torch.device:
+    """Where a receive lands: host memory when gloo carries device tensors (comm.via_host)."""
+    return torch.device("cpu") if via_host(device, group) else device

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gearshift.worker.comm import CommGroup
+from gearshift.worker.comm import CommGroup, via_host
 from gearshift.worker.policies.sidp.ffn import run_ffn
 from gearshift.worker.policies.sidp.ownership import Ownership
 from gearshift.worker.policies.sidp.shared_weights import FfnLayout, FfnWeights
@@ -60,9 +60,7 @@ class CasExchange:
         self._next = 0
         # gloo moves CPU tensors only (ranks sharing one GPU run gloo): device rows go through
         # host memory there; NCCL sends them as they are.
-        self._via_host = self.device.type != "cpu" and (
-            self.world.group is not None and dist.get_backend(self.world.group) == "gloo"
-        )
+        self._via_host = self.world.group is not None and via_host(self.device, self.world.group)
 
     def _empty(self, n: int) -> torch.Tensor:
         return torch.empty(n, self.layout.hidden, dtype=self.dtype, device=self.device)
