@@ -112,6 +112,51 @@ def measured_figures(trace, first, last, count) -> dict[str, float]:  # type: ig
     }
 
 
+def profile_grid() -> Any:
+    """The profile every fidelity script takes of the engines it prices steps by."""
+    from gearshift.operator.sim.profile import ProfileGrid
+
+    return ProfileGrid(
+        prompt_lens=(16, 64, 160, 320, 500),
+        prefill_batches=(1, 3),
+        decode_batches=(1, 4, 16, 32),
+        contexts=(32, 256, 600),
+        decode_steps=5,
+        repeats=2,
+    )
+
+
+def fidelity_trace(requests: int, rate: float, seed: int) -> list[Any]:
+    """Lognormal prompts (median 120) and outputs (median 40): Poisson arrivals at ``rate``
+    req/s, or every request at t = 0 when ``rate`` is 0 (offline)."""
+    from gearshift.operator.sim.arrivals import Arrivals, RateCurve
+    from gearshift.operator.sim.lengths import LogNormal
+    from gearshift.operator.sim.trace import TraceRequest
+    from gearshift.operator.sim.workload import synthesize
+
+    trace = synthesize(
+        requests,
+        Arrivals(RateCurve.constant(rate or 1.0)),
+        LogNormal.from_median_p90(120, 400, 8, 700),
+        LogNormal.from_median_p90(40, 120, 2, 200),
+        seed,
+    )
+    if not rate:
+        trace = [TraceRequest(0.0, r.prompt_tokens, r.output_tokens) for r in trace]
+    return trace
+
+
+def compare(measured: dict[str, float], predicted: dict[str, float]) -> list[dict[str, float]]:
+    """Print measured vs simulated per figure; the rows (error = simulated / measured - 1)."""
+    rows = []
+    print(f"{'figure':22} {'measured':>10} {'simulated':>10} {'error':>8}")
+    for key, real in measured.items():
+        err = (predicted[key] - real) / real
+        rows.append({"figure": key, "measured": real, "simulated": predicted[key], "error": err})
+        print(f"{key:22} {real:10.4f} {predicted[key]:10.4f} {err:+8.1%}")
+    return rows
+
+
 def simulated(result) -> dict[str, float]:  # type: ignore[no-untyped-def]
     tpot = [t for r in result.requests if (t := r.tpot) is not None]
     return {
@@ -136,13 +181,9 @@ def main() -> None:
     from google.protobuf import json_format
 
     from gearshift.operator.sim import model_desc
-    from gearshift.operator.sim.arrivals import Arrivals, RateCurve
-    from gearshift.operator.sim.lengths import LogNormal
-    from gearshift.operator.sim.profile import ProfileGrid, measure
+    from gearshift.operator.sim.profile import measure
     from gearshift.operator.sim.replica import ReplicaConfig
     from gearshift.operator.sim.simulator import Deployment, simulate
-    from gearshift.operator.sim.trace import TraceRequest
-    from gearshift.operator.sim.workload import synthesize
     from gearshift.worker.launch import start_engine
     from gearshift.worker.policies.flags import add_policy_args, policy_from_args
 
@@ -169,27 +210,12 @@ def main() -> None:
         gpu = {"device": args.device} if args.device != "cpu" else {}
         config = engine_config(model, args.num_threads, args.dtype, **gpu)
         engine = start_engine(config, policy)
-        grid = ProfileGrid(
-            prompt_lens=(16, 64, 160, 320, 500),
-            prefill_batches=(1, 3),
-            decode_batches=(1, 4, 16, 32),
-            contexts=(32, 256, 600),
-            decode_steps=5,
-            repeats=2,
-        )
         t0 = time.perf_counter()
-        cost = measure(engine, grid, args.seed).model({"model": args.model or "random-llama"})
-        profile_s = time.perf_counter() - t0
-        arrivals = Arrivals(RateCurve.constant(args.rate or 1.0))
-        trace = synthesize(
-            args.requests,
-            arrivals,
-            LogNormal.from_median_p90(120, 400, 8, 700),
-            LogNormal.from_median_p90(40, 120, 2, 200),
-            args.seed,
+        cost = measure(engine, profile_grid(), args.seed).model(
+            {"model": args.model or "random-llama"}
         )
-        if not args.rate:
-            trace = [TraceRequest(0.0, r.prompt_tokens, r.output_tokens) for r in trace]
+        profile_s = time.perf_counter() - t0
+        trace = fidelity_trace(args.requests, args.rate, args.seed)
         measured = run_engine(engine, trace)
         replica = ReplicaConfig(
             num_blocks=engine.blocks.num_blocks,

@@ -33,7 +33,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from sim_fidelity import (  # noqa: E402
+    compare,
     engine_config,
+    fidelity_trace,
+    profile_grid,
     random_llama,
     run_engine,
     simulated,
@@ -58,7 +61,7 @@ def main() -> None:
     from gearshift.operator.sim.arrivals import Arrivals, RateCurve
     from gearshift.operator.sim.hardware import load as load_hardware
     from gearshift.operator.sim.lengths import LogNormal
-    from gearshift.operator.sim.profile import ProfileGrid, measure
+    from gearshift.operator.sim.profile import measure
     from gearshift.operator.sim.replica import ReplicaConfig
     from gearshift.operator.sim.seesaw_sim import Measured, SeesawHooks
     from gearshift.operator.sim.simulator import Deployment, simulate
@@ -75,14 +78,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "sim_fidelity_seesaw.json")
     args = ap.parse_args()
 
-    grid = ProfileGrid(
-        prompt_lens=(16, 64, 160, 320, 500),
-        prefill_batches=(1, 3),
-        decode_batches=(1, 4, 16, 32),
-        contexts=(32, 256, 600),
-        decode_steps=5,
-        repeats=2,
-    )
+    grid = profile_grid()
     with tempfile.TemporaryDirectory() as tmp:
         model = str(random_llama(Path(tmp), hidden=256, layers=4))
         config = engine_config(model, 1, kv_cache_bytes=args.kv_bytes)
@@ -96,16 +92,8 @@ def main() -> None:
                 engine.shutdown()
         profile_s = time.perf_counter() - t0
 
-        arrivals = Arrivals(RateCurve.constant(args.rate or 1.0))
-        trace = synthesize(
-            args.requests,
-            arrivals,
-            LogNormal.from_median_p90(120, 400, 8, 700),
-            LogNormal.from_median_p90(40, 120, 2, 200),
-            args.seed,
-        )
-        if not args.rate:
-            trace = [TraceRequest(0.0, r.prompt_tokens, r.output_tokens) for r in trace]
+        trace = fidelity_trace(args.requests, args.rate, args.seed)
+        arrivals = Arrivals(RateCurve.constant(1.0))
         warm = synthesize(
             16,
             arrivals,
@@ -165,12 +153,7 @@ def main() -> None:
         sim_s = time.perf_counter() - t0
         predicted = simulated(result)
 
-    rows = []
-    print(f"{'figure':22} {'measured':>10} {'simulated':>10} {'error':>8}")
-    for key, real in measured.items():
-        err = (predicted[key] - real) / real
-        rows.append({"figure": key, "measured": real, "simulated": predicted[key], "error": err})
-        print(f"{key:22} {real:10.4f} {predicted[key]:10.4f} {err:+8.1%}")
+    rows = compare(measured, predicted)
     run_transitions = stats["transitions"] - warm_stats["transitions"]
     print(
         f"profile {profile_s:.1f} s; device KV {blocks} blocks of {block_size}; re-shard "

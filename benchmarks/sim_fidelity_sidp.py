@@ -40,7 +40,14 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from sim_fidelity import engine_config, measured_figures, random_llama  # noqa: E402
+from sim_fidelity import (  # noqa: E402
+    compare,
+    engine_config,
+    fidelity_trace,
+    measured_figures,
+    profile_grid,
+    random_llama,
+)
 
 DP = 2
 
@@ -181,15 +188,11 @@ def combined(times: list[Any]) -> dict[str, float]:
 
 
 def main() -> None:
-    from gearshift.operator.sim.arrivals import Arrivals, RateCurve
-    from gearshift.operator.sim.lengths import LogNormal
-    from gearshift.operator.sim.profile import ProfileGrid
     from gearshift.operator.sim.replica import ReplicaConfig
     from gearshift.operator.sim.routing import LeastOutstandingRouter
     from gearshift.operator.sim.sidp_cost import MeasuredWasCost
     from gearshift.operator.sim.simulator import Deployment, simulate
     from gearshift.operator.sim.trace import TraceRequest
-    from gearshift.operator.sim.workload import synthesize
     from gearshift.worker.launch import GroupConfig
     from gearshift.worker.launch.replicas import start_replicas
     from gearshift.worker.policies.registry import make_policy
@@ -208,30 +211,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = str(random_llama(Path(tmp), hidden=args.hidden, layers=args.layers))
         config = engine_config(model, 1, kv_cache_bytes=32 << 20)
-        grid = ProfileGrid(
-            prompt_lens=(16, 64, 160, 320, 500),
-            prefill_batches=(1, 3),
-            decode_batches=(1, 4, 16, 32),
-            contexts=(32, 256, 600),
-            decode_steps=5,
-            repeats=2,
-        )
         t0 = time.perf_counter()
-        base = profile_beside_neighbour(config, grid, args.seed, args.neighbour)
+        base = profile_beside_neighbour(config, profile_grid(), args.seed, args.neighbour)
         profile_s = time.perf_counter() - t0
         fetch_s, layer_bytes = fetch_seconds(config)
         remote = args.layers - len(Ownership(DP, args.layers).owned(0))
 
-        arrivals = Arrivals(RateCurve.constant(args.rate or 1.0))
-        trace = synthesize(
-            args.requests,
-            arrivals,
-            LogNormal.from_median_p90(120, 400, 8, 700),
-            LogNormal.from_median_p90(40, 120, 2, 200),
-            args.seed,
-        )
-        if not args.rate:
-            trace = [TraceRequest(0.0, r.prompt_tokens, r.output_tokens) for r in trace]
+        trace = fidelity_trace(args.requests, args.rate, args.seed)
         # The router's rule (fewest outstanding tokens, as requests arrive), fixed up front.
         router = LeastOutstandingRouter(DP)
         picks = [
@@ -267,12 +253,7 @@ def main() -> None:
         sim_s = time.perf_counter() - t0
         predicted = combined(times)
 
-    rows = []
-    print(f"{'figure':22} {'measured':>10} {'simulated':>10} {'error':>8}")
-    for key, real in measured.items():
-        err = (predicted[key] - real) / real
-        rows.append({"figure": key, "measured": real, "simulated": predicted[key], "error": err})
-        print(f"{key:22} {real:10.4f} {predicted[key]:10.4f} {err:+8.1%}")
+    rows = compare(measured, predicted)
     fetched = sum(s["policy"]["sidp_fetched_weight_bytes"] for s in stats)
     steps = sum(s["engine"].steps for s in stats)
     waits = sum(s["policy"]["sidp_slot_waits"] for s in stats)

@@ -32,7 +32,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from sim_fidelity import engine_config, measured_figures, random_llama  # noqa: E402
+from sim_fidelity import compare, engine_config, measured_figures, random_llama  # noqa: E402
 
 
 def main() -> None:
@@ -150,12 +150,7 @@ def main() -> None:
         "ttft_mean_s": statistics.mean(r.ttft for r in result.requests),
         "tpot_mean_s": statistics.mean(tpot),
     }
-    rows = []
-    print(f"{'figure':22} {'measured':>10} {'simulated':>10} {'error':>8}")
-    for key, real in measured.items():
-        err = (predicted[key] - real) / real
-        rows.append({"figure": key, "measured": real, "simulated": predicted[key], "error": err})
-        print(f"{key:22} {real:10.4f} {predicted[key]:10.4f} {err:+8.1%}")
+    rows = compare(measured, predicted)
     chunks = statistics.mean(len(p.chunks) for p in plans)
     print(
         f"profile {profile_s:.1f} s ({len(samples)} points); simulation {sim_s * 1000:.1f} ms; "
