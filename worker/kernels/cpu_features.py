@@ -4,7 +4,10 @@ Chosen once per process from ``/proc/cpuinfo`` and torch's own oneDNN checks, so
 runs on every x86-64 CPU torch supports. oneDNN's pre-packed fp16 weights need avx512_fp16 or
 avx_ne_convert (without them ``mkldnn_reorder_linear_weight`` raises, e.g. on AMD EPYC with
 AVX-512 bf16 but no fp16); pre-packed bf16 weights are only fast with native bf16 dot products
-(avx512_bf16 or AMX). Everything else runs the plain ``F.linear`` path.
+(avx512_bf16 or AMX). Everything else runs the plain ``F.linear`` path by default; fp32 can be
+packed on request (``weight_packing: onednn``): on an AMD EPYC that makes small-batch matmuls
+2-7x faster than torch's MKL sgemm, but every new row count costs oneDNN a primitive
+(``benchmarks/fp32_packing.py``, ``benchmarks/README.md``).
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ class CpuFeatures:
     def onednn_packing(self, dtype: torch.dtype) -> tuple[bool, str]:
         """Whether oneDNN-packed weights of ``dtype`` run (fast) here, and why (for the log)."""
         if dtype == torch.float32:
-            return False, "fp32 runs plain F.linear"
+            return False, "fp32 runs plain F.linear (oneDNN only when asked for)"
         if dtype not in (torch.bfloat16, torch.float16):
             return False, f"{dtype} has no packed path"
         if not self.onednn:
@@ -125,7 +128,9 @@ def choose_packing(
     if requested == "plain":
         choice, why = "plain", "forced plain"
     elif requested == "onednn" and not ok:
-        raise ValueError(f"weight packing onednn cannot run {dtype} on this CPU: {why}")
+        if dtype != torch.float32 or not features.onednn:
+            raise ValueError(f"weight packing onednn cannot run {dtype} on this CPU: {why}")
+        choice, why = "onednn", "forced (oneDNN runs fp32 on every x86-64 CPU)"
     else:
         choice = "onednn" if ok else "plain"
     log.info("CPU weight packing for %s: %s (%s)", str(dtype).removeprefix("torch."), choice, why)

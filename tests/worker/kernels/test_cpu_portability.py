@@ -45,21 +45,24 @@ CPUS = {
     # Skylake-SP: AVX-512 without bf16 (torch says bf16 "supported", but only emulated).
     "intel-avx512-no-bf16": CpuFeatures(frozenset(AVX512), True, True, False),
 }
-EXPECTED = {  # (bf16, fp16) packing
-    "intel-amx": ("onednn", "onednn"),
-    "amd-epyc-avx512": ("onednn", "plain"),
-    "avx2-only": ("plain", "plain"),
-    "intel-avx512-no-bf16": ("plain", "plain"),
+EXPECTED = {  # (bf16, fp16, fp32) packing
+    "intel-amx": ("onednn", "onednn", "plain"),
+    "amd-epyc-avx512": ("onednn", "plain", "plain"),
+    "avx2-only": ("plain", "plain", "plain"),
+    "intel-avx512-no-bf16": ("plain", "plain", "plain"),
 }
 
 
 @pytest.mark.parametrize("cpu", sorted(CPUS))
 def test_packing_is_chosen_from_the_cpu_flags(cpu):
     features = CPUS[cpu]
-    got = tuple(choose_packing(dt, CPU, "auto", features) for dt in (torch.bfloat16, torch.float16))
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    got = tuple(choose_packing(dt, CPU, "auto", features) for dt in dtypes)
     assert got == EXPECTED[cpu]
-    assert choose_packing(torch.float32, CPU, "auto", features) == "plain"
-    for dt in (torch.bfloat16, torch.float16):
+    # Without oneDNN in torch nothing is packed.
+    bare = CpuFeatures(features.flags, False, False, False)
+    assert {choose_packing(dt, CPU, "auto", bare) for dt in dtypes} == {"plain"}
+    for dt in dtypes:
         assert choose_packing(dt, CPU, "plain", features) == "plain"
 
 
@@ -67,6 +70,11 @@ def test_forcing_onednn_where_the_cpu_cannot_run_it_is_refused_by_name():
     with pytest.raises(ValueError, match="avx512_fp16"):
         choose_packing(torch.float16, CPU, "onednn", CPUS["amd-epyc-avx512"])
     assert choose_packing(torch.float16, CPU, "onednn", CPUS["intel-amx"]) == "onednn"
+    # fp32 runs packed anywhere oneDNN exists, when asked for (auto keeps it plain).
+    assert choose_packing(torch.float32, CPU, "onednn", CPUS["intel-amx"]) == "onednn"
+    no_onednn = CpuFeatures(CPUS["intel-amx"].flags, False, False, False)
+    with pytest.raises(ValueError, match="float32"):
+        choose_packing(torch.float32, CPU, "onednn", no_onednn)
     with pytest.raises(ValueError, match="not one of"):
         choose_packing(torch.bfloat16, CPU, "fastest", CPUS["intel-amx"])
 
@@ -96,6 +104,28 @@ def test_engine_config_refuses_an_unknown_packing_by_name():
     with pytest.raises(InvalidRequestError) as info:
         EngineConfig(model="m", weight_packing="fast")
     assert info.value.field == "weight_packing"
+
+
+def test_fp32_packed_on_request_gives_the_plain_engines_greedy_tokens(
+    tiny_checkpoint, engine_factory
+):
+    from gearshift.worker.sampling.params import SamplingParams
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch has no oneDNN")
+    folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [[3, 17, 4, 99, 21], [5] * 23, [7, 8]]
+    out = {}
+    for packing in ("plain", "onednn"):
+        engine = engine_factory(
+            folder, record=False, dtype="float32", weight_packing=packing, skip_tokenizer_init=True
+        )
+        layer = engine.executor.gears[0].model.model.layers[0]
+        assert (layer.self_attn.qkv_proj.packed is not None) == (packing == "onednn")
+        out[packing] = engine.generate(prompts, params)
+    for plain, packed in zip(out["plain"], out["onednn"], strict=True):
+        assert packed.token_ids == plain.token_ids
 
 
 def test_each_isa_has_its_own_flags_and_cache_key():
