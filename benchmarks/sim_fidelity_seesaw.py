@@ -59,7 +59,6 @@ def seesaw_policy() -> dict[str, Any]:
 def main() -> None:
     from gearshift.operator.sim import model_desc
     from gearshift.operator.sim.arrivals import Arrivals, RateCurve
-    from gearshift.operator.sim.hardware import load as load_hardware
     from gearshift.operator.sim.lengths import LogNormal
     from gearshift.operator.sim.profile import measure
     from gearshift.operator.sim.replica import ReplicaConfig
@@ -129,7 +128,7 @@ def main() -> None:
         desc = model_desc.load(model)
         block_bytes = desc.kv_bytes_per_token() * block_size
         swapped_in = warm_stats["swap_in_bytes"]
-        copy_block_s = (
+        copy_in_block_s = (
             warm_stats["swap_wait_seconds"] / swapped_in * block_bytes if swapped_in else 0.0
         )
         swapped_out = warm_stats["swap_out_bytes"]
@@ -138,16 +137,13 @@ def main() -> None:
         prices = Measured(
             prefill=costs["prefill"],
             decode=costs["decode"],
-            copy_block_s=copy_block_s,
+            copy_in_block_s=copy_in_block_s,
             reshard_s=warm_stats["reshard_seconds"] / transitions,
             host_pages=HOST_BYTES // block_bytes,
             overlap_out=False,
             copy_out_block_s=copy_out_block_s,
         )
-        # The hardware preset is not read when every price is measured.
-        hooks = functools.partial(
-            SeesawHooks, desc, load_hardware("2xL4"), 2, block_size, measured=prices
-        )
+        hooks = functools.partial(SeesawHooks, desc, None, 2, block_size, measured=prices)
         t0 = time.perf_counter()
         result = simulate(Deployment(1, replica, costs["decode"], hooks=hooks), trace)
         sim_s = time.perf_counter() - t0
@@ -157,7 +153,7 @@ def main() -> None:
     run_transitions = stats["transitions"] - warm_stats["transitions"]
     print(
         f"profile {profile_s:.1f} s; device KV {blocks} blocks of {block_size}; re-shard "
-        f"{prices.reshard_s * 1e3:.1f} ms, a block's copy in {copy_block_s * 1e6:.1f} us, out "
+        f"{prices.reshard_s * 1e3:.1f} ms, a block's copy in {copy_in_block_s * 1e6:.1f} us, out "
         f"{copy_out_block_s * 1e6:.1f} us; "
         f"transitions: run {run_transitions:.0f}; simulation {sim_s * 1e3:.1f} ms"
     )
@@ -169,7 +165,7 @@ def main() -> None:
             "prefill_decode_steps": vars(costs["prefill"].decode),
             "decode": vars(costs["decode"].decode),
             "decode_prefill_steps": vars(costs["decode"].prefill),
-            "copy_block_s": copy_block_s,
+            "copy_in_block_s": copy_in_block_s,
             "copy_out_block_s": copy_out_block_s,
             "reshard_s": prices.reshard_s,
             "host_pages": prices.host_pages,

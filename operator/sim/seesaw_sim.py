@@ -61,15 +61,16 @@ def _proto(gpus: int) -> policy_pb2.Policy:
 
 @dataclass(frozen=True)
 class Measured:
-    """Seesaw's prices from measurements instead of the roofline."""
+    """Seesaw's prices from measurements instead of the roofline (each block figure is the whole
+    group's share of one KV block)."""
 
     prefill: StepCost  # the prefill gear's step (its whole pipeline traversal)
     decode: StepCost  # the decode gear's step
-    copy_block_s: float  # one KV block from the host store (the whole group's share)
+    copy_in_block_s: float  # one block from the host store
+    copy_out_block_s: float  # one block to the host store
     reshard_s: float  # one gear switch
     host_pages: int  # blocks the host store holds
     overlap_out: bool = False  # KV writes beside compute (a copy engine), or before it
-    copy_out_block_s: float | None = None  # one block to the host store; None: copy_block_s
 
 
 @dataclass
@@ -77,7 +78,7 @@ class SeesawHooks:
     """One replica's Seesaw leader and the price of each step (replica.SimHooks)."""
 
     model: ModelDesc
-    hw: Hardware
+    hw: Hardware | None  # prices the steps when nothing is ``measured``
     gpus: int
     block_size: int
     measured: Measured | None = None
@@ -97,24 +98,21 @@ class SeesawHooks:
             ReadinessBoard(torch.zeros(self.gpus + 1, dtype=torch.int64)),
             async_swap=False,
         )
-        self._overlap_out = True
-        self._prefill: StepCost
-        self._decode: StepCost
         if m is not None:
-            self._prefill, self._decode = m.prefill, m.decode
-            self._copy_s, self._reshard_s = m.copy_block_s, m.reshard_s
-            self._copy_out_s = (
-                m.copy_out_block_s if m.copy_out_block_s is not None else m.copy_block_s
-            )
-            self._overlap_out = m.overlap_out
+            self._prefill: StepCost = m.prefill
+            self._decode: StepCost = m.decode
+            self._copy_in_s, self._copy_out_s = m.copy_in_block_s, m.copy_out_block_s
+            self._reshard_s, self._overlap_out = m.reshard_s, m.overlap_out
             return
+        assert self.hw is not None, "SeesawHooks needs hardware or measured prices"
         group = with_count(self.hw, self.gpus)
         self._prefill = RooflineCost(self.model, group, Layout("pp", self.gpus))
         self._decode = RooflineCost(self.model, group, Layout("tp", self.gpus))
-        # Every GPU moves its 1/G of a block, and its 1/G of the weights, over its own link.
-        self._copy_s = block_bytes / self.gpus / self.hw.host_device.bandwidth
-        self._copy_out_s = self._copy_s
+        # Every GPU moves its 1/G of a block, and its 1/G of the weights, over its own link; KV
+        # writes overlap compute (§4.3).
+        self._copy_in_s = self._copy_out_s = block_bytes / self.gpus / self.hw.host_device.bandwidth
         self._reshard_s = self.model.weight_bytes() / self.gpus / self.hw.host_device.bandwidth
+        self._overlap_out = True
 
     def bind(self, scheduler: Scheduler, blocks: BlockManager) -> None:
         self.leader.bind(scheduler, blocks)
@@ -137,7 +135,7 @@ class SeesawHooks:
         if not batch.is_empty:
             compute = (self._prefill if prefill else self._decode).step_time(batch)
         blocks_out, blocks_in, switching = self.leader.pending
-        out_s, in_s = blocks_out * self._copy_out_s, blocks_in * self._copy_s
+        out_s, in_s = blocks_out * self._copy_out_s, blocks_in * self._copy_in_s
         reshard = self._reshard_s if switching else 0.0
         trip = reshard + in_s + (max(compute, out_s) if self._overlap_out else compute + out_s)
         return trip, self.gpus if prefill else 1

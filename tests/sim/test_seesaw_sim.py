@@ -104,8 +104,8 @@ def test_measured_prices_replace_the_roofline_and_writes_add_to_the_step_on_cpu(
         def step_time(self, batch: ScheduledBatch) -> float:
             return self.s
 
-    prices = Measured(Flat(0.010), Flat(0.002), 0.001, 0.05, host_pages=7, copy_out_block_s=0.003)
-    h = SeesawHooks(_model(), gpu("L4"), 2, 16, measured=prices)
+    prices = Measured(Flat(0.010), Flat(0.002), 0.001, 0.003, 0.05, host_pages=7)
+    h = SeesawHooks(_model(), None, 2, 16, measured=prices)
     assert h.leader.pages.num_pages == 7
     busy = ScheduledBatch(decodes=[object()])  # type: ignore[list-item]
     assert h.step_time(busy) == (0.010, 2)  # the prefill gear's price
@@ -113,7 +113,7 @@ def test_measured_prices_replace_the_roofline_and_writes_add_to_the_step_on_cpu(
     h.leader._in = [5, 6]  # one from it
     h.leader._switched = True
     assert h.step_time(busy)[0] == pytest.approx(0.05 + 0.001 + 0.010 + 2 * 0.003)
-    overlapped = SeesawHooks(_model(), gpu("L4"), 2, 16, measured=replace(prices, overlap_out=True))
+    overlapped = SeesawHooks(_model(), None, 2, 16, measured=replace(prices, overlap_out=True))
     overlapped.leader._out = [1, 2, 3, 4]
     assert overlapped.step_time(busy)[0] == pytest.approx(max(0.010, 2 * 0.003))
     h.leader.phase = Phase.DECODE
