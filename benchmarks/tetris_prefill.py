@@ -125,21 +125,23 @@ def main() -> None:
     print("wrote", args.out, "and", args.out.with_suffix(".png"))
 
 
-def random_llama(folder: Path) -> Path:
-    """A small random Llama checkpoint (safetensors + config.json) with a 32k context."""
+def random_llama(folder: Path, **overrides: Any) -> Path:
+    """A small random Llama checkpoint (safetensors + config.json) with a 32k context;
+    ``overrides`` replace LlamaConfig fields."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-5,
-    )
+    fields: dict[str, Any] = {
+        "vocab_size": 512,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5,
+    }
+    cfg = LlamaConfig(**(fields | overrides))
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(folder)
     return folder

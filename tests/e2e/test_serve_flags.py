@@ -17,10 +17,6 @@ import pytest
         (["--shift-threshold", "64"], "--shift-threshold is not a field of the static policy"),
         (["--policy-config", '{"static": {}}', "--tp", "2"], "drop --tp"),
         (["--policy-config", '{"tetris": {}}'], "no prefill instance fits"),
-        (
-            ["--policy-config", '{"tetris": {"prefillInstances": 1, "layerwiseTransfer": true}}'],
-            "layerwiseTransfer",
-        ),
         (["--policy-config", '{"auto": {}}'], "planned by the operator"),
         (["--policy", "auto"], "planned by the operator"),
         (["--policy-config", '{"static": {"dp": 2}}'], "spec.policy.static.dp"),

@@ -25,6 +25,7 @@ The hand-off of the finished KV to a decode instance is ``handoff.py``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -88,14 +89,29 @@ class RingCore:
     """The attention of one chunk on one ring member (an ``AttentionCore``): zig-zag ring
     attention over the chunk and the history rebalanced onto the ring."""
 
-    def __init__(self, ring: Ring, layout: ZigZag, lengths: tuple[int, ...], scale: float):
+    def __init__(
+        self,
+        ring: Ring,
+        layout: ZigZag,
+        lengths: tuple[int, ...],
+        scale: float,
+        on_layer: Callable[[torch.Tensor], None] | None = None,
+    ):
         self.ring, self.layout, self.lengths, self.scale = ring, layout, lengths, scale
+        self.on_layer = on_layer
+        self.reported = 0  # layers given to ``on_layer``
 
     def forward_lse(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Any, meta: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         layer = cast(_LayerHistory, kv)
         layer.chunk = (k, v)
+        if self.on_layer is not None:
+            # The layer's KV is final now (history landed, chunk rows projected): it can leave
+            # while this layer's attention and the later layers run (layerwise_transfer).
+            rows = layer.history.layer(layer.index)
+            self.on_layer(torch.cat((rows, torch.stack((k, v), dim=1))))
+            self.reported += 1
         history = History(*layer.kv(), self.lengths)
         return ring_attention_with_history(q, k, v, history, self.ring, self.layout, self.scale)
 
@@ -138,13 +154,16 @@ def run_chunk_plan(
     prompt: torch.Tensor,
     scale: float,
     timings: list[float] | None = None,
+    on_layer: Callable[[torch.Tensor], None] | None = None,
 ) -> PrefillResult:
     """Prefill ``prompt`` (int64 [L]) chunk by chunk over the pool ``comm`` (§4.1). ``model``
     is this member's model: the whole model at TP 1, or this TP rank's head shard of an instance
     of TP > 1 (``comm`` then joins the same TP rank of every instance, and the model all-reduces
     in its instance); ``scale`` the attention scale.
     ``timings`` gets each chunk's seconds on this member (rebalance included; 0 when it sat the
-    chunk out)."""
+    chunk out). ``on_layer`` gets, during the plan's last chunk, each layer's final rows of
+    this member ([n, 2, Hkv, D], in the order of the returned holding) as soon as the layer has
+    projected them (layer-wise hand-off)."""
     check_plan(plan, int(prompt.shape[0]), comm.size)
     cfg = model.config
     layers = len(model.model.layers)
@@ -167,7 +186,7 @@ def run_chunk_plan(
         layout = ZigZag(chunk.length, ring.size)
         rows = torch.tensor(layout.positions(ring.index), dtype=torch.int64) + done
         stores = [_LayerHistory(history, i) for i in range(layers)]
-        core = RingCore(ring, layout, lengths, scale)
+        core = RingCore(ring, layout, lengths, scale, on_layer if chunk is plan[-1] else None)
         hidden = model(prompt[rows], rows, cast(Any, stores), _metadata(len(rows)), core)
         holding = history.finish()
         if len(rows):
@@ -175,6 +194,9 @@ def run_chunk_plan(
                 [torch.stack(s.chunk, dim=1) for s in stores if s.chunk is not None], dim=1
             )
             holding = Holding(torch.cat((holding.kv, fresh)), torch.cat((holding.positions, rows)))
+        if core.on_layer is not None:
+            for i in range(core.reported, layers):  # layers the model ran without attention
+                core.on_layer(holding.kv[:, i])
         last = int(prompt.shape[0]) - 1
         hit = (rows == last).nonzero()
         if len(hit):

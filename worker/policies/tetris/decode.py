@@ -12,6 +12,10 @@ every sampling parameter exactly as the rest do.
 
 On every rank of the instance, ``ReceiveHook`` posts the receives a plan's section names, before
 the plan's forward pass, and writes the rows into the rank's paged cache.
+
+A streamed piece (``layerwise_transfer``) takes two plans: the first posts its per-layer receives
+on every rank as soon as its slot is granted (they fill in the background while the pool still
+computes), the second, once its member has sent every layer, waits for them and writes the rows.
 """
 
 from __future__ import annotations
@@ -30,11 +34,50 @@ from gearshift.worker.engine.scheduler import Scheduler
 from gearshift.worker.engine.sequence import FinishReason, Sequence, SequenceStatus
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.kv.block_manager import BlockManager
-from gearshift.worker.policies.tetris.handoff import receive_piece
+from gearshift.worker.policies.tetris.handoff import (
+    Posted,
+    complete_piece,
+    post_piece,
+    receive_piece,
+)
 
 log = logging.getLogger(__name__)
 
 SECTION = "tetris_receive"  # [pieces, then per piece: src rank, rows, blocks, block ids...]
+
+
+STREAM = "tetris_stream"  # [posts, per post: src, rows, tag; completes, per: tag, blocks, ids...]
+
+
+def encode_stream(
+    posts: list[tuple[int, int, int]], completes: list[tuple[int, list[int]]]
+) -> torch.Tensor:
+    """The plan section for streamed pieces: receives to post (source, rows, tag) and posted
+    pieces to finish (tag, block ids; none: receive and drop)."""
+    flat = [len(posts)]
+    for post in posts:
+        flat += list(post)
+    flat.append(len(completes))
+    for tag, block_ids in completes:
+        flat += [tag, len(block_ids), *block_ids]
+    return torch.tensor(flat, dtype=torch.int64)
+
+
+def decode_stream(
+    section: torch.Tensor,
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, list[int]]]]:
+    values = section.tolist()
+    posts = []
+    for k in range(values[0]):
+        src, rows, tag = values[1 + 3 * k : 4 + 3 * k]
+        posts.append((src, rows, tag))
+    i = 1 + 3 * values[0]
+    completes = []
+    for _ in range(values[i]):
+        tag, n = values[i + 1 : i + 3]
+        completes.append((tag, values[i + 3 : i + 3 + n]))
+        i += 2 + n
+    return posts, completes
 
 
 def encode_pieces(pieces: list[tuple[int, int, list[int]]]) -> torch.Tensor:
@@ -67,16 +110,32 @@ class ReceiveHook:
     # the heads each sends this rank, for TP > 1); None: the index is the rank (TP 1).
     sources: Callable[[int], int | list[tuple[int, int]]] | None = None
 
+    posted: dict[int, tuple[int, Posted]] = field(default_factory=dict)  # tag -> (src, recvs)
+
+    def _source(self, src: int) -> int | list[tuple[int, int]]:
+        return src if self.sources is None else self.sources(src)
+
     def before_step(self, runner: ModelRunner, plan: StepPlan) -> None:
         section = plan.section(SECTION)
-        if section is None:
-            return
-        for src, rows, block_ids in decode_pieces(section):
+        for src, rows, block_ids in decode_pieces(section) if section is not None else []:
             try:
-                frm = src if self.sources is None else self.sources(src)
-                receive_piece(frm, rows, self.world, runner.kv_caches, block_ids)
+                receive_piece(self._source(src), rows, self.world, runner.kv_caches, block_ids)
             except RuntimeError as exc:
                 log.error("KV piece from rank %d failed: %s", src, str(exc).splitlines()[0])
+                self.failed_sources.append(src)
+        section = plan.section(STREAM)
+        if section is None:
+            return
+        posts, completes = decode_stream(section)
+        for src, rows, tag in posts:
+            post = post_piece(self._source(src), rows, self.world, runner.kv_caches, tag)
+            self.posted[tag] = (src, post)
+        for tag, block_ids in completes:
+            src, post = self.posted.pop(tag)
+            try:
+                complete_piece(post, runner.kv_caches, block_ids)
+            except RuntimeError as exc:
+                log.error("KV stream from rank %d failed: %s", src, str(exc).splitlines()[0])
                 self.failed_sources.append(src)
 
     def close(self) -> None:
@@ -100,7 +159,11 @@ class DecodeAdmission:
     hook: ReceiveHook | None = None
     incoming: dict[str, _Incoming] = field(default_factory=dict)
     _queued: list[tuple[str, int, int, int]] = field(default_factory=list)  # rid, src, rows, piece
-    _submitted: list[tuple[str, int, int, int]] = field(default_factory=list)
+    # Pieces whose receives this plan runs: (rid, src, piece, dropped: its sender failed it).
+    _submitted: list[tuple[str, int, int, bool]] = field(default_factory=list)
+    _posts: list[tuple[int, int, int]] = field(default_factory=list)  # src, rows, tag
+    _completes: list[tuple[str, int, int, int, bool]] = field(default_factory=list)
+    _streaming: dict[int, str] = field(default_factory=dict)  # posted tag -> rid
     _landed: list[tuple[str, int]] = field(default_factory=list)  # (rid, piece), to report
     _failed: list[tuple[str, str]] = field(default_factory=list)  # (rid, why), to report
     admitted: int = 0
@@ -127,13 +190,30 @@ class DecodeAdmission:
         no sender is ever left blocked."""
         self._queued.append((request_id, src, rows, piece))
 
+    def post(self, request_id: str, src: int, rows: int, piece: int, tag: int) -> None:
+        """A streamed piece was granted: its receives go into the next plan (posted on every
+        rank; they finish with ``complete``)."""
+        del piece
+        self._posts.append((src, rows, tag))
+        self._streaming[tag] = request_id
+
+    def complete(self, request_id: str, src: int, piece: int, tag: int, dropped: int) -> None:
+        """A streamed piece's member has sent every layer (``dropped``: it sent zeros, its
+        prefill failed, or it died): the next plan waits for the rows and writes them."""
+        self._completes.append((request_id, src, piece, tag, bool(dropped)))
+
+    def _pending(self, request_id: str) -> bool:
+        """Receives of ``request_id`` still to run (they hold its blocks until they have)."""
+        queued = [q[0] for q in self._queued + self._submitted + self._completes]
+        return request_id in queued or request_id in self._streaming.values()
+
     def abort(self, request_id: str) -> None:
         """Forget a request in transfer and free its blocks (no-op if admitted or unknown); a
         granted piece still to be received keeps them until it has landed."""
         entry = self.incoming.get(request_id)
         if entry is None:
             return
-        if any(q[0] == request_id for q in self._queued + self._submitted):
+        if self._pending(request_id):
             entry.aborted = True
             return
         del self.incoming[request_id]
@@ -141,17 +221,28 @@ class DecodeAdmission:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._queued or self._landed or self._failed)
+        return bool(self._queued or self._posts or self._completes or self._landed or self._failed)
+
+    def _blocks(self, request_id: str, dropped: bool = False) -> list[int]:
+        entry = self.incoming.get(request_id)
+        return entry.seq.blocks.block_ids if entry is not None and not dropped else []
 
     def plan_sections(self) -> dict[str, torch.Tensor]:
-        if not self._queued:
-            return {}
-        self._submitted, self._queued = self._queued, []
-        pieces = []
-        for rid, src, rows, _ in self._submitted:
-            entry = self.incoming.get(rid)
-            pieces.append((src, rows, entry.seq.blocks.block_ids if entry is not None else []))
-        return {SECTION: encode_pieces(pieces)}
+        sections = {}
+        if self._queued:
+            queued, self._queued = self._queued, []
+            self._submitted = [(rid, src, piece, False) for rid, src, _, piece in queued]
+            pieces = [(src, rows, self._blocks(rid)) for rid, src, rows, _ in queued]
+            sections[SECTION] = encode_pieces(pieces)
+        if self._posts or self._completes:
+            posts, self._posts = self._posts, []
+            completes, self._completes = self._completes, []
+            for _, _, _, tag, _ in completes:
+                self._streaming.pop(tag, None)
+            self._submitted += [(rid, src, piece, drop) for rid, src, piece, _, drop in completes]
+            finish = [(tag, self._blocks(rid, drop)) for rid, _, _, tag, drop in completes]
+            sections[STREAM] = encode_stream(posts, finish)
+        return sections
 
     def step_submitted(self) -> None:
         """The plan's receives ran on this rank: count the pieces, admit complete requests."""
@@ -159,16 +250,16 @@ class DecodeAdmission:
         failed = set(self.hook.failed_sources) if self.hook is not None else set()
         if self.hook is not None:
             self.hook.failed_sources.clear()
-        for rid, src, _, piece in submitted:
+        for rid, src, piece, dropped in submitted:
             entry = self.incoming.get(rid)
             if entry is None:
                 continue  # received and dropped
             if entry.aborted:
-                if not any(q[0] == rid for q in self._queued):
+                if not self._pending(rid):
                     del self.incoming[rid]
                     self.scheduler.finish(entry.seq, FinishReason.ABORT)
                 continue
-            if src in failed:
+            if src in failed or dropped:
                 self.incoming.pop(rid)
                 self.scheduler.finish(entry.seq, FinishReason.ERROR)
                 self._failed.append((rid, f"the KV transfer from prefill rank {src} failed"))

@@ -20,7 +20,10 @@ A request goes like this:
    first-handshake order, bounded wait) and lets the member send ("go"); the member starts the
    piece's sends in the background and says "sent" (its next prefill overlaps the transfer,
    §4.2), and only then is the decode leader told to receive the piece in its next step, so a
-   decode step never waits on a member that is still computing.
+   decode step never waits on a member that is still computing. With ``layerwise_transfer``
+   every piece is handshaken when the request is submitted; a grant makes the decode ranks post
+   the piece's receives at once and the member send each layer as its last chunk computes it;
+   its "sent" makes the decode leader finish the receives in its next step.
 3. The decode leader reports each landed piece (the slot frees); with the last one it admits the
    request into its running batch, and its outputs stream back through here.
 
@@ -32,7 +35,9 @@ plans that name it are refused; decode instances keep serving. A dead decode ran
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 import logging
 import math
 import os
@@ -69,7 +74,12 @@ from gearshift.worker.policies.tetris.chunked_prefill import (
     rows_after,
     run_chunk_plan,
 )
-from gearshift.worker.policies.tetris.handoff import Sending, start_piece
+from gearshift.worker.policies.tetris.handoff import (
+    LayerStream,
+    Sending,
+    start_piece,
+    stream_tag,
+)
 from gearshift.worker.policies.tetris.policy import TetrisPolicy
 from gearshift.worker.policies.tetris.rebalance import Holding
 from gearshift.worker.policies.tetris.transfer import ReceiveManager, TransferError
@@ -103,6 +113,12 @@ def _pool_loop(state: Any, policy: TetrisPolicy, conn: Any, rank: int) -> None:
     piece ("go") is started in the background (``start_piece``) and reported "sent", so the
     member computes its next prefill while its KV is still leaving (§4.2).
 
+    With ``layerwise_transfer`` there is no "ready": the group handshakes every piece when the
+    request arrives, and a "go" (read between layers too, while a prefill computes) starts the
+    piece's ``LayerStream``: each layer of the last chunk leaves as soon as it is computed. A
+    granted piece is always sent whole, zeros if its prefill failed ("unsent"), since its
+    decode ranks have posted the receives.
+
     Every rank of an instance of TP > 1 gets the same messages and runs the same plans on its
     head shard (its ring: the same TP rank of the other instances); its TP rank 0 speaks for
     the instance ("prefilled", "ready", "profiled"), and each rank reports its own share of a
@@ -114,17 +130,73 @@ def _pool_loop(state: Any, policy: TetrisPolicy, conn: Any, rank: int) -> None:
     speaks = j == 0
     kv_heads = model.config.num_kv_heads
     scale = model.config.head_dim**-0.5
+    layerwise = bool(policy.message.layerwise_transfer)
+    layers = len(model.model.layers)
+    row = (model.num_kv_heads, model.config.head_dim, next(model.parameters()).dtype)
+    tp = (j, policy.prefill_tp)
     # Requests whose pieces are offered but not all granted: their rows, pieces and receivers.
     offered: dict[str, tuple[Holding, list[tuple[int, int]], tuple[int, ...]]] = {}
+    streams: dict[str, LayerStream] = {}  # layerwise: requests with pieces still to send
+    deferred: collections.deque[tuple] = collections.deque()  # read mid-prefill, not yet run
     sending: list[Sending] = []  # started pieces whose sends may still be in flight
+
+    def stream_of(rid: str, mine: list[tuple[int, int]], receivers: tuple[int, ...]) -> None:
+        if rid not in streams:
+            streams[rid] = LayerStream(mine, receivers, world, tp, kv_heads, row, layers)
+
+    def report(rid: str, stream: LayerStream, pieces: list[int]) -> None:
+        for piece in pieces:
+            grant = stream.grants[piece]
+            sending.append(grant.sending)
+            conn.send(("unsent" if stream.failed else "sent", rid, piece, grant.early, layers))
+        if stream.settled:
+            streams.pop(rid, None)
+
+    def go(msg: tuple) -> None:
+        _, rid, piece, tag, count, receivers = msg
+        stream = streams.get(rid)
+        if stream is None:  # its prefill failed and it settled: zeros, so nothing stays posted
+            stream = LayerStream([(0, count)], receivers, world, tp, kv_heads, row, layers)
+            stream.fail()
+            report(rid, stream, [0] if stream.grant(0, tag).done else [])
+            return
+        grant = stream.grant(piece, tag)
+        if grant.done:
+            report(rid, stream, [piece])
+
+    def cancel(rid: str) -> None:
+        stream = streams.get(rid)
+        if stream is not None:  # its granted pieces still go whole (the decode drops them)
+            stream.cancelled = True
+            if stream.settled:
+                streams.pop(rid)
+
+    def between_layers(stream: LayerStream) -> Callable[[torch.Tensor], None]:
+        def on_layer(kv: torch.Tensor) -> None:
+            stream.add_layer(kv)
+            while conn.poll(0):  # grants that came while this prefill computes
+                msg = conn.recv()
+                if msg[0] == "go":
+                    go(msg)
+                    continue
+                if msg[0] == "prefill" and msg[4]:
+                    stream_of(msg[1], msg[4], msg[5])
+                deferred.append(msg)
+
+        return on_layer
+
     while True:
         sending = [s for s in sending if not s.done()]
-        msg = conn.recv()
+        msg = deferred.popleft() if deferred else conn.recv()
         kind = msg[0]
         if kind == "stop":
             return
         if kind == "cancel":
             offered.pop(msg[1], None)  # its granted pieces are sent (the decode side drops them)
+            cancel(msg[1])
+            continue
+        if kind == "go" and layerwise:
+            go(msg)
             continue
         if kind == "go":
             _, rid, piece = msg
@@ -138,9 +210,7 @@ def _pool_loop(state: Any, policy: TetrisPolicy, conn: Any, rank: int) -> None:
                 holding.kv[start : start + count], holding.positions[start : start + count]
             )
             try:
-                sending.append(
-                    start_piece(rows, receivers, world, (j, policy.prefill_tp), kv_heads)
-                )
+                sending.append(start_piece(rows, receivers, world, tp, kv_heads))
             except Exception as exc:  # noqa: BLE001 - a decode rank is gone: this request fails
                 offered.pop(rid, None)
                 conn.send(("failed", rid, f"prefill instance {rank}: {str(exc).splitlines()[0]}"))
@@ -157,20 +227,32 @@ def _pool_loop(state: Any, policy: TetrisPolicy, conn: Any, rank: int) -> None:
         if kind != "prefill":
             continue
         _, rid, ids, chunks, mine, receivers = msg
+        stream = None
+        if layerwise and mine:
+            stream_of(rid, mine, receivers)
+            stream = streams[rid]
         plan = [PlannedChunk(n, tuple(g)) for n, g in chunks]
         started = time.perf_counter()
+        on_layer = between_layers(stream) if stream is not None else None
         try:
-            result = run_chunk_plan(model, pool, plan, torch.tensor(ids, dtype=torch.int64), scale)
+            result = run_chunk_plan(
+                model, pool, plan, torch.tensor(ids, dtype=torch.int64), scale, None, on_layer
+            )
         except Exception as exc:  # noqa: BLE001 - a ring peer died or the plan broke: it fails
+            if stream is not None:
+                report(rid, stream, stream.fail())
             conn.send(("failed", rid, f"prefill instance {rank}: {str(exc).splitlines()[0]}"))
             continue
-        if mine:
+        if stream is not None:
+            report(rid, stream, stream.finish(result.holding.positions))
+        elif mine and not layerwise:
             offered[rid] = (result.holding, mine, receivers)
         if not speaks:
             continue
         conn.send(("prefilled", rid, time.perf_counter() - started))
-        for i in range(len(mine)):
-            conn.send(("ready", rid, i))
+        if not layerwise:
+            for i in range(len(mine)):
+                conn.send(("ready", rid, i))
 
 
 def _profile_probe(
@@ -213,6 +295,10 @@ def _decode_loop(engine: Any, policy: TetrisPolicy, conn: Any, block_size: int) 
                     conn.send(("refused", rid, exc.field, exc.message))
             elif kind == "receive":
                 admission.receive(*cmd[1:])
+            elif kind == "post":
+                admission.post(*cmd[1:])
+            elif kind == "complete":
+                admission.complete(*cmd[1:])
             elif kind == "abort":
                 engine.abort_request(cmd[1])
                 admission.abort(cmd[1])
@@ -294,7 +380,9 @@ def tetris_rank_main(
             leaked = engine.blocks.leaked_blocks()
             free = engine.blocks.num_free_blocks == engine.blocks.num_blocks
             engine.shutdown()
-            conn.send(("closed", {"leaked_blocks": len(leaked), "all_free": free}))
+            posted = len(policy.hook.posted) if policy.hook is not None else 0
+            report = {"leaked_blocks": len(leaked), "all_free": free, "posted_receives": posted}
+            conn.send(("closed", report))
         else:
             assert channel is not None
             _follow(state.runner, channel)
@@ -441,6 +529,8 @@ class TransferStats:
     waits: int = 0
     wait_seconds: float = 0.0
     failed: int = 0
+    streamed_layers: int = 0  # layerwise: piece-layers sent (per sending rank)
+    streamed_early: int = 0  # of them, sent while their prefill still computed
 
 
 @dataclass
@@ -471,11 +561,17 @@ class TetrisGroup:
     _threads: list[threading.Thread] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     # Pieces granted (go), not yet reported sent by every rank of their member:
-    # (member, rid, piece) -> [decode, rows, the member's ranks yet to report it sent].
+    # (member, rid, piece) -> [decode, rows, the member's ranks yet to report it sent, the
+    # streamed piece's tag (layerwise), 1 once a rank reported it unsent].
     _granted: dict[tuple[int, str, int], list[int]] = field(default_factory=dict)
+    _xfers: Any = field(default_factory=itertools.count)  # streamed pieces' grant numbers
     _probes: dict[str, dict[int, Any]] = field(default_factory=dict)  # profile replies by member
     _probe_done: threading.Condition = field(default_factory=threading.Condition)
     _probe_lock: threading.Lock = field(default_factory=threading.Lock)  # one profile at a time
+
+    @property
+    def layerwise(self) -> bool:
+        return bool(self.policy.message.layerwise_transfer)
 
     # ---- pipes --------------------------------------------------------------------------
 
@@ -574,6 +670,10 @@ class TetrisGroup:
             wire = [(c.length, c.group) for c in chunks]
             for m in req.members:  # in one global order: rings on shared members never cross
                 self._to_pool(m, ("prefill", rid, ids, wire, pieces.get(m, []), receivers))
+            if self.layerwise:  # the handshakes run while the pool computes (§4.2)
+                for m, mine in pieces.items():
+                    for i in range(len(mine)):
+                        self._handshakes[m].put((rid, i))
 
     def profile(
         self,
@@ -704,13 +804,22 @@ class TetrisGroup:
             with self._lock:
                 # Under the lock: an abort either came first (then no go) or comes after the go,
                 # whose "sent" still makes the decode instance receive (and drop) the piece.
-                if rid not in self._requests:
+                if rid not in self._requests or m in self.dead_pool:
                     self.managers[req.decode].abort(rid)
                     self._to_pool(m, ("cancel", rid))
                     continue
                 senders = len(self.pool_conns[m])
-                self._granted[(m, rid, piece)] = [req.decode, count, senders]
-                self._to_pool(m, ("go", rid, piece))
+                if not self.layerwise:
+                    self._granted[(m, rid, piece)] = [req.decode, count, senders, 0, 0]
+                    self._to_pool(m, ("go", rid, piece))
+                    continue
+                # Streamed: the decode ranks post the piece's receives now, and the member
+                # sends each layer as it is computed.
+                tag = stream_tag(next(self._xfers))
+                self._granted[(m, rid, piece)] = [req.decode, count, senders, tag, 0]
+                self._send(self.decode_conns[req.decode], ("post", rid, m, count, piece, tag))
+                receivers = tuple(self.policy.decode_ranks(req.decode))
+                self._to_pool(m, ("go", rid, piece, tag, count, receivers))
 
     def _read(self) -> None:
         conns = {
@@ -765,21 +874,30 @@ class TetrisGroup:
             self._fail(rid, GroupFailure(msg[2]))
         elif kind in ("sent", "unsent"):
             # The member started the piece's sends: only now is the decode instance told to
-            # receive it, so its step never waits on a member still computing another prefill.
+            # receive it (or, streamed, to finish receiving it), so its step never waits on a
+            # member still computing.
             key = (m, rid, msg[2])
             with self._lock:
+                if len(msg) > 3:  # a streamed piece's layers, and those sent mid-prefill
+                    self.transfer.streamed_layers += msg[4]
+                    self.transfer.streamed_early += msg[3]
                 granted = self._granted.get(key)
-                if granted is not None and kind == "sent" and granted[2] > 1:
+                if granted is not None and kind == "unsent":
+                    granted[4] = 1
+                counting = kind == "sent" or self.layerwise  # streamed: every rank sends
+                if granted is not None and counting and granted[2] > 1:
                     granted[2] -= 1  # another TP rank of the instance has yet to start its share
                     return
                 self._granted.pop(key, None)
             if granted is None:
                 return
-            decode, count, _ = granted
-            if kind == "sent":
+            decode, count, _, tag, unsent = granted
+            if self.layerwise:
+                self._send(self.decode_conns[decode], ("complete", rid, m, msg[2], tag, unsent))
+            elif kind == "sent":
                 self._send(self.decode_conns[decode], ("receive", rid, m, count, msg[2]))
-            else:  # the member no longer had it (cannot happen in pipe order): fail, free
-                self._fail(rid, GroupFailure(f"prefill instance {m} lost piece {msg[2]}"))
+            if unsent or kind == "unsent":  # its prefill failed, or the member lost it: fail
+                self._fail(rid, GroupFailure(f"prefill instance {m} could not send piece {msg[2]}"))
         elif kind in ("profiled", "profile-failed"):
             with self._probe_done:
                 self._probes.setdefault(rid, {})[m] = msg[2]
@@ -849,7 +967,10 @@ class TetrisGroup:
             self.dead_pool[index] = why
             with self._lock:  # its granted pieces will never be sent (their requests fail)
                 for key in [k for k in self._granted if k[0] == index]:
-                    del self._granted[key]
+                    decode, _, _, tag, _ = self._granted.pop(key)
+                    if self.layerwise:  # posted receives from a dead rank fail: drop them
+                        m, rid, piece = key
+                        self._send(self.decode_conns[decode], ("complete", rid, m, piece, tag, 1))
             for conn in self.pool_conns[index]:
                 with contextlib.suppress(ValueError):
                     live.remove(conn)
@@ -918,6 +1039,8 @@ class TetrisGroup:
             "transfer_slots_free": float(sum(m.free_slots for m in self.managers)),
             "requests_failed": float(t.failed),
             "prefill_instances_down": float(len(self.dead_pool)),
+            "streamed_layers": float(t.streamed_layers),
+            "streamed_layers_early": float(t.streamed_early),
         }
 
     # ---- ending -------------------------------------------------------------------------

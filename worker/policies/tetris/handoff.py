@@ -11,13 +11,21 @@ output token. The decode rank writes the rows into its paged KV cache at the req
 A serving group hands the KV over in *pieces* (``send_piece`` / ``receive_piece``): a run of one
 member's rows no larger than a transfer buffer, each sent only after the receiver's manager
 granted it a slot (``transfer.py``, the handshake of §4.2). ``send_kv`` / ``receive_kv`` move a
-whole request at once (no handshake) for tools and tests. Not here: streaming a layer's KV while
-later layers still run (``layerwise_transfer``; the policy refuses it).
+whole request at once (no handshake) for tools and tests.
+
+With ``layerwise_transfer`` a piece is *streamed* (``LayerStream``, ``post_piece`` /
+``complete_piece``): its handshake runs while the prefill computes (§4.2: "the handshake ...
+integrated into layer-wise cache transmission", overlapped with the prefill), the decode ranks post
+a receive per layer as soon as the slot is granted, and the member sends each layer's rows the
+moment the plan's last chunk has computed that layer, while the later layers still run. Each
+streamed piece has its own tags (``stream_tag``), so pieces in flight between the same two ranks
+never pair with each other's messages.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -126,11 +134,8 @@ def receive_kv(
     for work in works:
         if work is not None:
             work.wait()
-    table = torch.tensor(block_ids, dtype=torch.int64)
     for kv, pos in pieces:
-        if int(pos.max()) >= len(block_ids) * block_size:
-            raise ValueError(f"position {int(pos.max())} lies beyond the request's blocks")
-        slots = table[pos // block_size] * block_size + pos % block_size
+        slots = _slots(pos, block_ids, block_size)
         for layer, cache in enumerate(kv_cache):
             write_kv(cache, kv[:, layer, 0], kv[:, layer, 1], slots)
     return int(token[0])
@@ -152,6 +157,20 @@ class Sending:
                 work.wait()
 
 
+def _routes(
+    receivers: tuple[int, ...], tp: tuple[int, int], kv_heads: int
+) -> list[tuple[int, slice]]:
+    """(decode rank, the local head slice it gets) for prefill TP rank ``tp`` = (j, TP)."""
+    j, prefill_tp = tp
+    base = kv_heads_of(j, prefill_tp, kv_heads).start
+    out = []
+    for t, dst in enumerate(receivers):
+        heads = head_route(j, prefill_tp, t, len(receivers), kv_heads)
+        if heads is not None:
+            out.append((dst, slice(heads.start - base, heads.stop - base)))
+    return out
+
+
 def start_piece(
     rows: Holding,
     receivers: tuple[int, ...],
@@ -164,15 +183,9 @@ def start_piece(
     each decode rank (ranks of ``comm``, in TP order) getting the heads ``head_route`` gives it.
     The sends proceed in the background (the member computes its next prefill meanwhile); keep
     the result until ``done``."""
-    j, prefill_tp = tp
     total = rows.kv.shape[3] if kv_heads is None else kv_heads
-    base = kv_heads_of(j, prefill_tp, total).start
     sending = Sending([], [])
-    for t, dst in enumerate(receivers):
-        heads = head_route(j, prefill_tp, t, len(receivers), total)
-        if heads is None:
-            continue
-        local = slice(heads.start - base, heads.stop - base)
+    for dst, local in _routes(receivers, tp, total):
         for buf in (rows.kv[:, :, :, local].contiguous(), rows.positions.contiguous()):
             sending.buffers.append(buf)
             sending.works.append(dist.isend(buf, comm.ranks[dst], comm.group))
@@ -197,9 +210,7 @@ def receive_piece(
     empty: received and dropped, for a request the instance no longer holds)."""
     k_cache = kv_cache[0][0]
     local_heads, block_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    sources = [(src, local_heads)] if isinstance(src, int) else src
-    if sum(n for _, n in sources) != local_heads:
-        raise ValueError(f"the senders' heads {sources} do not make this rank's {local_heads}")
+    sources = _sources(src, local_heads)
     parts, works = [], []
     pos = torch.empty(rows, dtype=torch.int64)
     for k, (rank, heads) in enumerate(sources):
@@ -214,9 +225,196 @@ def receive_piece(
     kv = parts[0] if len(parts) == 2 else torch.cat(parts[0::2], dim=3)
     if not block_ids:
         return
-    if rows and int(pos.max()) >= len(block_ids) * block_size:
-        raise ValueError(f"position {int(pos.max())} lies beyond the request's blocks")
-    table = torch.tensor(block_ids, dtype=torch.int64)
-    slots = table[pos // block_size] * block_size + pos % block_size
+    slots = _slots(pos, block_ids, block_size)
     for layer, cache in enumerate(kv_cache):
         write_kv(cache, kv[:, layer, 0], kv[:, layer, 1], slots)
+
+
+def _slots(pos: torch.Tensor, block_ids: list[int], block_size: int) -> torch.Tensor:
+    """The paged-cache slots of prompt positions ``pos`` in a request's blocks."""
+    if len(pos) and int(pos.max()) >= len(block_ids) * block_size:
+        raise ValueError(f"position {int(pos.max())} lies beyond the request's blocks")
+    table = torch.tensor(block_ids, dtype=torch.int64)
+    return table[pos // block_size] * block_size + pos % block_size
+
+
+def _sources(src: int | list[tuple[int, int]], local_heads: int) -> list[tuple[int, int]]:
+    sources = [(src, local_heads)] if isinstance(src, int) else src
+    if sum(n for _, n in sources) != local_heads:
+        raise ValueError(f"the senders' heads {sources} do not make this rank's {local_heads}")
+    return sources
+
+
+# ---- layer-wise streaming (layerwise_transfer) ------------------------------------------
+
+STREAM_TAG = 1 << 24  # above every other tag of the group (ring 0, rebalance 1 << 20 ..)
+TAG_STRIDE = 1024  # tags per streamed piece: one per layer, the last for the positions
+STREAM_IDS = 1 << 16  # streamed pieces in flight in a group stay far below this
+
+
+def stream_tag(xfer: int) -> int:
+    """The first tag of the ``xfer``-th streamed piece of a group (its grant number)."""
+    return STREAM_TAG + (xfer % STREAM_IDS) * TAG_STRIDE
+
+
+def check_stream_layers(layers: int) -> None:
+    if layers >= TAG_STRIDE:
+        raise ValueError(f"layer-wise transfer tags {TAG_STRIDE - 1} layers at most, not {layers}")
+
+
+@dataclass
+class _Grant:
+    tag: int
+    sending: Sending
+    layers: int = 0  # layers sent so far
+    early: int = 0  # of them, layers sent while the prefill still computed
+    done: bool = False  # every layer and the positions sent
+
+
+class LayerStream:
+    """A prefill rank's pieces of one request, streamed layer by layer (layerwise_transfer).
+
+    ``add_layer`` gets each layer's rows of this rank (the plan's last chunk has just computed
+    them: the rebalanced history then the chunk's rows, the holding's order) and sends them for
+    every piece granted so far; a piece granted later first catches up on the computed layers.
+    The positions go last (``finish``). A stream whose prefill failed (``fail``) sends zeros for
+    whatever it cannot send, so no decode rank is left with a receive posted for a grant (the
+    group tells it to drop the piece)."""
+
+    def __init__(
+        self,
+        pieces: list[tuple[int, int]],
+        receivers: tuple[int, ...],
+        comm: CommGroup,
+        tp: tuple[int, int],
+        kv_heads: int,
+        row: tuple[int, int, torch.dtype],
+        layers: int,
+    ) -> None:
+        self.pieces, self.comm, self.layers = pieces, comm, layers
+        self.routes = _routes(receivers, tp, kv_heads)
+        self.row = row  # (this rank's KV heads, head dim, dtype)
+        self.rows: list[torch.Tensor] = []  # per computed layer: [n, 2, heads, D]
+        self.positions: torch.Tensor | None = None
+        self.failed = False
+        self.cancelled = False
+        self.grants: dict[int, _Grant] = {}
+
+    def grant(self, piece: int, tag: int) -> _Grant:
+        """Piece ``piece`` may go, on tags from ``tag``: sends what is computed already."""
+        grant = _Grant(tag, Sending([], []))
+        self.grants[piece] = grant
+        self._advance(piece, grant)
+        return grant
+
+    def add_layer(self, kv: torch.Tensor) -> None:
+        self.rows.append(kv)
+        for piece, grant in self.grants.items():
+            self._advance(piece, grant)
+
+    def finish(self, positions: torch.Tensor) -> list[int]:
+        """Every layer is computed: the positions go; returns the pieces now wholly sent."""
+        self.positions = positions
+        return self._complete()
+
+    def fail(self) -> list[int]:
+        """The prefill failed: the granted pieces are filled up with zeros; returns them."""
+        self.failed = True
+        return self._complete()
+
+    @property
+    def settled(self) -> bool:
+        """Nothing more to send: the prefill ran (or failed), and every piece is sent, or the
+        request was cancelled (no more grants come) and its granted pieces are sent."""
+        ran = self.positions is not None or self.failed
+        granted = len(self.grants) == len(self.pieces) or self.cancelled
+        return ran and granted and all(g.done for g in self.grants.values())
+
+    def _complete(self) -> list[int]:
+        out = []
+        for piece, grant in self.grants.items():
+            if not grant.done:
+                self._advance(piece, grant)
+                out.append(piece)
+        return out
+
+    def _advance(self, piece: int, grant: _Grant) -> None:
+        start, count = self.pieces[piece]
+        heads, head_dim, dtype = self.row
+        while grant.layers < len(self.rows) or (self.failed and grant.layers < self.layers):
+            if grant.layers < len(self.rows):
+                kv = self.rows[grant.layers][start : start + count]
+            else:
+                kv = torch.zeros((count, 2, heads, head_dim), dtype=dtype)
+            self._send(grant, kv, grant.tag + grant.layers, lambda b, h: b[:, :, h])
+            grant.layers += 1
+            grant.early += self.positions is None and not self.failed
+        ready = self.positions is not None or self.failed
+        if grant.layers == self.layers and ready and not grant.done:
+            if self.positions is not None and not self.failed:
+                pos = self.positions[start : start + count]
+            else:
+                pos = torch.zeros(count, dtype=torch.int64)
+            self._send(grant, pos, grant.tag + TAG_STRIDE - 1, lambda b, h: b)
+            grant.done = True
+
+    def _send(self, grant: _Grant, rows: torch.Tensor, tag: int, cut: Any) -> None:
+        for dst, local in self.routes:
+            buf = cut(rows, local).contiguous()
+            grant.sending.buffers.append(buf)
+            grant.sending.works.append(dist.isend(buf, self.comm.ranks[dst], self.comm.group, tag))
+
+
+@dataclass
+class Posted:
+    """A streamed piece's receives posted on a decode rank: per sender, a buffer per layer
+    [rows, 2, heads, D], and the positions."""
+
+    works: list
+    layers: list[list[torch.Tensor]]
+    positions: torch.Tensor
+
+
+def post_piece(
+    src: int | list[tuple[int, int]],
+    rows: int,
+    comm: CommGroup,
+    kv_cache: list[LayerKV],
+    tag: int,
+) -> Posted:
+    """A decode rank posts the receives of a streamed piece (``receive_piece``'s senders),
+    on tags from ``tag``; they complete in the background while the pool still computes."""
+    k_cache = kv_cache[0][0]
+    head_dim = k_cache.shape[3]
+    works: list = []
+    layers: list[list[torch.Tensor]] = []
+    positions = torch.empty(rows, dtype=torch.int64)
+    for k, (rank, heads) in enumerate(_sources(src, k_cache.shape[1])):
+        peer = comm.ranks[rank]
+        bufs = [torch.empty((rows, 2, heads, head_dim), dtype=k_cache.dtype) for _ in kv_cache]
+        works += [dist.irecv(b, peer, comm.group, tag + i) for i, b in enumerate(bufs)]
+        where = positions if k == 0 else torch.empty_like(positions)  # every sender sends them
+        works.append(dist.irecv(where, peer, comm.group, tag + TAG_STRIDE - 1))
+        layers.append(bufs)
+    return Posted(works, layers, positions)
+
+
+def complete_piece(posted: Posted, kv_cache: list[LayerKV], block_ids: list[int]) -> None:
+    """Wait for a posted piece (every receive, even after one fails: none stays posted) and
+    write it into the paged ``kv_cache`` at the request's slots (``block_ids``; empty: drop)."""
+    error: RuntimeError | None = None
+    for work in posted.works:
+        try:
+            if work is not None:
+                work.wait()
+        except RuntimeError as exc:
+            error = error or exc
+    if error is not None:
+        raise error
+    if not block_ids:
+        return
+    slots = _slots(posted.positions, block_ids, kv_cache[0][0].shape[2])
+    for layer, cache in enumerate(kv_cache):
+        parts = [bufs[layer] for bufs in posted.layers]
+        kv = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+        write_kv(cache, kv[:, 0], kv[:, 1], slots)

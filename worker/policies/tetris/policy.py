@@ -7,8 +7,10 @@ each) without creating groups on the hot path (``chunked_prefill.run_chunk_plan`
 after the pool are the decode instances, ``T`` ranks each: an engine of its own (scheduler, paged
 KV, sampler) whose leader is its first rank. A request runs its chunk plan on the pool; the members
 of its last chunk's group hand their KV to the chosen decode instance piece by piece, each piece
-after a transfer-slot handshake (``transfer.ReceiveManager``); the decode instance admits it into
-continuous batching once every piece has landed (``decode.DecodeAdmission``).
+after a transfer-slot handshake (``transfer.ReceiveManager``; with ``layerwise_transfer`` the
+handshake runs during the prefill and each layer's rows leave as soon as they are computed);
+the decode instance admits it into continuous batching once every piece has landed
+(``decode.DecodeAdmission``).
 
 The group is served by its own endpoint (``group.py``, ``endpoint.py``): requests go to the pool,
 not to one engine. Across nodes, the endpoint runs on node 0 and the other nodes' instances dial
@@ -34,7 +36,11 @@ from gearshift.worker.model.config import ModelConfig
 from gearshift.worker.parallel.layout import Layout
 from gearshift.worker.policies.base import Policy, RankContext, RankModel
 from gearshift.worker.policies.tetris.decode import DecodeAdmission, ReceiveHook
-from gearshift.worker.policies.tetris.handoff import head_route, kv_heads_of
+from gearshift.worker.policies.tetris.handoff import (
+    check_stream_layers,
+    head_route,
+    kv_heads_of,
+)
 
 
 class TetrisPolicy(Policy):
@@ -50,13 +56,6 @@ class TetrisPolicy(Policy):
         self.decode = int(msg.decode_instances)
         self.decode_tp = int(msg.decode_tp)
         self.gear_names = ("decode",)
-        if msg.layerwise_transfer:
-            raise InvalidRequestError(
-                "policy.tetris.layerwiseTransfer",
-                "policy.tetris.layerwiseTransfer: this engine hands the KV over after the last "
-                "chunk, in transfer-buffer pieces; layer-by-layer streaming is not implemented, "
-                "set it to false",
-            )
         self.admission: DecodeAdmission | None = None
         self.hook: ReceiveHook | None = None
 
@@ -126,6 +125,12 @@ class TetrisPolicy(Policy):
     # ---- every rank ------------------------------------------------------------------------
 
     def check_model(self, cfg: ModelConfig) -> None:
+        if self.message.layerwise_transfer:
+            try:
+                check_stream_layers(cfg.num_layers)
+            except ValueError as exc:
+                field = "policy.tetris.layerwiseTransfer"
+                raise InvalidRequestError(field, f"{field}: {exc}") from exc
         for name, tp in (("prefillTp", self.prefill_tp), ("decodeTp", self.decode_tp)):
             try:
                 Layout(tp=tp).check_model(cfg.num_heads, cfg.num_kv_heads)

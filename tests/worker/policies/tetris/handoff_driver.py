@@ -1,7 +1,11 @@
 """One rank of the prefill → decode test: global ranks 0 and 1 are the prefill pool (TP 1 each,
 whole model), 2 and 3 one decode instance of TP 2. The pool runs a chunk plan and hands the KV
 over; the decode instance writes it into its paged cache and decodes greedily. Saves the decode
-ranks' cached prompt KV and the tokens to ``<out>``."""
+ranks' cached prompt KV and the tokens to ``<out>``.
+
+``mode`` "stream": the layer-wise hand-off. Each member's one piece is granted before its
+prefill, the decode ranks post its receives at once, and every layer leaves as the last chunk
+computes it (``LayerStream``); the first token travels on its own."""
 
 from __future__ import annotations
 
@@ -23,7 +27,15 @@ from gearshift.worker.policies.tetris.chunked_prefill import (
     rows_after,
     run_chunk_plan,
 )
-from gearshift.worker.policies.tetris.handoff import Transfer, receive_kv, send_kv
+from gearshift.worker.policies.tetris.handoff import (
+    LayerStream,
+    Transfer,
+    complete_piece,
+    post_piece,
+    receive_kv,
+    send_kv,
+    stream_tag,
+)
 from tests.worker.policies.tetris.chunk_driver import PROMPT_LENGTH, prompt
 
 PLAN = [PlannedChunk(24, (1,)), PlannedChunk(PROMPT_LENGTH - 24, (1, 0))]
@@ -46,7 +58,12 @@ def _decode_meta(position: int, table: torch.Tensor) -> AttentionMetadata:
     )
 
 
-def run_rank(rank: int, store_path: str, checkpoint: str, out_dir: str) -> None:
+TOKEN_TAG = 7
+
+
+def run_rank(
+    rank: int, store_path: str, checkpoint: str, out_dir: str, mode: str = "whole"
+) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, 4)
     dist.init_process_group(
@@ -62,9 +79,27 @@ def run_rank(rank: int, store_path: str, checkpoint: str, out_dir: str) -> None:
     if rank in POOL:
         pool = CommGroup(2, rank, POOL, pool_pg)
         model = load_model(spec, source, torch.device("cpu"))
-        result = run_chunk_plan(model, pool, PLAN, ids, cfg.head_dim**-0.5)
-        first = None if result.last_logits is None else int(result.last_logits[0].argmax())
-        send_kv(result.holding, first, transfer, world)
+        if mode == "whole":
+            result = run_chunk_plan(model, pool, PLAN, ids, cfg.head_dim**-0.5)
+            first = None if result.last_logits is None else int(result.last_logits[0].argmax())
+            send_kv(result.holding, first, transfer, world)
+        else:
+            rows = transfer.senders[rank]
+            row = (cfg.num_kv_heads, cfg.head_dim, torch.float32)
+            stream = LayerStream(
+                [(0, rows)], DECODE, world, (0, 1), cfg.num_kv_heads, row, cfg.num_layers
+            )
+            grant = stream.grant(0, stream_tag(rank))  # granted before the prefill starts
+            result = run_chunk_plan(
+                model, pool, PLAN, ids, cfg.head_dim**-0.5, on_layer=stream.add_layer
+            )
+            assert grant.early == cfg.num_layers, "a layer waited for the prefill's end"
+            assert stream.finish(result.holding.positions) == [0] and stream.settled
+            if result.last_logits is not None:
+                token = torch.tensor([int(result.last_logits[0].argmax())])
+                for dst in DECODE:
+                    dist.send(token, dst, tag=TOKEN_TAG)
+            grant.sending.wait()
     else:
         tp = CommGroup(2, rank - 2, DECODE, decode_pg)
         model = load_model(spec, source, torch.device("cpu"), tp=tp)
@@ -75,7 +110,15 @@ def run_rank(rank: int, store_path: str, checkpoint: str, out_dir: str) -> None:
         cache = allocate_kv_cache(kv_spec, blocks, torch.device("cpu"))
         block_ids = list(range(blocks))[::-1][: blocks - 1]  # not the identity: the table counts
         table = torch.tensor(block_ids)
-        token = receive_kv(transfer, world, cache, block_ids, cfg.num_kv_heads)
+        if mode == "whole":
+            token = receive_kv(transfer, world, cache, block_ids, cfg.num_kv_heads)
+        else:
+            posted = [post_piece(m, transfer.senders[m], world, cache, stream_tag(m)) for m in POOL]
+            first = torch.empty(1, dtype=torch.int64)
+            dist.recv(first, transfer.token_sender, tag=TOKEN_TAG)
+            for post in posted:
+                complete_piece(post, cache, block_ids)
+            token = int(first[0])
         prompt_kv = torch.stack(
             [
                 torch.stack([gather_context(c, table, PROMPT_LENGTH) for c in layer])

@@ -75,13 +75,17 @@ def test_plans_the_pool_cannot_run_are_refused_naming_why():
         check_plan([], 10, 2)
 
 
-def test_kv_handed_to_a_tp2_decode_instance_continues_like_one_process(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("mode", ["whole", "stream"])
+def test_kv_handed_to_a_tp2_decode_instance_continues_like_one_process(
+    tiny_checkpoint, tmp_path, mode
+):
     """Prefill on a pool of two (plan 1 → 2), the KV sent head-split to a decode instance of
-    TP 2, written into its paged cache at a permuted block table, then greedy decoding there."""
+    TP 2 (whole after the prefill, or streamed layer by layer while it computes), written into
+    its paged cache at a permuted block table, then greedy decoding there."""
     from tests.worker.policies.tetris import handoff_driver
 
     checkpoint = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=2)
-    args = (str(tmp_path / "store"), str(checkpoint), str(tmp_path))
+    args = (str(tmp_path / "store"), str(checkpoint), str(tmp_path), mode)
     codes = run_ranks(handoff_driver.run_rank, [(r, *args) for r in range(4)], "rank", 300)
     assert codes == [0] * 4, "a rank failed or hung"
     from transformers import AutoModelForCausalLM

@@ -107,6 +107,7 @@ def tetris_factory() -> Iterator[Callable[..., tuple[TetrisGroup, Outputs]]]:
         reports = group.shutdown()
         assert all(slots), "a transfer slot was left held"
         assert reports and all(r["leaked_blocks"] == 0 and r["all_free"] for r in reports), reports
+        assert all(r["posted_receives"] == 0 for r in reports), reports
         assert all(not p.is_alive() for p in group.procs), "a rank outlived its group"
 
 
@@ -126,9 +127,11 @@ def test_pieces_cut_each_members_rows_at_the_buffer() -> None:
     assert pieces_of({0: 2}, row_bytes=1000, buffer_bytes=10) == {0: [(0, 1), (1, 1)]}
 
 
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
 def test_chunk_plans_hand_over_to_a_tp2_decode_instance_with_one_process_tokens(
     tiny_checkpoint: Callable[..., Path],
     tetris_factory: Callable[..., tuple[TetrisGroup, Outputs]],
+    layerwise: bool,
 ) -> None:
     folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=2)
     prompts = _prompts([37, 23, 9, 30])
@@ -142,6 +145,7 @@ def test_chunk_plans_hand_over_to_a_tp2_decode_instance_with_one_process_tokens(
             "decode_tp": 2,
             "transfer_backends": 1,
             "transfer_buffer_bytes": 5 * 2 * 2 * 1 * 8 * 4,
+            "layerwise_transfer": layerwise,
         },
     )
     plans = [
@@ -199,9 +203,11 @@ def test_bad_plans_are_refused_naming_the_field(
     assert len(outputs.collect({"ok"})["ok"]) == 3
 
 
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
 def test_aborts_at_any_point_of_the_hand_off_leave_nothing_behind(
     tiny_checkpoint: Callable[..., Path],
     tetris_factory: Callable[..., tuple[TetrisGroup, Outputs]],
+    layerwise: bool,
 ) -> None:
     """Requests aborted while queued, computing, handshaking or mid-transfer (one slot, pieces
     of two rows: many handshakes each): no slot or block stays held (the fixture checks), no
@@ -217,6 +223,7 @@ def test_aborts_at_any_point_of_the_hand_off_leave_nothing_behind(
             "decode_tp": 2,
             "transfer_backends": 1,
             "transfer_buffer_bytes": 2 * 2 * 2 * 1 * 8 * 4,
+            "layerwise_transfer": layerwise,
         },
     )
     for i, ids in enumerate(prompts):
@@ -239,14 +246,22 @@ def test_aborts_at_any_point_of_the_hand_off_leave_nothing_behind(
     assert outputs.collect({"after"})["after"] == expected[0]
 
 
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
 def test_a_killed_prefill_instance_fails_its_requests_and_decode_keeps_serving(
     tiny_checkpoint: Callable[..., Path],
     tetris_factory: Callable[..., tuple[TetrisGroup, Outputs]],
+    layerwise: bool,
 ) -> None:
+    """Layer-wise, the doomed request's pieces are granted (and their receives posted on the
+    decode instance) before the kill: the survivor's are filled with zeros and dropped, the dead
+    member's fail in gloo, and nothing stays posted (the fixture checks)."""
     folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=2)
     prompts = _prompts([40, 9])
     expected = _reference(folder, prompts, 4)
-    group, outputs = tetris_factory(folder, {"prefill_instances": 2, "decode_instances": 1})
+    group, outputs = tetris_factory(
+        folder,
+        {"prefill_instances": 2, "decode_instances": 1, "layerwise_transfer": layerwise},
+    )
     # A request decoding on the decode instance must keep going through the failure.
     group.submit("steady", prompts[1], _greedy(40), _plan([(9, [0])]))
     deadline = time.monotonic() + TIMEOUT_S
@@ -261,6 +276,8 @@ def test_a_killed_prefill_instance_fails_its_requests_and_decode_keeps_serving(
     try:
         group.submit("doomed", prompts[0], _greedy(4), _plan([(20, [1]), (20, [1, 0])]))
         time.sleep(1.0)
+        if layerwise:  # granted during the prefill: the decode instance posted its receives
+            assert "doomed" in group.managers[0].grants
         victim.kill()
         doomed = outputs.collect({"doomed"})["doomed"]
     finally:
@@ -278,13 +295,53 @@ def test_a_killed_prefill_instance_fails_its_requests_and_decode_keeps_serving(
     assert loads[("prefill", 1)].queued_seconds >= 1e9
 
 
+def test_layerwise_pieces_leave_layer_by_layer_while_their_prefill_computes(
+    tiny_checkpoint: Callable[..., Path],
+    tetris_factory: Callable[..., tuple[TetrisGroup, Outputs]],
+) -> None:
+    """§4.2 with layer-wise transmission: the handshake runs while the pool computes, and each
+    layer leaves as soon as the last chunk has computed it. Instance 1 is stopped until both
+    members' pieces are granted, so instance 0 waits in layer 0's ring with its grant in the
+    pipe: every layer of every piece leaves before its prefill ends. Tokens are exact."""
+    folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=4)
+    prompts = _prompts([33], seed=21)
+    expected = _reference(folder, prompts, 5)
+    group, outputs = tetris_factory(
+        folder,
+        {
+            "prefill_instances": 2,
+            "decode_instances": 1,
+            "transfer_backends": 2,  # one piece per member, both granted at once
+            "layerwise_transfer": True,
+        },
+    )
+    partner = group.procs[1]
+    os.kill(partner.pid, signal.SIGSTOP)
+    try:
+        group.submit("s", prompts[0], _greedy(5), _plan([(33, [0, 1])]))
+        deadline = time.monotonic() + 30
+        while group.managers[0].grants.count("s") < 2:
+            assert time.monotonic() < deadline, group.managers[0].grants
+            time.sleep(0.02)
+        time.sleep(0.2)  # the grants' "go" reach the members' pipes
+    finally:
+        os.kill(partner.pid, signal.SIGCONT)
+    assert outputs.collect({"s"})["s"] == expected[0]
+    stats = group.stats()
+    assert stats["streamed_layers"] == 2 * 4, stats  # two members' pieces, four layers each
+    assert stats["streamed_layers_early"] == stats["streamed_layers"], stats
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
 def test_smollm2_long_prompt_over_growing_groups_gives_one_process_tokens(
     smollm2_path: Path,
     tetris_factory: Callable[..., tuple[TetrisGroup, Outputs]],
+    layerwise: bool,
 ) -> None:
     """SmolLM2 (9 heads, 3 KV heads), a prompt of several hundred tokens in two chunks on
-    growing groups (1 -> 2 instances), decode on a TP-1 instance: the one-process tokens."""
+    growing groups (1 -> 2 instances), decode on a TP-1 instance: the one-process tokens, with
+    the KV handed over whole or streamed layer by layer."""
     ids = _prompts([300], vocab=49152, seed=11)[0]
     small = {"kv_cache_bytes": 64 << 20, "max_model_len": 512}
     engine = start_engine(EngineConfig(model=str(smollm2_path), **{**ENGINE, **small}))
@@ -293,7 +350,9 @@ def test_smollm2_long_prompt_over_growing_groups_gives_one_process_tokens(
     finally:
         engine.shutdown()
     group, outputs = tetris_factory(
-        smollm2_path, {"prefill_instances": 2, "decode_instances": 1}, max_model_len=512
+        smollm2_path,
+        {"prefill_instances": 2, "decode_instances": 1, "layerwise_transfer": layerwise},
+        max_model_len=512,
     )
     group.submit("long", ids, _greedy(8), _plan([(128, [1]), (172, [1, 0])]))
     assert outputs.collect({"long"})["long"] == expected
@@ -373,9 +432,12 @@ def test_a_member_prefills_its_next_request_while_its_pieces_wait_for_a_slot(
     assert [got["a"], got["b"]] == expected
 
 
-@pytest.mark.parametrize("decode_tp", [1, 2])
+@pytest.mark.parametrize(
+    ("decode_tp", "layerwise"), [(1, False), (2, False), (2, True)], ids=["1", "2", "2-layerwise"]
+)
 def test_prefill_instances_of_tp2_hand_over_to_any_decode_tp_with_one_process_tokens(
     decode_tp: int,
+    layerwise: bool,
     tiny_checkpoint: Callable[..., Path],
     tetris_factory: Callable[..., tuple[TetrisGroup, Outputs]],
 ) -> None:
@@ -394,6 +456,7 @@ def test_prefill_instances_of_tp2_hand_over_to_any_decode_tp_with_one_process_to
             "decode_instances": 1,
             "decode_tp": decode_tp,
             "transfer_buffer_bytes": 6 * 2 * 2 * 1 * 8 * 4,  # a few pieces per member
+            "layerwise_transfer": layerwise,
         },
     )
     assert len(group.pool_conns) == 2 and all(len(c) == 2 for c in group.pool_conns)

@@ -97,3 +97,19 @@ def _raises(call) -> BaseException | None:
     except BaseException as exc:  # noqa: BLE001
         return exc
     return None
+
+
+def test_stream_sections_round_trip_posts_and_completes() -> None:
+    from gearshift.worker.policies.tetris.decode import decode_stream, encode_stream
+    from gearshift.worker.policies.tetris.handoff import STREAM_TAG, TAG_STRIDE, stream_tag
+
+    posts = [(0, 12, stream_tag(3)), (1, 5, stream_tag(4))]
+    completes = [(stream_tag(1), [7, 2, 9]), (stream_tag(2), [])]
+    assert decode_stream(encode_stream(posts, completes)) == (posts, completes)
+    assert decode_stream(encode_stream([], [])) == ([], [])
+    # Tags of streamed pieces never meet the ring's (0) or the rebalance's (1 << 20 ..), and
+    # wrap only after 65,536 pieces, each with a tag per layer and one for the positions.
+    assert stream_tag(0) == STREAM_TAG > (1 << 21)
+    assert stream_tag(1) - stream_tag(0) == TAG_STRIDE
+    assert stream_tag(1 << 16) == stream_tag(0)
+    assert stream_tag((1 << 16) - 1) + TAG_STRIDE < 2**31
