@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gearshift.operator.sim.hardware import Hardware, with_count
-from gearshift.operator.sim.model_desc import ModelDesc
+from gearshift.operator.sim.model_desc import ModelDesc, StageShares
 from gearshift.operator.sim.replica import ReplicaConfig, SimHooks, StepAsk
 from gearshift.operator.sim.results import SimResult
 from gearshift.operator.sim.roofline import Layout, LayoutError, RooflineCost, check
@@ -55,7 +55,9 @@ class Candidate:
     kv_tokens: int
     micro_batches: int = 1
     stages: int = 1
-    stage_shares: tuple[float, ...] = ()  # ModelDesc.stage_shares of a pipeline; (): equal
+    stage_shares: (
+        tuple[float, ...] | StageShares
+    ) = ()  # ModelDesc.stage_shares of a pipeline; (): equal
     step_request: StepAsk | None = None  # the policy's say before each step
     notes: dict[str, Any] = field(default_factory=dict)
     hooks: Callable[[], SimHooks] | None = None  # a policy that drives its own steps
@@ -198,6 +200,7 @@ def _seesaw_candidates(model: ModelDesc, hw: Hardware, s: PlanSettings) -> list[
                 _config(blocks, s),
                 tokens,
                 hooks=functools.partial(seesaw_sim.SeesawHooks, model, hw, g, s.block_size),
+                stage_shares=model.stage_shares(g),  # the prefill gear's g pipeline stages
             )
         )
     return out

@@ -56,22 +56,48 @@ class ModelDesc:
     def weight_bytes(self) -> int:
         return self.params() * self.dtype_bytes
 
-    def stage_shares(self, stages: int) -> tuple[float, ...]:
-        """Each pipeline stage's share of a token's matmul work, for the engine's layer split
-        (``layout.stage_layers``; the last stage also runs the LM head, which is most of the
-        work of a small model with a large vocabulary). Attention over the context is left out."""
+    def stage_shares(self, stages: int) -> StageShares:
+        """Where a step's matmul work lies over a pipeline's stages, for the engine's layer
+        split (``layout.stage_layers``): every token runs its layers on each stage, and each
+        sampled row also runs the LM head on the last stage (which is most of the work of a
+        small model with a large vocabulary, but only for the rows that sample: one per
+        decode, one per prompt whose chunk ends it). Attention over the context is left out."""
         from gearshift.worker.parallel.layout import stage_layers
 
-        work = [
-            len(stage_layers(self.layers, stages, s)) * self.layer_params() for s in range(stages)
+        per_token = [
+            float(len(stage_layers(self.layers, stages, s)) * self.layer_params())
+            for s in range(stages)
         ]
-        work[-1] += self.vocab * self.hidden
-        total = sum(work)
-        return tuple(w / total for w in work)
+        per_row = [0.0] * stages
+        per_row[-1] = float(self.vocab * self.hidden)
+        return StageShares(tuple(per_token), tuple(per_row))
 
     def kv_bytes_per_token(self) -> int:
         """K and V of one token across all layers."""
         return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class StageShares:
+    """Each pipeline stage's share of a step, from its work: ``per_token`` for every token of
+    the step (its layers) and ``per_row`` for every sampled row (the LM head)."""
+
+    per_token: tuple[float, ...]
+    per_row: tuple[float, ...]
+
+    def __len__(self) -> int:
+        return len(self.per_token)
+
+    def valid(self) -> bool:
+        return len(self.per_row) == len(self.per_token) and min(self.per_token + self.per_row) >= 0
+
+    def for_batch(self, tokens: int, rows: int) -> tuple[float, ...]:
+        """The shares of a step of ``tokens`` tokens of which ``rows`` sample."""
+        work = [tokens * t + rows * r for t, r in zip(self.per_token, self.per_row, strict=True)]
+        total = sum(work)
+        if total <= 0:
+            return (1.0 / len(work),) * len(work)
+        return tuple(w / total for w in work)
 
 
 def _int(cfg: dict[str, Any], keys: tuple[str, ...], where: str) -> int:

@@ -11,8 +11,10 @@ in flight, each scheduled with the in-flight sequences left out (the engine's ``
 finishes the oldest; when it finishes, new steps are launched before the next oldest is waited
 for. A step's cost is its whole trip through the pipeline (what ``gearshift profile`` times for a
 lone micro-batch); each of ``stages`` stages holds it for its share (equal, or the model's
-``ModelDesc.stage_shares``: the last stage also runs the LM head), and a micro-batch enters a
-stage once it has left the one before and the micro-batch before it has left this one.
+``ModelDesc.stage_shares``: every token runs each stage's layers, and the rows that sample also
+run the LM head on the last stage, so a decode step leans on the last stage far more than a
+prefill chunk does), and a micro-batch enters a stage once it has left the one before and the
+micro-batch before it has left this one.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, cast
 
 from gearshift.operator.sim.cost_model import StepCost
+from gearshift.operator.sim.model_desc import StageShares
 from gearshift.worker.engine.contract import QueueView, StepRequest
 from gearshift.worker.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from gearshift.worker.engine.sequence import FinishReason, Sequence
@@ -36,7 +39,10 @@ class SimHooks(Protocol):
     """A policy whose leader shapes every step (the engine's ``Policy`` calls, in its order:
     ``step_request``, ``held``, then ``step_submitted``), its pipeline depth changing with its
     gear, and each step priced by the gear it runs on (``trip`` seconds over ``stages``). An
-    empty batch may still cost time (a re-shard, KV copies): ``step_time`` says how much."""
+    empty batch may still cost time (a re-shard, KV copies): ``step_time`` says how much.
+    ``barrier`` (asked after ``step_time``): the step starts with a barrier of every rank (a
+    synchronous KV swap), so it enters the pipeline only once the micro-batches ahead of it
+    have left the last stage."""
 
     def bind(self, scheduler: Scheduler, blocks: BlockManager) -> None: ...
     def step_request(self, queues: QueueView) -> StepRequest: ...
@@ -44,6 +50,7 @@ class SimHooks(Protocol):
     def step_submitted(self) -> None: ...
     def micro_batches(self) -> int: ...
     def step_time(self, batch: ScheduledBatch) -> tuple[float, int]: ...
+    def barrier(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -109,18 +116,25 @@ class SimReplica:
         micro_batches: int = 1,
         stages: int = 1,
         hooks: SimHooks | None = None,
-        stage_shares: tuple[float, ...] = (),
+        stage_shares: tuple[float, ...] | StageShares = (),
     ) -> None:
         if micro_batches < 1 or stages < 1:
             raise ValueError(
                 f"micro_batches and stages must be >= 1, got {micro_batches}, {stages}"
             )
-        if stage_shares and (len(stage_shares) != stages or min(stage_shares) < 0):
+        valid = (
+            stage_shares.valid()
+            if isinstance(stage_shares, StageShares)
+            else not stage_shares or min(stage_shares) >= 0
+        )
+        # With hooks the depth is the gear's (Seesaw): the shares serve the gear of their depth.
+        if stage_shares and (not valid or (hooks is None and len(stage_shares) != stages)):
             raise ValueError(f"stage_shares {stage_shares} must be {stages} shares >= 0")
         self.index = index
         self.micro_batches = micro_batches
         self.stages = stages
-        # Each stage's share of a step's trip (ModelDesc.stage_shares); empty: equal shares.
+        # Each stage's share of a step's trip: fixed, or from the batch's tokens and sampled
+        # rows (ModelDesc.stage_shares); empty: equal shares.
         self.stage_shares = stage_shares
         self.config = config
         self.cost = cost
@@ -176,6 +190,7 @@ class SimReplica:
             len(self.scheduler.running), len(self.scheduler.waiting), len(self.in_flight)
         )
         hooks = self.hooks
+        barrier = False
         if hooks is None:
             batch = self.scheduler.schedule(self.step_request(queues), busy)
             trip, stages = (0.0, self.stages) if batch.is_empty else (
@@ -185,16 +200,18 @@ class SimReplica:
             ask = hooks.step_request(queues)
             batch = self.scheduler.schedule(ask, busy | hooks.held())
             trip, stages = hooks.step_time(batch)  # before step_submitted clears its copies
+            barrier = hooks.barrier()
             hooks.step_submitted()
         for seq in batch.preempted:
             self.times[seq.request_id].preemptions += 1
         if batch.is_empty and trip <= 0.0:
             return False
-        shares = self.stage_shares if len(self.stage_shares) == stages else (1.0 / stages,) * stages
+        shares = self._shares(batch, stages)
         if len(self._stage_free) != stages:  # a gear of another depth (Seesaw): drained first
             self._stage_free = [max(self._stage_free, default=0.0)] * stages
-        # A micro-batch holds each stage for its share, in order, once the one before it left.
-        done = now
+        # A micro-batch holds each stage for its share, in order, once the one before it left;
+        # behind a barrier of every rank, only once the pipeline has drained.
+        done = max(now, *self._stage_free) if barrier else now
         for s, share in enumerate(shares):
             done = max(done, self._stage_free[s]) + trip * share
             self._stage_free[s] = done
@@ -202,6 +219,15 @@ class SimReplica:
         self.steps += 1
         self.busy_s += trip * max(shares)
         return True
+
+    def _shares(self, batch: ScheduledBatch, stages: int) -> tuple[float, ...]:
+        """Each stage's share of this step's trip (equal for a gear of another depth)."""
+        shares = self.stage_shares
+        if len(shares) != stages:
+            return (1.0 / stages,) * stages
+        if isinstance(shares, StageShares):
+            return shares.for_batch(batch.num_tokens, sampled_rows(batch))
+        return shares
 
     def finish_step(self, now: float) -> list[tuple[str, int, bool]]:
         """End the oldest in-flight step at ``now``: (request id, new tokens, finished) per
@@ -233,6 +259,13 @@ class SimReplica:
     @property
     def idle(self) -> bool:
         return not self.in_flight
+
+
+def sampled_rows(batch: ScheduledBatch) -> int:
+    """Rows of a step that sample (the LM head's rows, ``plan.build_plan``'s logits rows):
+    every decode, and each prompt chunk that reaches its prompt's end."""
+    ends = sum(seq.num_computed_tokens + n == seq.num_tokens for seq, n in batch.prefills)
+    return len(batch.decodes) + ends
 
 
 def _seqs(batch: ScheduledBatch) -> list[Sequence]:

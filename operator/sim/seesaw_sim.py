@@ -7,7 +7,9 @@ is priced by the gear its phase runs on.
   phase: the decode gear (TP over the same GPUs). Gears are the pure ones the roofline prices
   (``P1xG -> DGx1``, the pair the paper's PCIe results favour, Fig. 10).
 - KV to the host store overlaps the prefill compute it follows (§4.3): a step takes the longer of
-  the two. KV back to the device is copied before the step that needs it (the leader without
+  the two. (Measured prices without that overlap, the engine's ``asyncSwap: false``, add the
+  write to the step, and the step waits at a barrier of every rank, draining the pipeline.)
+  KV back to the device is copied before the step that needs it (the leader without
   ``async_swap``: no rank reports exist here), so its time adds.
 - A switch re-shards: each GPU reloads its shard of the weights from pinned host memory over its
   host link (§4.1), before the switching step runs.
@@ -70,7 +72,10 @@ class Measured:
     copy_out_block_s: float  # one block to the host store
     reshard_s: float  # one gear switch
     host_pages: int  # blocks the host store holds
-    overlap_out: bool = False  # KV writes beside compute (a copy engine), or before it
+    # KV writes beside compute (a copy engine, ``asyncSwap``), or before it: then a step that
+    # writes KV starts with a barrier of every rank (the engine's synchronous swap-out), so on
+    # the pipelined prefill gear it waits for the micro-batch ahead of it to leave.
+    overlap_out: bool = False
 
 
 @dataclass
@@ -83,6 +88,7 @@ class SeesawHooks:
     block_size: int
     measured: Measured | None = None
     leader: SeesawLeader = field(init=False)
+    _barrier: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         block_bytes = self.model.kv_bytes_per_token() * self.block_size
@@ -138,7 +144,13 @@ class SeesawHooks:
         out_s, in_s = blocks_out * self._copy_out_s, blocks_in * self._copy_in_s
         reshard = self._reshard_s if switching else 0.0
         trip = reshard + in_s + (max(compute, out_s) if self._overlap_out else compute + out_s)
+        self._barrier = blocks_out > 0 and not self._overlap_out
         return trip, self.gpus if prefill else 1
+
+    def barrier(self) -> bool:
+        """The step ``step_time`` just priced writes KV synchronously: every rank meets at a
+        barrier first (``rank_hook.before_step``)."""
+        return self._barrier
 
     @property
     def transitions(self) -> int:

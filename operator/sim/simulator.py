@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from gearshift.operator.sim.cost_model import StepCost
 from gearshift.operator.sim.events import EventLoop
+from gearshift.operator.sim.model_desc import StageShares
 from gearshift.operator.sim.replica import (
     ReplicaConfig,
     RequestTimes,
@@ -36,7 +37,9 @@ class Deployment:
     step_request: StepAsk | None = None  # the policy's say before each step (default: ANY)
     micro_batches: int = 1  # steps in flight per replica (a pipeline's Policy.micro_batches())
     stages: int = 1  # pipeline stages a step's cost is spread over
-    stage_shares: tuple[float, ...] = ()  # each stage's share (ModelDesc.stage_shares); (): equal
+    stage_shares: (
+        tuple[float, ...] | StageShares
+    ) = ()  # each stage's share (ModelDesc.stage_shares); (): equal
     # A policy that drives each step itself (a fresh one per replica; replica.SimHooks).
     hooks: Callable[[], SimHooks] | None = None
 

@@ -71,6 +71,9 @@ class DecodeHooks:
             return (RECEIVE_STEP_S if receiving else 0.0), 1
         return self.cost.step_time(batch), 1
 
+    def barrier(self) -> bool:
+        return False
+
     def step_submitted(self) -> None:
         assert self.admission is not None
         self.admission.step_submitted()

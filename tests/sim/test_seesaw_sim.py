@@ -109,13 +109,16 @@ def test_measured_prices_replace_the_roofline_and_writes_add_to_the_step_on_cpu(
     assert h.leader.pages.num_pages == 7
     busy = ScheduledBatch(decodes=[object()])  # type: ignore[list-item]
     assert h.step_time(busy) == (0.010, 2)  # the prefill gear's price
+    assert not h.barrier()
     h.leader._out = [1, 2, 3, 4]  # two blocks to the host store
     h.leader._in = [5, 6]  # one from it
     h.leader._switched = True
     assert h.step_time(busy)[0] == pytest.approx(0.05 + 0.001 + 0.010 + 2 * 0.003)
+    assert h.barrier()  # a synchronous swap-out: every rank meets first
     overlapped = SeesawHooks(_model(), None, 2, 16, measured=replace(prices, overlap_out=True))
     overlapped.leader._out = [1, 2, 3, 4]
     assert overlapped.step_time(busy)[0] == pytest.approx(max(0.010, 2 * 0.003))
+    assert not overlapped.barrier()
     h.leader.phase = Phase.DECODE
     h.leader._out, h.leader._in, h.leader._switched = [], [], False
     assert h.step_time(busy) == (0.002, 1)  # the decode gear's price

@@ -81,6 +81,7 @@ class SwapCounters:
     seconds: float = 0.0
     sync_in_seconds: float = 0.0  # synchronous swap-ins: the plans carrying them waited this long
     reshards: list[float] = field(default_factory=list)
+    out_barrier_seconds: float = 0.0  # synchronous swap-outs: waiting for every rank first
 
 
 class SeesawRankHook:
@@ -140,7 +141,9 @@ class SeesawRankHook:
                 # A page may be written again once its sequence ended (even mid swap-in): no
                 # rank may still be reading it from an earlier plan. (Asynchronously, the
                 # leader frees such pages only once every rank reported the swap-in done.)
+                waited = time.perf_counter()
                 self.barrier()
+                self.counters.out_barrier_seconds += time.perf_counter() - waited
             if self.gears[self.active].writer:
                 self._swap_out(out[0], out[1])
         if plan.gear != self.active:
