@@ -21,8 +21,10 @@ CONFIG = ReplicaConfig(num_blocks=512, block_size=16, max_num_seqs=16, max_num_b
                        max_model_len=1024)  # fmt: skip
 
 
-def _makespan(shares: tuple[float, ...]) -> float:
-    trace = [TraceRequest(0.0, 8, 40) for _ in range(8)]
+def _makespan(
+    shares: tuple[float, ...] | model_desc.StageShares, trace: list[TraceRequest] | None = None
+) -> float:
+    trace = trace or [TraceRequest(0.0, 8, 40) for _ in range(8)]
     deployment = Deployment(
         1,
         CONFIG,
@@ -74,26 +76,12 @@ def test_a_pipelines_prefill_chunks_use_the_layer_split_and_its_decodes_the_lm_h
     assert shares.for_batch(64, 1) == pytest.approx((64 / 136, 72 / 136))
     assert shares.for_batch(4, 4) == pytest.approx((0.1, 0.9))
 
-    def makespan(
-        trace: list[TraceRequest], stage: tuple[float, ...] | model_desc.StageShares
-    ) -> float:
-        deployment = Deployment(
-            1,
-            CONFIG,
-            UNIT,
-            functools.partial(pipeline_share, stages=2),
-            micro_batches=2,
-            stages=2,
-            stage_shares=stage,
-        )
-        return simulate(deployment, trace).makespan
-
     decodes = [TraceRequest(0.0, 8, 40) for _ in range(8)]
-    assert makespan(decodes, shares) == pytest.approx(makespan(decodes, (0.1, 0.9)), rel=0.05)
+    assert _makespan(shares, decodes) == pytest.approx(_makespan((0.1, 0.9), decodes), rel=0.05)
     prompts = [TraceRequest(0.0, 400, 1) for _ in range(8)]
-    assert makespan(prompts, shares) < makespan(prompts, (0.1, 0.9)) * 0.7
+    assert _makespan(shares, prompts) < _makespan((0.1, 0.9), prompts) * 0.7
     with pytest.raises(ValueError, match="stage_shares"):
-        makespan(decodes, model_desc.StageShares((1.0, 1.0), (0.0, -1.0)))
+        _makespan(model_desc.StageShares((1.0, 1.0), (0.0, -1.0)), decodes)
 
 
 class _Steps:
