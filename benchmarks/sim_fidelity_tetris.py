@@ -126,6 +126,11 @@ def main() -> None:
                 pool = pool.commit((c.group, c.end) for c in plan.chunks)
                 plans.append(plan)
             measured = _run(group, trace, plans, outputs, worker_pb2, SamplingParams)
+            # The members' own prefill seconds against Eq. (1)'s for the same chunks (queueing
+            # excluded on both sides): how much slower the pool ran while the decode instance
+            # decoded beside it than when it was profiled alone.
+            pool_s = group.stats()["prefill_seconds_sum"]
+            planned_s = sum(c.seconds for p in plans for c in p.chunks)
             sim_group = TetrisGroupSim(
                 prefill=2,
                 decode=1,
@@ -154,13 +159,16 @@ def main() -> None:
     chunks = statistics.mean(len(p.chunks) for p in plans)
     print(
         f"profile {profile_s:.1f} s ({len(samples)} points); simulation {sim_s * 1000:.1f} ms; "
-        f"{chunks:.2f} chunks per request; rejected in simulation: {len(result.rejected)}"
+        f"{chunks:.2f} chunks per request; rejected in simulation: {len(result.rejected)}; "
+        f"the pool's prefills took {pool_s / planned_s:.2f}x Eq. (1)'s estimate"
     )
     out = {
         "command": "python " + " ".join(sys.argv),
         "latency_models": fitted,
         "decode_cost": {"prefill": vars(decode_cost.prefill), "decode": vars(decode_cost.decode)},
         "chunks_per_request": chunks,
+        "pool_prefill_seconds": pool_s,
+        "eq1_prefill_seconds": planned_s,
         "rows": rows,
     }
     args.out.write_text(json.dumps(out, indent=2) + "\n")
