@@ -119,7 +119,7 @@ def profile_grid() -> Any:
     return ProfileGrid(
         prompt_lens=(16, 64, 160, 320, 500),
         prefill_batches=(1, 3),
-        decode_batches=(1, 4, 16, 32),
+        decode_batches=(1, 2, 3, 4, 8, 16, 32),
         contexts=(32, 256, 600),
         decode_steps=5,
         repeats=2,
@@ -275,7 +275,12 @@ def main() -> None:
         "command": "python " + " ".join(sys.argv),
         "device": _device_name(args.device),
         "policy": json_format.MessageToDict(policy),
-        "cost_model": {"prefill": vars(cost.prefill), "decode": vars(cost.decode), **cost.about},
+        "cost_model": {
+            "prefill": vars(cost.prefill),
+            "decode": vars(cost.decode),
+            "decode_scale": cost.decode_scale,
+            **cost.about,
+        },
         "rows": rows,
         "simulated_requests_per_wall_s": len(trace) / sim_s,
     }

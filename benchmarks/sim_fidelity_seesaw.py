@@ -171,6 +171,8 @@ def main() -> None:
             "prefill": vars(costs["prefill"].prefill),
             "prefill_decode_steps": vars(costs["prefill"].decode),
             "decode": vars(costs["decode"].decode),
+            "decode_scale": costs["decode"].decode_scale,
+            "prefill_decode_scale": costs["prefill"].decode_scale,
             "decode_prefill_steps": vars(costs["decode"].prefill),
             "copy_in_block_s": copy_in_block_s,
             "copy_out_block_s": copy_out_block_s,

@@ -271,6 +271,7 @@ def main() -> None:
         "cost_model": {
             "prefill": vars(base.prefill),
             "decode": vars(base.decode),
+            "decode_scale": base.decode_scale,
             "fetch_seconds_per_layer": fetch_s,
             "layer_bytes": layer_bytes,
             "remote_layers": remote,

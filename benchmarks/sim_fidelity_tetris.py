@@ -165,7 +165,11 @@ def main() -> None:
     out = {
         "command": "python " + " ".join(sys.argv),
         "latency_models": fitted,
-        "decode_cost": {"prefill": vars(decode_cost.prefill), "decode": vars(decode_cost.decode)},
+        "decode_cost": {
+            "prefill": vars(decode_cost.prefill),
+            "decode": vars(decode_cost.decode),
+            "decode_scale": decode_cost.decode_scale,
+        },
         "chunks_per_request": chunks,
         "pool_prefill_seconds": pool_s,
         "eq1_prefill_seconds": planned_s,

@@ -4,10 +4,17 @@ prefill chunk and one for decode-only steps (issue 16, item 1a: the measured cos
 ``attended`` counts (query token, key position) pairs of the step's attention: a chunk of n tokens
 after c computed ones attends n·(c + (n + 1)/2) positions; a decode token attends its context.
 So one feature covers both the quadratic prefill term and the KV reads of decodes.
+
+A decode step's cost is not always linear in its batch: on a CPU, fp32 MKL reads the whole weight
+once per row at 2–3 rows, so 2 sequences can cost more than 4; on a GPU, small batches cost about
+the same until the matmuls become compute-bound. ``decode_scale`` corrects the decode fit per
+batch size, by the ratio of measured to fitted seconds at each profiled batch size, linearly
+interpolated between them (and held at the ends).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -65,23 +72,67 @@ def fit(samples: Sequence[tuple[float, float, float]]) -> LinearFit:
     return LinearFit(a, b, c)
 
 
+def decode_scale(
+    samples: Sequence[tuple[float, float, float]], decode: LinearFit
+) -> tuple[tuple[int, float], ...]:
+    """Per decode batch size among ``samples`` (tokens, attended, seconds), measured over fitted
+    seconds; empty with fewer than two batch sizes (nothing to correct between)."""
+    sums: dict[int, list[float]] = {}
+    for tokens, attended, seconds in samples:
+        got = sums.setdefault(int(tokens), [0.0, 0.0])
+        got[0] += seconds
+        got[1] += max(decode.seconds(tokens, attended), 1e-6)
+    if len(sums) < 2:
+        return ()
+    return tuple((b, measured / fitted) for b, (measured, fitted) in sorted(sums.items()))
+
+
 @dataclass(frozen=True)
 class StepCostModel:
-    """What one step of one replica costs; ``about`` records how it was measured."""
+    """What one step of one replica costs; ``about`` records how it was measured.
+    ``decode_scale``: (batch size, factor) pairs correcting the decode fit (module docstring)."""
 
     prefill: LinearFit
     decode: LinearFit
     about: dict[str, Any] = field(default_factory=dict)
+    decode_scale: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        sizes = [b for b, _ in self.decode_scale]
+        if sizes != sorted(set(sizes)) or any(f <= 0 for _, f in self.decode_scale):
+            raise CostModelError(
+                f"decode_scale: increasing batch sizes with positive factors, got "
+                f"{self.decode_scale}"
+            )
+
+    def decode_factor(self, batch_size: int) -> float:
+        scale = self.decode_scale
+        if not scale:
+            return 1.0
+        if batch_size <= scale[0][0]:
+            return scale[0][1]
+        for (b0, f0), (b1, f1) in itertools.pairwise(scale):
+            if batch_size <= b1:
+                return f0 + (f1 - f0) * (batch_size - b0) / (b1 - b0)
+        return scale[-1][1]
 
     def step_time(self, batch: ScheduledBatch) -> float:
         tokens, attended = batch_features(batch)
-        f = self.prefill if batch.prefills else self.decode
+        if batch.prefills:
+            seconds = self.prefill.seconds(tokens, attended)
+        else:
+            seconds = self.decode.seconds(tokens, attended) * self.decode_factor(tokens)
         # A fit may extrapolate below zero for tiny steps; a step never takes negative time.
-        return max(f.seconds(tokens, attended), 1e-6)
+        return max(seconds, 1e-6)
 
     def save(self, path: Path) -> None:
-        data = {"format": FORMAT, "prefill": asdict(self.prefill), "decode": asdict(self.decode)}
-        data["about"] = self.about
+        data: dict[str, Any] = {
+            "format": FORMAT,
+            "prefill": asdict(self.prefill),
+            "decode": asdict(self.decode),
+            "decode_scale": [list(pair) for pair in self.decode_scale],
+            "about": self.about,
+        }
         path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
     @classmethod
@@ -93,8 +144,12 @@ class StepCostModel:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise CostModelError(f"{path}: not a {FORMAT} file (write one with gearshift profile)")
         try:
+            scale = tuple((int(b), float(f)) for b, f in data.get("decode_scale", []))
             return cls(
-                LinearFit(**data["prefill"]), LinearFit(**data["decode"]), data.get("about", {})
+                LinearFit(**data["prefill"]),
+                LinearFit(**data["decode"]),
+                data.get("about", {}),
+                scale,
             )
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:
             raise CostModelError(f"{path}: {exc!r}") from None

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gearshift.operator.sim.cost_model import StepCostModel, batch_features, fit
+from gearshift.operator.sim.cost_model import StepCostModel, batch_features, decode_scale, fit
 from gearshift.worker.engine.scheduler import ScheduledBatch
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ class ProfileGrid:
 
     prompt_lens: tuple[int, ...] = (16, 64, 128, 256, 512)
     prefill_batches: tuple[int, ...] = (1, 2, 4)
-    decode_batches: tuple[int, ...] = (1, 4, 16, 32)
+    decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     contexts: tuple[int, ...] = (32, 256, 768)
     decode_steps: int = 6
     repeats: int = 2
@@ -52,14 +52,19 @@ class Profile:
 
     def model(self, about: dict[str, object]) -> StepCostModel:
         prefill, decode = fit(self.prefill), fit(self.decode)
-        model = StepCostModel(prefill, decode, {})
+        model = StepCostModel(prefill, decode, {}, decode_scale(self.decode, decode))
+
+        def scaled(tokens: float, attended: float) -> float:
+            return decode.seconds(tokens, attended) * model.decode_factor(int(tokens))
+
         errors = {
             "prefill_mean_abs_error": _mean_rel_error(self.prefill, prefill.seconds),
-            "decode_mean_abs_error": _mean_rel_error(self.decode, decode.seconds),
+            "decode_mean_abs_error": _mean_rel_error(self.decode, scaled),
+            "decode_linear_mean_abs_error": _mean_rel_error(self.decode, decode.seconds),
             "prefill_samples": len(self.prefill),
             "decode_samples": len(self.decode),
         }
-        return StepCostModel(model.prefill, model.decode, {**about, **errors})
+        return StepCostModel(model.prefill, model.decode, {**about, **errors}, model.decode_scale)
 
 
 def _mean_rel_error(samples: list[Sample], predict: Callable[[float, float], float]) -> float:

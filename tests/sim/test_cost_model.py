@@ -60,3 +60,32 @@ def test_a_saved_model_loads_back_and_other_files_are_refused(tmp_path: Path) ->
         StepCostModel.load(path)
     with pytest.raises(CostModelError, match="cannot read"):
         StepCostModel.load(tmp_path / "none.json")
+
+
+def test_decode_scale_corrects_the_fit_per_batch_size_and_round_trips(tmp_path: Path) -> None:
+    """A decode step whose cost is not linear in its batch (fp32 MKL on AMD: 2 rows dearer than
+    4): the profile's per-batch ratio of measured to fitted seconds corrects the fit at the
+    profiled sizes, interpolates between them and holds at the ends."""
+    from gearshift.operator.sim.cost_model import decode_scale
+
+    # Seconds at batch 1, 2, 4, 8 (context 10 each): 2 costs more than 4.
+    truth = {1: 6.0, 2: 10.0, 4: 9.0, 8: 12.0}
+    samples = [(float(b), 10.0 * b, s) for b, s in truth.items() for _ in range(3)]
+    linear = fit(samples)
+    scale = decode_scale(samples, linear)
+    assert [b for b, _ in scale] == [1, 2, 4, 8]
+    model = StepCostModel(LinearFit(1, 0, 0), linear, {}, scale)
+    for b, seconds in truth.items():
+        batch = ScheduledBatch(decodes=[_seq(10, 9, f"r{i}") for i in range(b)])
+        assert model.step_time(batch) == pytest.approx(seconds)
+        # The plain fit misses at least one size by more than 10%.
+    assert max(abs(linear.seconds(b, 10.0 * b) / s - 1) for b, s in truth.items()) > 0.1
+    f2, f4 = model.decode_factor(2), model.decode_factor(4)
+    assert model.decode_factor(3) == pytest.approx((f2 + f4) / 2)
+    assert model.decode_factor(64) == model.decode_factor(8)
+    path = tmp_path / "m.json"
+    model.save(path)
+    assert StepCostModel.load(path) == model
+    assert decode_scale(samples[:3], linear) == ()  # one batch size: nothing to correct
+    with pytest.raises(CostModelError, match="decode_scale"):
+        StepCostModel(linear, linear, {}, ((4, 1.0), (2, 1.0)))
