@@ -368,11 +368,13 @@ class LayerStream:
 @dataclass
 class Posted:
     """A streamed piece's receives posted on a decode rank: per sender, a buffer per layer
-    [rows, 2, heads, D], and the positions."""
+    [rows, 2, heads, D], and the positions; ``error``: a receive that could not be posted (its
+    sender is gone), raised when the piece completes."""
 
     works: list
     layers: list[list[torch.Tensor]]
     positions: torch.Tensor
+    error: RuntimeError | None = None
 
 
 def post_piece(
@@ -386,23 +388,30 @@ def post_piece(
     on tags from ``tag``; they complete in the background while the pool still computes."""
     k_cache = kv_cache[0][0]
     head_dim = k_cache.shape[3]
-    works: list = []
-    layers: list[list[torch.Tensor]] = []
-    positions = torch.empty(rows, dtype=torch.int64)
+    posted = Posted([], [], torch.empty(rows, dtype=torch.int64))
+
+    def receive(buf: torch.Tensor, peer: int, tag: int) -> None:
+        try:
+            posted.works.append(dist.irecv(buf, peer, comm.group, tag))
+        except RuntimeError as exc:  # the sender is gone already: the piece fails when done
+            posted.error = posted.error or exc
+
     for k, (rank, heads) in enumerate(_sources(src, k_cache.shape[1])):
         peer = comm.ranks[rank]
         bufs = [torch.empty((rows, 2, heads, head_dim), dtype=k_cache.dtype) for _ in kv_cache]
-        works += [dist.irecv(b, peer, comm.group, tag + i) for i, b in enumerate(bufs)]
-        where = positions if k == 0 else torch.empty_like(positions)  # every sender sends them
-        works.append(dist.irecv(where, peer, comm.group, tag + TAG_STRIDE - 1))
-        layers.append(bufs)
-    return Posted(works, layers, positions)
+        for i, buf in enumerate(bufs):
+            receive(buf, peer, tag + i)
+        # Every sender sends the positions; the first sender's are kept.
+        where = posted.positions if k == 0 else torch.empty(rows, dtype=torch.int64)
+        receive(where, peer, tag + TAG_STRIDE - 1)
+        posted.layers.append(bufs)
+    return posted
 
 
 def complete_piece(posted: Posted, kv_cache: list[LayerKV], block_ids: list[int]) -> None:
     """Wait for a posted piece (every receive, even after one fails: none stays posted) and
     write it into the paged ``kv_cache`` at the request's slots (``block_ids``; empty: drop)."""
-    error: RuntimeError | None = None
+    error = posted.error
     for work in posted.works:
         try:
             if work is not None:

@@ -144,3 +144,29 @@ def run_rank(
         torch.save({"prompt_kv": prompt_kv, "tokens": tokens}, Path(out_dir, f"decode{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def run_dead_sender(rank: int, store_path: str, out_dir: str) -> None:
+    """Rank 0 (a prefill member) dies at once; rank 1 (a decode rank) posts a streamed piece's
+    receives from it afterwards, then completes the piece: the failure must surface there as
+    a RuntimeError, not crash the posting."""
+    import os
+    import time
+
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30)
+    )
+    if rank == 0:
+        os._exit(0)
+    time.sleep(1.5)
+    world = CommGroup(2, 1, (0, 1), dist.group.WORLD)
+    cache = allocate_kv_cache(KVCacheSpec(2, 1, 4, 4, torch.float32), 4, torch.device("cpu"))
+    posted = post_piece(0, 3, world, cache, stream_tag(0))
+    try:
+        complete_piece(posted, cache, [0])
+        outcome = "completed"
+    except RuntimeError as exc:
+        outcome = f"raised: {str(exc).splitlines()[0]}"
+    Path(out_dir, "dead_sender.txt").write_text(outcome)
+    os._exit(0)

@@ -135,3 +135,15 @@ def test_a_layers_history_is_waited_for_only_when_that_layer_needs_it(tmp_path: 
     assert torch.equal(got["first"], want.kv[half, 0])
     assert torch.equal(got["kv"], want.kv[half])
     assert torch.equal(got["positions"], want.positions[half])
+
+
+def test_a_streamed_piece_from_a_dead_sender_fails_when_completed(tmp_path):
+    """A decode rank that posts a streamed piece's receives after its sender died (a grant in
+    the moment before the group noticed) does not crash: completing the piece raises, which
+    the decode instance records as a failed transfer."""
+    from tests.worker.policies.tetris import handoff_driver
+
+    args = (str(tmp_path / "store"), str(tmp_path))
+    codes = run_ranks(handoff_driver.run_dead_sender, [(r, *args) for r in range(2)], "rank", 120)
+    assert codes == [0, 0], codes
+    assert (tmp_path / "dead_sender.txt").read_text().startswith("raised")
