@@ -148,7 +148,7 @@ def _pool_loop(state: Any, policy: TetrisPolicy, conn: Any, rank: int) -> None:
         for piece in pieces:
             grant = stream.grants[piece]
             sending.append(grant.sending)
-            conn.send(("unsent" if stream.failed else "sent", rid, piece, grant.early, layers))
+            conn.send(("unsent" if stream.broken else "sent", rid, piece, grant.early, layers))
         if stream.settled:
             streams.pop(rid, None)
 

@@ -297,6 +297,7 @@ class LayerStream:
         self.rows: list[torch.Tensor] = []  # per computed layer: [n, 2, heads, D]
         self.positions: torch.Tensor | None = None
         self.failed = False
+        self.error: RuntimeError | None = None  # a send that could not start
         self.cancelled = False
         self.grants: dict[int, _Grant] = {}
 
@@ -321,6 +322,11 @@ class LayerStream:
         """The prefill failed: the granted pieces are filled up with zeros; returns them."""
         self.failed = True
         return self._complete()
+
+    @property
+    def broken(self) -> bool:
+        """Its prefill failed, or a send could not start: what it sent is not the KV."""
+        return self.failed or self.error is not None
 
     @property
     def settled(self) -> bool:
@@ -361,8 +367,13 @@ class LayerStream:
     def _send(self, grant: _Grant, rows: torch.Tensor, tag: int, cut: Any) -> None:
         for dst, local in self.routes:
             buf = cut(rows, local).contiguous()
+            try:
+                work = dist.isend(buf, self.comm.ranks[dst], self.comm.group, tag)
+            except RuntimeError as exc:  # a decode rank is gone (the group ends): not sent
+                self.error = self.error or exc
+                continue
             grant.sending.buffers.append(buf)
-            grant.sending.works.append(dist.isend(buf, self.comm.ranks[dst], self.comm.group, tag))
+            grant.sending.works.append(work)
 
 
 @dataclass
