@@ -99,7 +99,6 @@ class RingCore:
     ):
         self.ring, self.layout, self.lengths, self.scale = ring, layout, lengths, scale
         self.on_layer = on_layer
-        self.reported = 0  # layers given to ``on_layer``
 
     def forward_lse(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Any, meta: Any
@@ -111,7 +110,6 @@ class RingCore:
             # while this layer's attention and the later layers run (layerwise_transfer).
             rows = layer.history.layer(layer.index)
             self.on_layer(torch.cat((rows, torch.stack((k, v), dim=1))))
-            self.reported += 1
         history = History(*layer.kv(), self.lengths)
         return ring_attention_with_history(q, k, v, history, self.ring, self.layout, self.scale)
 
@@ -194,9 +192,6 @@ def run_chunk_plan(
                 [torch.stack(s.chunk, dim=1) for s in stores if s.chunk is not None], dim=1
             )
             holding = Holding(torch.cat((holding.kv, fresh)), torch.cat((holding.positions, rows)))
-        if core.on_layer is not None:
-            for i in range(core.reported, layers):  # layers the model ran without attention
-                core.on_layer(holding.kv[:, i])
         last = int(prompt.shape[0]) - 1
         hit = (rows == last).nonzero()
         if len(hit):

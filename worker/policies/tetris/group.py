@@ -520,6 +520,17 @@ class _Request:
 
 
 @dataclass
+class _Granted:
+    """A piece granted (go) that its member's ranks have not all reported sent yet."""
+
+    decode: int
+    rows: int
+    senders: int  # the member's ranks yet to report it
+    tag: int = 0  # a streamed piece's first tag (layerwise)
+    unsent: bool = False  # a rank reported it could not send the KV
+
+
+@dataclass
 class TransferStats:
     """The hand-off's figures (§4.2), for stats and metrics."""
 
@@ -560,11 +571,8 @@ class TetrisGroup:
     _handshakes: list[queue.Queue[Any]] = field(default_factory=list)
     _threads: list[threading.Thread] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
-    # Pieces granted (go), not yet reported sent by every rank of their member:
-    # (member, rid, piece) -> [decode, rows, the member's ranks yet to report it sent, the
-    # streamed piece's tag (layerwise), 1 once a rank reported it unsent].
-    _granted: dict[tuple[int, str, int], list[int]] = field(default_factory=dict)
-    _xfers: Any = field(default_factory=itertools.count)  # streamed pieces' grant numbers
+    _granted: dict[tuple[int, str, int], _Granted] = field(default_factory=dict)  # (m, rid, piece)
+    _xfers: itertools.count[int] = field(default_factory=itertools.count)  # streamed grants
     _probes: dict[str, dict[int, Any]] = field(default_factory=dict)  # profile replies by member
     _probe_done: threading.Condition = field(default_factory=threading.Condition)
     _probe_lock: threading.Lock = field(default_factory=threading.Lock)  # one profile at a time
@@ -810,13 +818,13 @@ class TetrisGroup:
                     continue
                 senders = len(self.pool_conns[m])
                 if not self.layerwise:
-                    self._granted[(m, rid, piece)] = [req.decode, count, senders, 0, 0]
+                    self._granted[(m, rid, piece)] = _Granted(req.decode, count, senders)
                     self._to_pool(m, ("go", rid, piece))
                     continue
                 # Streamed: the decode ranks post the piece's receives now, and the member
                 # sends each layer as it is computed.
                 tag = stream_tag(next(self._xfers))
-                self._granted[(m, rid, piece)] = [req.decode, count, senders, tag, 0]
+                self._granted[(m, rid, piece)] = _Granted(req.decode, count, senders, tag)
                 self._send(self.decode_conns[req.decode], ("post", rid, m, count, piece, tag))
                 receivers = tuple(self.policy.decode_ranks(req.decode))
                 self._to_pool(m, ("go", rid, piece, tag, count, receivers))
@@ -883,20 +891,22 @@ class TetrisGroup:
                     self.transfer.streamed_early += msg[3]
                 granted = self._granted.get(key)
                 if granted is not None and kind == "unsent":
-                    granted[4] = 1
+                    granted.unsent = True
                 counting = kind == "sent" or self.layerwise  # streamed: every rank sends
-                if granted is not None and counting and granted[2] > 1:
-                    granted[2] -= 1  # another TP rank of the instance has yet to start its share
+                if granted is not None and counting and granted.senders > 1:
+                    granted.senders -= 1  # another TP rank of the instance has yet to report
                     return
                 self._granted.pop(key, None)
             if granted is None:
                 return
-            decode, count, _, tag, unsent = granted
+            decode = self.decode_conns[granted.decode]
             if self.layerwise:
-                self._send(self.decode_conns[decode], ("complete", rid, m, msg[2], tag, unsent))
+                self._send(decode, ("complete", rid, m, msg[2], granted.tag, int(granted.unsent)))
             elif kind == "sent":
-                self._send(self.decode_conns[decode], ("receive", rid, m, count, msg[2]))
-            if unsent or kind == "unsent":  # its prefill failed, or the member lost it: fail
+                self._send(decode, ("receive", rid, m, granted.rows, msg[2]))
+            if (
+                granted.unsent or kind == "unsent"
+            ):  # its prefill failed, or the member lost it: fail
                 self._fail(rid, GroupFailure(f"prefill instance {m} could not send piece {msg[2]}"))
         elif kind in ("profiled", "profile-failed"):
             with self._probe_done:
@@ -967,10 +977,11 @@ class TetrisGroup:
             self.dead_pool[index] = why
             with self._lock:  # its granted pieces will never be sent (their requests fail)
                 for key in [k for k in self._granted if k[0] == index]:
-                    decode, _, _, tag, _ = self._granted.pop(key)
+                    granted = self._granted.pop(key)
                     if self.layerwise:  # posted receives from a dead rank fail: drop them
                         m, rid, piece = key
-                        self._send(self.decode_conns[decode], ("complete", rid, m, piece, tag, 1))
+                        complete = ("complete", rid, m, piece, granted.tag, 1)
+                        self._send(self.decode_conns[granted.decode], complete)
             for conn in self.pool_conns[index]:
                 with contextlib.suppress(ValueError):
                     live.remove(conn)
