@@ -16,18 +16,27 @@ on the prefill pool, the KV hand-off, and decode instances that run the engine's
   blocks are reserved when it is placed, the landed KV is a receive step, the request then joins
   continuous batching with its last prompt token as its first decode row, as in the engine.
 
+* **Ranks sharing a host's cores** (``host_cores``, the CPU build on one machine): the plans
+  run as the engine runs them (each prefill instance takes its requests in arrival order, a chunk
+  starts once its group's instances have reached it and the chunk before it is done), each chunk
+  for its Eq. (1) seconds, and the decode steps alongside, all on ``shared_cores.SharedCores``:
+  with more ranks computing than cores, each goes slower. The planner still plans with Eq. (1)
+  and its own queue view, as the router does. Without ``host_cores`` (a device per rank) a
+  prefill ends at its plan's TTFT.
+
 Not modelled: transfer-slot contention (``transferBackends`` defaults to one slot per prefill
 instance, so the handshake never queues), history rebalancing (it overlaps compute, §4.1).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from gearshift.operator.planner.cdsp import PlannerRules, plan_request
+from gearshift.operator.planner.cdsp import Chunk, PlannerRules, plan_request
 from gearshift.operator.planner.decode_placement import DecodeLoad, DecodePlacer, Placement
 from gearshift.operator.planner.improvement_rate import ImprovementRate, RateStep
 from gearshift.operator.planner.instance_pool import Pool
@@ -35,6 +44,7 @@ from gearshift.operator.sim.cost_model import StepCost
 from gearshift.operator.sim.events import EventLoop
 from gearshift.operator.sim.replica import ReplicaConfig, RequestTimes, SimReplica
 from gearshift.operator.sim.results import SimResult
+from gearshift.operator.sim.shared_cores import SharedCores
 from gearshift.operator.sim.trace import TraceRequest
 from gearshift.worker.engine.contract import QueueView, StepKind, StepRequest
 from gearshift.worker.engine.scheduler import ScheduledBatch, Scheduler
@@ -103,11 +113,30 @@ class TetrisGroupSim:
     prefill_tp: int = 1  # each prefill instance's TP ranks send their head shards in parallel
     rate_table: tuple[RateStep, ...] = ()  # improvementRateTable; empty: the constant rate
     rate_window_s: float = 30.0  # rateWindowSeconds
+    decode_tp: int = 1  # ranks of each decode instance
+    # CPU cores that every rank of the group shares (one host, no device per rank); None: each
+    # rank computes on a device of its own.
+    host_cores: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.host_cores is not None and self.host_cores < 1:
+            raise ValueError(f"host_cores must be >= 1, got {self.host_cores}")
 
     def handoff_s(self, tokens: int, senders: int) -> float:
         """``senders`` instances' rows over the link, each instance's TP ranks in parallel."""
         per_rank = tokens * self.kv_bytes_per_token / (senders * self.prefill_tp)
         return per_rank / self.link_bandwidth + self.link_latency
+
+
+@dataclass(eq=False)
+class _Prefill:
+    """A request's chunk plan as the pool runs it (``host_cores``)."""
+
+    chunks: tuple[Chunk, ...]
+    tokens: int
+    land: Callable[[], None]  # its KV reaches the decode instance
+    done: int = 0  # chunks finished
+    running: bool = False
 
 
 def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> SimResult:
@@ -132,10 +161,43 @@ def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> Sim
         assert isinstance(hooks, DecodeHooks) and hooks.admission is not None
         return hooks.admission
 
+    host = SharedCores(loop, group.host_cores) if group.host_cores is not None else None
+    # Each prefill instance's requests in the order it got them (host_cores only).
+    queues: list[collections.deque[_Prefill]] = [collections.deque() for _ in range(group.prefill)]
+
     def start(rep: SimReplica) -> None:
         finish = rep.launch(loop.now)
-        if finish is not None:
+        if finish is None:
+            return
+        if host is None:
             loop.at(finish, functools.partial(end, rep))
+        else:  # the step's cost is its work; the shared cores decide how long it takes
+            host.run(finish - loop.now, group.decode_tp, functools.partial(end, rep))
+
+    def next_chunk(run: _Prefill) -> None:
+        # The chunk starts once each instance of its group has reached this request (ended
+        # every request it got before) and the chunk before it is done (``running`` is False).
+        chunk = run.chunks[run.done]
+        if run.running or any(queues[m][0] is not run for m in chunk.group):
+            return
+        run.running = True
+        assert host is not None
+        ranks = len(chunk.group) * group.prefill_tp
+        host.run(chunk.seconds, ranks, functools.partial(chunk_done, run))
+
+    def chunk_done(run: _Prefill) -> None:
+        run.running = False
+        run.done += 1
+        if run.done < len(run.chunks):
+            next_chunk(run)
+            return
+        members = run.chunks[-1].group
+        loop.at(loop.now + group.handoff_s(run.tokens, len(members)), run.land)
+        for m in members:
+            queues[m].popleft()
+        for m in members:
+            if queues[m]:
+                next_chunk(queues[m][0])
 
     def end(rep: SimReplica) -> None:
         for rid, _, finished in rep.finish_step(loop.now):
@@ -186,8 +248,15 @@ def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> Sim
         plan = plan_request(req.prompt_tokens, pool, group.rules, rates.current(loop.now))
         pool = pool.commit((c.group, c.end) for c in plan.chunks)
         senders = len(plan.chunks[-1].group)
-        landed = loop.now + plan.ttft + group.handoff_s(req.prompt_tokens, senders)
-        loop.at(landed, functools.partial(land, rep, rid, req.prompt_tokens))
+        on_land = functools.partial(land, rep, rid, req.prompt_tokens)
+        if host is None:
+            landed = loop.now + plan.ttft + group.handoff_s(req.prompt_tokens, senders)
+            loop.at(landed, on_land)
+            return
+        run = _Prefill(plan.chunks, req.prompt_tokens, on_land)
+        for m in plan.chunks[-1].group:  # the last group holds every earlier one
+            queues[m].append(run)
+        next_chunk(run)
 
     for i, req in enumerate(trace):
         loop.at(req.arrival_s, functools.partial(arrive, i, req))
