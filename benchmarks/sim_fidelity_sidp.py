@@ -21,8 +21,15 @@ both sides; WaS replicas run independently (§4.2), so the simulator runs each r
 share of the trace. Both sides are warm: the profiled engine from its grid, the group from a
 short warm-up trace of its own before the measured one.
 
+With ``--mode CAS`` the replicas step together (§4.3), and the simulator runs them as one group
+(``operator/sim/lockstep.py``): a step costs the slowest replica's own step (the same profile)
+plus what each layer's activation exchange adds, which is measured on the running group before
+the trace (``exchange_points``: decode batches and single prompts, on both replicas and on one),
+as ``sidp_cost.MeasuredCasCost`` prices it.
+
     python benchmarks/sim_fidelity_sidp.py              # → sim_fidelity_sidp.json, ~1 min
-    python benchmarks/sim_fidelity_sidp.py --rate 4 --out sim_fidelity_sidp_online.json
+    python benchmarks/sim_fidelity_sidp.py --rate 6 --requests 48 --out ...online.json
+    python benchmarks/sim_fidelity_sidp.py --mode CAS --out sim_fidelity_sidp_cas.json
 """
 
 from __future__ import annotations
@@ -131,6 +138,78 @@ def fetch_seconds(config: Any, repeats: int = 30) -> tuple[float, int]:
         seg.close()
 
 
+EXCHANGE_BATCHES = (1, 4, 16, 32)  # decode sequences per busy replica
+EXCHANGE_PROMPT, EXCHANGE_OUTPUT = 32, 41
+EXCHANGE_PREFILLS = (128, 512)  # one prompt's tokens per busy replica (one step each)
+
+
+def _decode_batch(n: int, context: int) -> Any:
+    from gearshift.worker.engine.scheduler import ScheduledBatch
+    from gearshift.worker.engine.sequence import Sequence
+
+    batch = ScheduledBatch()
+    for i in range(n):
+        seq = Sequence(f"d{i}", [0] * context, params=None, max_tokens=1)  # type: ignore[arg-type]
+        seq.num_computed_tokens = context - 1
+        batch.decodes.append(seq)
+    return batch
+
+
+def _prefill_batch(n: int) -> Any:
+    from gearshift.worker.engine.scheduler import ScheduledBatch
+    from gearshift.worker.engine.sequence import Sequence
+
+    batch = ScheduledBatch()
+    seq = Sequence("p", [0] * n, params=None, max_tokens=1)  # type: ignore[arg-type]
+    batch.prefills.append((seq, n))
+    return batch
+
+
+def exchange_points(
+    group: Any,
+    base: Any,
+    layers: int,
+    idle_poll_s: float,
+    prefills: tuple[int, ...] = EXCHANGE_PREFILLS,
+) -> tuple[Any, Any]:
+    """What a CaS layer's exchange adds to a step, measured on the running group (CaS pinned),
+    with work on both replicas (``shared``: the owner computes too) and on replica 0 alone
+    (``served``: the owner runs a dummy step): a step's time less replica 0's own step
+    (``base``), per exchanging layer, by the group's rows. Decode steps: batches of n sequences
+    (the step is the decode TPOT); prefill steps: one prompt per busy replica, in one step (the
+    median TTFT of three tries, less the mean wait of an idle group, ``idle_poll_s`` / 2)."""
+    from gearshift.operator.sim.trace import TraceRequest
+    from gearshift.worker.policies.sidp.ownership import Ownership
+
+    remote = layers - len(Ownership(DP, layers).owned(0))
+    context = EXCHANGE_PROMPT + EXCHANGE_OUTPUT // 2  # the mean context of the decode steps
+    shared: list[tuple[int, float]] = []
+    served: list[tuple[int, float]] = []
+
+    def add(busy: int, rows: int, step: float, own: float) -> None:
+        if busy == DP:  # every layer exchanges, its owner busy too
+            shared.append((DP * rows, max((step - own) / layers, 0.0)))
+        else:  # replica 0's remote layers exchange, with an idle owner
+            served.append((rows, max((step - own) / remote, 0.0)))
+
+    for n in EXCHANGE_BATCHES:
+        for busy in (DP, 1):
+            trace = [TraceRequest(0.0, EXCHANGE_PROMPT, EXCHANGE_OUTPUT)] * (n * busy)
+            picks = [i % busy for i in range(len(trace))]
+            step = run_group(group, trace, picks, prefix=f"x{n}.{busy}.")["tpot_mean_s"]
+            add(busy, n, step, base.step_time(_decode_batch(n, context)))
+    for n in prefills:
+        for busy in (DP, 1):
+            trace = [TraceRequest(0.0, n, 2)] * busy
+            tries = [
+                run_group(group, trace, list(range(busy)), prefix=f"p{n}.{busy}.{k}.")
+                for k in range(3)
+            ]
+            step = statistics.median(t["ttft_mean_s"] for t in tries) - idle_poll_s / 2
+            add(busy, n, step, base.step_time(_prefill_batch(n)))
+    return tuple(sorted(shared)), tuple(sorted(served))
+
+
 def run_group(
     group: Any, trace: list[Any], picks: list[int], prefix: str = "r"
 ) -> dict[str, float]:
@@ -159,7 +238,10 @@ def run_group(
         due = pending[0][1].arrival_s - (time.perf_counter() - start) if pending else 1.0
         for conn in wait(group.conns, timeout=max(0.0, min(due, 1.0))):
             while conn.poll(0):
-                kind, out = conn.recv()
+                msg = conn.recv()
+                if msg[0] == "finished":  # refused by the replica: ("finished", rid, [], why)
+                    raise RuntimeError(f"replica refused {msg[1]}: {msg[3]}")
+                kind, out = msg
                 assert kind == "out", kind
                 t = time.perf_counter() - start
                 if out.new_token_ids:
@@ -188,12 +270,14 @@ def combined(times: list[Any]) -> dict[str, float]:
 
 
 def main() -> None:
+    from gearshift.operator.sim.lockstep import simulate_lockstep
     from gearshift.operator.sim.replica import ReplicaConfig
     from gearshift.operator.sim.routing import LeastOutstandingRouter
-    from gearshift.operator.sim.sidp_cost import MeasuredWasCost
+    from gearshift.operator.sim.sidp_cost import MeasuredCasCost, MeasuredWasCost
     from gearshift.operator.sim.simulator import Deployment, simulate
     from gearshift.operator.sim.trace import TraceRequest
     from gearshift.worker.launch import GroupConfig
+    from gearshift.worker.launch.replica_rank import IDLE_WAIT_S
     from gearshift.worker.launch.replicas import start_replicas
     from gearshift.worker.policies.registry import make_policy
     from gearshift.worker.policies.sidp.ownership import Ownership
@@ -205,6 +289,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-neighbour", dest="neighbour", action="store_false")
+    ap.add_argument("--mode", choices=("WAS", "CAS"), default="WAS", help="the SiDP mode, pinned")
     ap.add_argument("--out", type=Path, default=HERE / "sim_fidelity_sidp.json")
     args = ap.parse_args()
 
@@ -216,6 +301,9 @@ def main() -> None:
         profile_s = time.perf_counter() - t0
         fetch_s, layer_bytes = fetch_seconds(config)
         remote = args.layers - len(Ownership(DP, args.layers).owned(0))
+        cas = args.mode == "CAS"
+        shared: Any = ()
+        served: Any = ()
 
         trace = fidelity_trace(args.requests, args.rate, args.seed)
         # The router's rule (fewest outstanding tokens, as requests arrive), fixed up front.
@@ -223,7 +311,7 @@ def main() -> None:
         picks = [
             router.pick(f"r{i}", r.prompt_tokens, r.output_tokens) for i, r in enumerate(trace)
         ]
-        policy = make_policy({"sidp": {"dp": DP, "mode": "WAS"}})
+        policy = make_policy({"sidp": {"dp": DP, "mode": args.mode}})
         group = start_replicas(config, policy, GroupConfig(timeout_s=120), stream=True)
         try:
             blocks = [int(r["num_blocks"]) for r in group.ready]
@@ -231,6 +319,10 @@ def main() -> None:
             # pay one-time setup), with a trace of its own.
             warm = [TraceRequest(0.0, n, 8) for n in (500, 320, 160, 64, 16, 300, 200, 100)]
             run_group(group, warm, [i % DP for i in range(len(warm))], prefix="w")
+            if cas:
+                t0 = time.perf_counter()
+                shared, served = exchange_points(group, base, args.layers, IDLE_WAIT_S)
+                profile_s += time.perf_counter() - t0
             measured = run_group(group, trace, picks)
             stats = [group.stats(r) for r in range(DP)]
         finally:
@@ -238,7 +330,7 @@ def main() -> None:
         cost = MeasuredWasCost(base, remote, fetch_s, overlap=False)
         t0 = time.perf_counter()
         times = []
-        for r in range(DP):
+        for r in range(DP if not cas else 0):
             # Each replica alone on its share (WaS replicas are independent, §4.2): both sides
             # run the same assignment, online too.
             replica = ReplicaConfig(
@@ -250,6 +342,20 @@ def main() -> None:
             )
             mine = [req for req, pick in zip(trace, picks, strict=True) if pick == r]
             times += simulate(Deployment(1, replica, cost), mine).requests
+        if cas:
+            # CaS replicas step together (§4.3): the group is simulated as one, each replica
+            # with its own scheduler and the fewer of the two replicas' KV blocks.
+            replica = ReplicaConfig(
+                num_blocks=min(blocks),
+                block_size=config.block_size,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=config.max_model_len,
+            )
+            cas_cost = MeasuredCasCost(base, args.layers, DP, shared, served)
+            times = simulate_lockstep(
+                DP, replica, cas_cost, trace, picks, idle_poll_s=IDLE_WAIT_S
+            ).requests
         sim_s = time.perf_counter() - t0
         predicted = combined(times)
 
@@ -266,7 +372,7 @@ def main() -> None:
     result_json = {
         "command": "python " + " ".join(sys.argv),
         "dp": DP,
-        "mode": "WAS",
+        "mode": args.mode,
         "profile_beside_a_neighbour": args.neighbour,
         "cost_model": {
             "prefill": vars(base.prefill),
@@ -276,6 +382,8 @@ def main() -> None:
             "layer_bytes": layer_bytes,
             "remote_layers": remote,
             "overlap": False,
+            "cas_shared_exchange_by_rows": shared,
+            "cas_served_exchange_by_rows": served,
         },
         "kv_blocks": blocks,
         "group": {"steps": steps, "fetched_bytes": fetched, "slot_waits": waits},

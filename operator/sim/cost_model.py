@@ -87,6 +87,17 @@ def decode_scale(
     return tuple((b, measured / fitted) for b, (measured, fitted) in sorted(sums.items()))
 
 
+def interpolate(points: Sequence[tuple[float, float]], x: float, extend: bool = False) -> float:
+    """``points`` (increasing x) joined by straight lines, read at ``x``: the first point's
+    value below it; beyond the last, its value, or with ``extend`` the last segment's line."""
+    if x <= points[0][0] or len(points) == 1:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if x <= x1 or (extend and (x1, y1) == tuple(points[-1])):
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return points[-1][1]
+
+
 @dataclass(frozen=True)
 class StepCostModel:
     """What one step of one replica costs; ``about`` records how it was measured.
@@ -106,15 +117,7 @@ class StepCostModel:
             )
 
     def decode_factor(self, batch_size: int) -> float:
-        scale = self.decode_scale
-        if not scale:
-            return 1.0
-        if batch_size <= scale[0][0]:
-            return scale[0][1]
-        for (b0, f0), (b1, f1) in itertools.pairwise(scale):
-            if batch_size <= b1:
-                return f0 + (f1 - f0) * (batch_size - b0) / (b1 - b0)
-        return scale[-1][1]
+        return interpolate(self.decode_scale, batch_size) if self.decode_scale else 1.0
 
     def step_time(self, batch: ScheduledBatch) -> float:
         tokens, attended = batch_features(batch)

@@ -23,10 +23,10 @@ A SiDP group of ``dp × tp`` GPUs on one node is ``dp`` independent engine repli
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from gearshift.operator.sim.cost_model import StepCost
+from gearshift.operator.sim.cost_model import StepCost, interpolate
 from gearshift.operator.sim.hardware import Hardware, with_count
 from gearshift.operator.sim.model_desc import ModelDesc
 from gearshift.operator.sim.roofline import Layout, RooflineCost, StepShape, p2p, shape_of
@@ -136,6 +136,57 @@ class MeasuredWasCost:
         compute = self.base.step_time(batch)
         fetch = self.remote_layers * self.fetch_seconds
         return max(compute, fetch) if self.overlap else compute + fetch
+
+
+@dataclass(frozen=True)
+class MeasuredCasCost:
+    """A CaS group step from measurements (``lockstep.GroupStepCost``).
+
+    The replicas start each step together (§4.3). In every layer each replica computes what is
+    not the FFN on its own rows, at the same time as the others; the layer's owner then runs the
+    FFN over every replica's rows (dummy skipping: an idle replica sends none) while the others
+    wait for their slices. So a step takes the slowest replica's own step (``base``: a replica's
+    measured step, its own rows through every layer), plus, for each layer that some other
+    replica sends rows to, what the exchange adds: the owner's FFN over the rows it does not
+    hold, the activations' trip there and back, and the waits of the lock step. That extra is
+    measured on the running group (``exchange_points`` in ``benchmarks/sim_fidelity_sidp.py``),
+    by the group's rows, in two cases:
+
+    - ``shared``: the owner has rows of its own (both sides compute, the messages overlap the
+      owner's work);
+    - ``served``: the owner is idle (a dummy step), so the sender waits for the whole trip.
+
+    Each is (group rows, seconds) points, read between (and beyond the last) by straight lines.
+    """
+
+    base: StepCost
+    layers: int
+    dp: int
+    shared: tuple[tuple[int, float], ...]
+    served: tuple[tuple[int, float], ...]
+
+    def __post_init__(self) -> None:
+        for name, points in (("shared", self.shared), ("served", self.served)):
+            rows = [n for n, _ in points]
+            if not rows or rows != sorted(set(rows)) or min(t for _, t in points) < 0:
+                raise ValueError(f"{name}: (rows, seconds) points, rows increasing, got {points}")
+
+    def exchange_seconds(self, group_rows: int, owner_busy: bool) -> float:
+        """What one layer's exchange adds to a step."""
+        return interpolate(self.shared if owner_busy else self.served, group_rows, extend=True)
+
+    def group_step_time(self, batches: Sequence[ScheduledBatch | None]) -> float:
+        if len(batches) != self.dp:
+            raise ValueError(f"a CaS step has {self.dp} replicas' batches, got {len(batches)}")
+        rows = [b.num_tokens if b is not None else 0 for b in batches]
+        own = max((self.base.step_time(b) for b in batches if b is not None), default=0.0)
+        owners = Ownership(self.dp, self.layers)
+        extra = 0.0
+        for layer in range(self.layers):
+            owner = owners.owner(layer)
+            if any(rows[r] for r in range(self.dp) if r != owner):
+                extra += self.exchange_seconds(sum(rows), rows[owner] > 0)
+        return own + extra
 
 
 # B_th search bound: a step of more tokens than this is beyond any engine's batch.

@@ -85,11 +85,8 @@ def simulate(deployment: Deployment, trace: Sequence[TraceRequest]) -> SimResult
         start(rep)
 
     def arrive(index: int, req: TraceRequest) -> None:
-        if req.prompt_tokens + req.output_tokens > limit:
-            # LLMEngine._check_prompt refuses these (the router answers 400): count, not run.
-            rejected.append(
-                (index, f"{req.prompt_tokens} + {req.output_tokens} tokens exceed {limit}")
-            )
+        if (why := refusal(req, limit)) is not None:
+            rejected.append((index, why))
             return
         rid = f"r{index}"
         rep = replicas[router.pick(rid, req.prompt_tokens, req.output_tokens)]
@@ -108,11 +105,27 @@ def simulate(deployment: Deployment, trace: Sequence[TraceRequest]) -> SimResult
     for i, req in enumerate(trace):
         loop.at(req.arrival_s, functools.partial(arrive, i, req))
     loop.run()
+    return collect(replicas, done, rejected)
+
+
+def refusal(req: TraceRequest, max_model_len: int) -> str | None:
+    """Why the engine refuses ``req`` (LLMEngine._check_prompt: the router answers 400), or
+    None: such requests are counted as rejected, not run."""
+    if req.prompt_tokens + req.output_tokens > max_model_len:
+        return f"{req.prompt_tokens} + {req.output_tokens} tokens exceed {max_model_len}"
+    return None
+
+
+def collect(
+    replicas: Sequence[SimReplica], done: list[RequestTimes], rejected: list[tuple[int, str]]
+) -> SimResult:
+    """The run's result once its events are spent; a replica left with work means the
+    scheduler could not place a request at all: its KV needs more blocks than exist."""
     leaked = [r.index for r in replicas if r.blocks.leaked_blocks() or r.scheduler.has_unfinished]
     if leaked:
-        # The scheduler could not place a request at all: its KV needs more blocks than exist.
+        config = replicas[0].config
         raise RuntimeError(
             f"replicas {leaked} cannot run their requests: a request needs more KV blocks than "
-            f"the replica has ({deployment.config.num_blocks} of {deployment.config.block_size})"
+            f"the replica has ({config.num_blocks} of {config.block_size})"
         )
-    return SimResult.of(done, rejected, replicas)
+    return SimResult.of(done, list(rejected), list(replicas))
