@@ -17,6 +17,12 @@ request), wall clock (perf_counter_ns); "search" = Algorithm 1 alone on a built 
 "plan CPU" = the plan's thread CPU time, which leaves out the time slices other processes took
 (on a shared 2-core machine those make the wall-clock tail). The load average is recorded.
 
+The maximum of one pass is one request's worst moment, and on this VM that is a hiccup of the
+machine (an interrupt, a page fault): the slowest request changes from pass to pass. So every
+request is planned ``--passes`` times (default 5) and the script also reports the search's own
+worst case, the slowest request's fastest time over the passes ("worst"), and which requests
+were slowest in each pass. Average, p50, p99 and max are the first pass's, as before.
+
     .venv/bin/python benchmarks/tetris.py              # writes tetris.{json,png} next to this file
 """
 
@@ -49,7 +55,7 @@ PAPER_US = {
 PER_NODE = 8
 
 
-def measure(max_sp: int, requests: int, seed: int, search: str) -> dict[str, Any]:
+def measure(max_sp: int, requests: int, seed: int, search: str, passes: int = 5) -> dict[str, Any]:
     rules = PlannerRules({s: table1_model(s) for s in sp_sizes(max_sp, True)}, 1024, 4)
     rng = random.Random(seed)
     node_of = tuple(i // PER_NODE for i in range(max_sp))
@@ -85,7 +91,19 @@ def measure(max_sp: int, requests: int, seed: int, search: str) -> dict[str, Any
             chunks.append(len(plan.chunks))
             plans.append(plan)
 
+    # The same requests again: each one's fastest time is the search's, without hiccups.
+    fastest = list(plan_ns)
+    slowest = [_slowest(plan_ns)]
+    for _ in range(passes - 1):
+        again = []
+        for queue, length in cases[100:]:
+            t0 = time.perf_counter_ns()
+            plan_request(length, Pool(dict(enumerate(queue)), node_of), rules, 0.3, search)
+            again.append(time.perf_counter_ns() - t0)
+        fastest = [min(a, b) for a, b in zip(fastest, again, strict=True)]
+        slowest.append(_slowest(again))
     gc.unfreeze()
+    worst = max(range(len(fastest)), key=fastest.__getitem__)
 
     def us(xs: list[int]) -> dict[str, float]:
         xs = sorted(xs)
@@ -102,11 +120,19 @@ def measure(max_sp: int, requests: int, seed: int, search: str) -> dict[str, Any
         "plan_us": us(plan_ns),
         "plan_cpu_us": us(cpu_ns),
         "search_us": us(search_ns),
+        "passes": passes,
+        "worst_us": round(fastest[worst] / 1e3, 1),  # the slowest request's fastest pass
+        "worst_request": worst,
+        "slowest_request_per_pass": slowest,
         "paper_us": {"avg": PAPER_US[max_sp][0], "max": PAPER_US[max_sp][1]},
         "chunks_per_request": round(statistics.fmean(chunks), 3),
         "multi_chunk_share": round(sum(c > 1 for c in chunks) / len(chunks), 3),
         "plans": plans,  # compared across searches in main(), not saved
     }
+
+
+def _slowest(ns: list[int]) -> int:
+    return max(range(len(ns)), key=ns.__getitem__)
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -121,6 +147,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         xs = [str(r["max_sp"]) for r in mine]
         ax.plot(xs, [r["plan_us"]["avg"] for r in mine], f"{mark}-", label=f"{search} plan, avg")
         ax.plot(xs, [r["plan_us"]["p99"] for r in mine], f"{mark}--", label=f"{search} plan, p99")
+        ax.plot(xs, [r["worst_us"] for r in mine], f"{mark}:", label=f"{search} worst request")
     paper = [r for r in rows if r["search"] == "native"]
     xs = [str(r["max_sp"]) for r in paper]
     ax.plot(xs, [r["paper_us"]["avg"] for r in paper], "^-", label="paper C++, avg")
@@ -138,18 +165,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--passes", type=int, default=5, help="times each request is planned")
     ap.add_argument("--out", type=Path, default=HERE / "tetris.json")
     args = ap.parse_args()
     load_before = os.getloadavg()
     rows = []
     for n in MAX_SP:
-        mine = [measure(n, args.requests, args.seed + n, search) for search in ("native", "python")]
+        mine = [
+            measure(n, args.requests, args.seed + n, search, args.passes)
+            for search in ("native", "python")
+        ]
         same = mine[0].pop("plans") == mine[1].pop("plans")
         if not same:
             raise SystemExit(f"max SP {n}: the C++ and Python searches planned differently")
         rows += mine
     result = {
-        "command": f"python benchmarks/tetris.py --requests {args.requests} --seed {args.seed}",
+        "command": (
+            f"python benchmarks/tetris.py --requests {args.requests} --seed {args.seed} "
+            f"--passes {args.passes}"
+        ),
         "machine": {
             "python": platform.python_version(),
             "cpu_count": os.cpu_count(),
@@ -161,16 +195,21 @@ def main() -> None:
     }
     print(
         f"{'search':>6} {'max SP':>6} | {'plan avg':>8} {'p50':>7} {'p99':>7} {'max':>8} | "
-        f"{'CPU avg':>7} {'p99':>6} {'max':>7} | {'paper avg/max':>13} | chunks/req"
+        f"{'CPU avg':>7} {'p99':>6} {'max':>7} | {'worst':>6} | {'paper avg/max':>13} | "
+        "chunks/req | slowest request per pass"
     )
     for r in rows:
         p, c, u = r["plan_us"], r["paper_us"], r["plan_cpu_us"]
         print(
             f"{r['search']:>6} {r['max_sp']:>6} | {p['avg']:>8} {p['p50']:>7} {p['p99']:>7} "
             f"{p['max']:>8} | {u['avg']:>7} {u['p99']:>6} {u['max']:>7} | "
-            f"{c['avg']:>6}/{c['max']:<6} | {r['chunks_per_request']}"
+            f"{r['worst_us']:>6} | {c['avg']:>6}/{c['max']:<6} | {r['chunks_per_request']:>10} | "
+            f"{r['slowest_request_per_pass']}"
         )
-    print("µs per request; both searches gave the same plans; load average before/after:")
+    print(
+        "µs per request; worst: the slowest request's fastest of the passes; both searches "
+        "gave the same plans; load average before/after:"
+    )
     print(load_before, os.getloadavg())
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     plot(rows, args.out.with_suffix(".png"))
