@@ -146,6 +146,20 @@ def fidelity_trace(requests: int, rate: float, seed: int) -> list[Any]:
     return trace
 
 
+def decode_batch(n: int, context: int) -> Any:
+    """A scheduler batch of ``n`` decode rows, each ``context`` tokens deep: what a profiled
+    step cost is asked for a decode step of that shape."""
+    from gearshift.worker.engine.scheduler import ScheduledBatch
+    from gearshift.worker.engine.sequence import Sequence
+
+    batch = ScheduledBatch()
+    for i in range(n):
+        seq = Sequence(f"d{i}", [0] * context, params=None, max_tokens=1)  # type: ignore[arg-type]
+        seq.num_computed_tokens = context - 1
+        batch.decodes.append(seq)
+    return batch
+
+
 def compare(measured: dict[str, float], predicted: dict[str, float]) -> list[dict[str, float]]:
     """Print measured vs simulated per figure; the rows (error = simulated / measured - 1)."""
     rows = []

@@ -49,6 +49,7 @@ sys.path.insert(0, str(HERE))
 
 from sim_fidelity import (  # noqa: E402
     compare,
+    decode_batch,
     engine_config,
     fidelity_trace,
     measured_figures,
@@ -143,18 +144,6 @@ EXCHANGE_PROMPT, EXCHANGE_OUTPUT = 32, 41
 EXCHANGE_PREFILLS = (128, 512)  # one prompt's tokens per busy replica (one step each)
 
 
-def _decode_batch(n: int, context: int) -> Any:
-    from gearshift.worker.engine.scheduler import ScheduledBatch
-    from gearshift.worker.engine.sequence import Sequence
-
-    batch = ScheduledBatch()
-    for i in range(n):
-        seq = Sequence(f"d{i}", [0] * context, params=None, max_tokens=1)  # type: ignore[arg-type]
-        seq.num_computed_tokens = context - 1
-        batch.decodes.append(seq)
-    return batch
-
-
 def _prefill_batch(n: int) -> Any:
     from gearshift.worker.engine.scheduler import ScheduledBatch
     from gearshift.worker.engine.sequence import Sequence
@@ -197,7 +186,7 @@ def exchange_points(
             trace = [TraceRequest(0.0, EXCHANGE_PROMPT, EXCHANGE_OUTPUT)] * (n * busy)
             picks = [i % busy for i in range(len(trace))]
             step = run_group(group, trace, picks, prefix=f"x{n}.{busy}.")["tpot_mean_s"]
-            add(busy, n, step, base.step_time(_decode_batch(n, context)))
+            add(busy, n, step, base.step_time(decode_batch(n, context)))
     for n in prefills:
         for busy in (DP, 1):
             trace = [TraceRequest(0.0, n, 2)] * busy

@@ -8,19 +8,33 @@ so both run the same chunk plans; the real group gets each plan as the router wo
 (``WorkerGenerateRequest.tetris_plan``). The simulator's inputs are measured here first:
 
 * Eq. (1) per SP size from the running group's own pool (``TetrisGroup.profile``, what
-  ``gearshift tetris-profile --worker`` calls);
+  ``gearshift tetris-profile --worker`` calls), on an idle group;
+* nothing for the ranks' sharing of this machine's cores: the simulator derives it
+  (``host_cores`` with ``host_gangs``, ``operator/sim/shared_cores.py``). To check that model the
+  pool is profiled again while the decode instance decodes 8 requests beside it, and the script
+  prints each SP size's busy over idle Eq. (1) (the model says 1 for SP 1, 2.25 for SP 2);
 * the decode instance's step cost from ``gearshift profile``'s measurement of a one-rank engine
-  of the same model and settings;
-* the hand-off: the group's KV bytes per token over a loopback link of ``--link-gbps`` with
-  ``--link-ms`` latency (specified, not measured).
+  of the same model and settings, plus what the decode instance adds to each step (its leader
+  lands KV and admits requests too), measured on the idle group: batches of 1, 2, 4 and 8
+  requests, each step's time less the profiled step (``cost_model.StepOverhead``);
+* the hand-off, measured on the idle group (``_measure_handoff``): single requests of 64, 320
+  and 800 prompt tokens on one instance, each request's TTFT less its member's prefill seconds
+  and its first decode step (the profiled cost), fitted as a latency plus the KV bytes over a
+  bandwidth. That is everything a request spends outside compute between arriving and its first
+  token (the pipes, the handshake, the KV's trip, the admission), priced where the simulator
+  puts the hand-off. ``--link-gbps`` and ``--link-ms`` give it instead.
 
-    python benchmarks/sim_fidelity_tetris.py            # → sim_fidelity_tetris.json, ~2 min
+The same run also simulates plain processor sharing (rings not in lock step) and a core per
+rank, for comparison.
+
+    python benchmarks/sim_fidelity_tetris.py            # → sim_fidelity_tetris.json, ~1 min
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import queue
@@ -36,6 +50,7 @@ sys.path.insert(0, str(HERE))
 
 from sim_fidelity import (  # noqa: E402
     compare,
+    decode_batch,
     engine_config,
     measured_figures,
     random_llama,
@@ -44,11 +59,10 @@ from sim_fidelity import (  # noqa: E402
 
 
 def main() -> None:
-    from gearshift.operator.commands.tetris_profile import fit
     from gearshift.operator.planner.cdsp import PlannerRules, plan_request
     from gearshift.operator.planner.instance_pool import Pool
-    from gearshift.operator.planner.latency_model import LatencyModel
     from gearshift.operator.sim.arrivals import Arrivals, RateCurve
+    from gearshift.operator.sim.cost_model import StepOverhead
     from gearshift.operator.sim.lengths import LogNormal
     from gearshift.operator.sim.profile import ProfileGrid, measure
     from gearshift.operator.sim.replica import ReplicaConfig
@@ -66,8 +80,8 @@ def main() -> None:
     ap.add_argument("--prompt-median", type=int, default=200)
     ap.add_argument("--prompt-p90", type=int, default=450)
     ap.add_argument("--improvement-rate", type=float, default=0.3)
-    ap.add_argument("--link-gbps", type=float, default=2.0, help="hand-off bandwidth, GB/s")
-    ap.add_argument("--link-ms", type=float, default=1.0, help="hand-off latency, ms")
+    ap.add_argument("--link-gbps", type=float, help="hand-off bandwidth, GB/s (default: measured)")
+    ap.add_argument("--link-ms", type=float, help="hand-off latency, ms (default: measured)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=HERE / "sim_fidelity_tetris.json")
     args = ap.parse_args()
@@ -80,10 +94,10 @@ def main() -> None:
         grid = ProfileGrid(
             prompt_lens=(16, 64),
             prefill_batches=(1,),
-            decode_batches=(1, 2, 4, 8),
-            contexts=(32, 256, 600),
+            decode_batches=(1, 2, 3, 4, 6, 8, 12, 16),
+            contexts=(32, 128, 256, 600, 900),
             decode_steps=5,
-            repeats=2,
+            repeats=3,
         )
         decode_cost = measure(engine, grid, args.seed).model({"model": "random-llama"})
         replica = ReplicaConfig(
@@ -107,15 +121,38 @@ def main() -> None:
             t0 = time.perf_counter()
             samples = group.profile([], [0, 128, 256], [32, 96, 192, 320], 4)
             profile_s = time.perf_counter() - t0
-            by_sp: dict[int, list[tuple[int, int, float]]] = {}
-            for sp, c, n, seconds in samples:
-                by_sp.setdefault(sp, []).append((c, n, seconds))
-            fitted = fit(by_sp)
-            models = {
-                int(m["sp"]): LatencyModel(int(m["sp"]), m["a"], m["b"], m["c"], m["d"])
-                for m in fitted
+            fitted, models = _fit(samples)
+            decode_extra = _measure_decode_steps(
+                group, outputs, decode_cost, worker_pb2, SamplingParams
+            )
+            print(f"decode instance's extra per step by batch: {decode_extra}")
+            instance_cost = StepOverhead(decode_cost, decode_extra)
+            if args.link_gbps is None or args.link_ms is None:
+                bandwidth, latency = _measure_handoff(
+                    group, outputs, instance_cost, worker_pb2, SamplingParams
+                )
+            else:
+                bandwidth, latency = args.link_gbps * 1e9, args.link_ms / 1e3
+            print(f"hand-off: {bandwidth / 1e9:.3f} GB/s, {latency * 1e3:.2f} ms")
+            # The same grid while the decode instance decodes beside the pool.
+            t0 = time.perf_counter()
+            busy_samples = _profile_beside_decode(group, outputs, worker_pb2, SamplingParams)
+            profile_s += time.perf_counter() - t0
+            busy_fitted, busy_models = _fit(busy_samples)
+            # The busy profile checks the simulator's lock-step gang model: a chunk on both
+            # instances beside a decode step runs at (2/3)² of its speed on 2 cores, 2.25x
+            # slower; a chunk on one instance (2 ranks busy) at full speed.
+            beside = {
+                sp: [
+                    round(busy_models[sp].seconds(c, n) / models[sp].seconds(c, n), 3)
+                    for c in (0, 256)
+                    for n in (32, 320)
+                ]
+                for sp in sorted(models)
             }
+            print(f"busy / idle Eq. (1) by SP at C 0/256, L 32/320: {beside}")
             rules = PlannerRules(models, chunk_granularity=32, max_chunks=3)
+            cores = len(os.sched_getaffinity(0))
             trace = synthesize(
                 args.requests,
                 Arrivals(RateCurve.constant(args.rate)),
@@ -133,11 +170,12 @@ def main() -> None:
                 plan = plan_request(r.prompt_tokens, pool, rules, args.improvement_rate)
                 pool = pool.commit((c.group, c.end) for c in plan.chunks)
                 plans.append(plan)
+            pool_before = group.stats()["prefill_seconds_sum"]
             measured = _run(group, trace, plans, outputs, worker_pb2, SamplingParams)
             # The members' own prefill seconds against Eq. (1)'s for the same chunks (queueing
             # excluded on both sides): how much slower the pool ran while the decode instance
             # decoded beside it than when it was profiled alone.
-            pool_s = group.stats()["prefill_seconds_sum"]
+            pool_s = group.stats()["prefill_seconds_sum"] - pool_before
             planned_s = sum(c.seconds for p in plans for c in p.chunks)
             sim_group = TetrisGroupSim(
                 prefill=2,
@@ -145,22 +183,29 @@ def main() -> None:
                 rules=rules,
                 improvement_rate=args.improvement_rate,
                 config=replica,
-                decode_cost=decode_cost,
+                decode_cost=instance_cost,
                 kv_bytes_per_token=group.row_bytes,
-                link_bandwidth=args.link_gbps * 1e9,
-                link_latency=args.link_ms / 1e3,
-                # The group's 3 ranks share this machine's cores.
-                host_cores=len(os.sched_getaffinity(0)),
+                link_bandwidth=bandwidth,
+                link_latency=latency,
+                # The group's 3 ranks share this machine's cores, a ring's members in lock step.
+                host_cores=cores,
+                host_gangs=True,
             )
             t0 = time.perf_counter()
             result = simulate_tetris(sim_group, trace)
             sim_s = time.perf_counter() - t0
-            # The same, as if each rank had a core (a device) of its own: what contention costs.
-            own = simulate_tetris(dataclasses.replace(sim_group, host_cores=None), trace)
+            # The same with plain processor sharing (rings not in lock step), and as if each rank
+            # had a core (a device) of its own.
+            shared = simulate_tetris(dataclasses.replace(sim_group, host_gangs=False), trace)
+            own = simulate_tetris(
+                dataclasses.replace(sim_group, host_cores=None, host_gangs=False), trace
+            )
         finally:
             group.shutdown()
 
     rows = compare(measured, simulated(result))
+    print(f"processor sharing over {cores} cores, rings not in lock step:")
+    rows_shared = compare(measured, simulated(shared))
     print("as if each rank had a core of its own:")
     rows_own = compare(measured, simulated(own))
     chunks = statistics.mean(len(p.chunks) for p in plans)
@@ -176,15 +221,148 @@ def main() -> None:
             "prefill": vars(decode_cost.prefill),
             "decode": vars(decode_cost.decode),
             "decode_scale": decode_cost.decode_scale,
+            "decode_instance_extra_by_batch": decode_extra,
         },
-        "host_cores": sim_group.host_cores,
+        "busy_latency_models": busy_fitted,
+        "busy_over_idle_by_sp": beside,
+        "handoff": {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency},
+        "host_cores": cores,
         "chunks_per_request": chunks,
         "pool_prefill_seconds": pool_s,
         "eq1_prefill_seconds": planned_s,
         "rows": rows,
+        "rows_processor_sharing": rows_shared,
         "rows_a_core_per_rank": rows_own,
     }
     args.out.write_text(json.dumps(out, indent=2) + "\n")
+
+
+def _fit(samples: list[Any]) -> tuple[list[dict[str, Any]], dict[int, Any]]:
+    """Eq. (1) per SP size from a profile's (sp, C, L, seconds) samples: the fitted rows (as
+    ``gearshift tetris-profile`` writes them) and the models."""
+    from gearshift.operator.commands.tetris_profile import fit
+    from gearshift.operator.planner.latency_model import LatencyModel
+
+    by_sp: dict[int, list[tuple[int, int, float]]] = {}
+    for sp, c, n, seconds in samples:
+        by_sp.setdefault(sp, []).append((c, n, seconds))
+    fitted = fit(by_sp)
+    models = {
+        int(m["sp"]): LatencyModel(int(m["sp"]), m["a"], m["b"], m["c"], m["d"]) for m in fitted
+    }
+    return fitted, models
+
+
+def _token_times(
+    outputs: Any, rids: list[str], timeout_s: float, started: bool = False
+) -> dict[str, list[float]]:
+    """When each token of ``rids`` came (perf_counter), once all of them have finished (or
+    with ``started``, have their first token)."""
+    times: dict[str, list[float]] = {rid: [] for rid in rids}
+    done: set[str] = set()
+    deadline = time.perf_counter() + timeout_s
+    while len(done) < len(rids):
+        if time.perf_counter() > deadline:
+            raise SystemExit(f"{sorted(set(rids) - done)} did not finish in {timeout_s} s")
+        try:
+            rid, item, t = outputs.get(timeout=1.0)
+        except queue.Empty:
+            continue
+        if isinstance(item, BaseException):
+            raise SystemExit(f"{rid} failed: {item}")
+        if rid not in times:
+            continue
+        if item.new_token_ids:
+            times[rid].append(t)
+        if item.finished or (started and times[rid]):
+            done.add(rid)
+    return times
+
+
+HANDOFF_PROMPTS = (64, 320, 800)
+
+
+def _measure_handoff(
+    group, outputs, decode_cost, worker_pb2, SamplingParams
+) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """(bandwidth bytes/s, latency s) of what a request spends outside compute before its first
+    token, on the idle group: TTFT less the member's prefill and the first decode step, three
+    requests per prompt length, fitted as latency + KV bytes / bandwidth."""
+    import numpy as np
+
+    from gearshift.operator.sim.tetris_sim import RECEIVE_STEP_S
+
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    xs, ys = [], []
+    for n in HANDOFF_PROMPTS:
+        for k in range(3):
+            rid = f"handoff{n}.{k}"
+            before = group.stats()["prefill_seconds_sum"]
+            wire = worker_pb2.TetrisPlan(decode_instance=0)
+            wire.chunks.add(num_tokens=n, prefill_instances=[0])
+            t0 = time.perf_counter()
+            group.submit(rid, [(5 * k + i) % 1000 for i in range(n)], params, wire)
+            first = _token_times(outputs, [rid], 60)[rid][0] - t0
+            prefill = group.stats()["prefill_seconds_sum"] - before
+            step = decode_cost.step_time(decode_batch(1, n))
+            xs.append(n * group.row_bytes)
+            ys.append(first - prefill - step - RECEIVE_STEP_S)
+    slope, intercept = np.polyfit(np.array(xs), np.array(ys), 1)
+    return (1.0 / slope if slope > 0 else 1e15), max(float(intercept), 0.0)
+
+
+DECODE_BATCHES = (1, 2, 4, 8)
+DECODE_PROMPT, DECODE_OUTPUT = 16, 41
+
+
+def _measure_decode_steps(  # type: ignore[no-untyped-def]
+    group, outputs, decode_cost, worker_pb2, SamplingParams
+) -> tuple[tuple[int, float], ...]:
+    """What the decode instance adds to each step over the one-rank profile, by batch size:
+    ``n`` requests decoded together on the idle group, their mean TPOT less the profiled step
+    at their mean context."""
+    params = SamplingParams(temperature=0.0, max_tokens=DECODE_OUTPUT, ignore_eos=True)
+    points = []
+    for n in DECODE_BATCHES:
+        rids = [f"dec{n}.{i}" for i in range(n)]
+        for i, rid in enumerate(rids):
+            wire = worker_pb2.TetrisPlan(decode_instance=0)
+            wire.chunks.add(num_tokens=DECODE_PROMPT, prefill_instances=[i % 2])
+            group.submit(rid, [(7 * i + k) % 1000 for k in range(DECODE_PROMPT)], params, wire)
+        times = _token_times(outputs, rids, 120)
+        # Steps once every request of the batch decodes: from the last first token on.
+        start = max(ts[0] for ts in times.values())
+        steps = [b - a for ts in times.values() for a, b in itertools.pairwise(ts) if a >= start]
+        step = statistics.median(steps)
+        own = decode_cost.step_time(decode_batch(n, DECODE_PROMPT + DECODE_OUTPUT // 2))
+        points.append((n, max(step - own, 0.0)))
+    return tuple(points)
+
+
+BUSY_LOAD = 8  # requests the decode instance decodes while the pool is profiled beside it
+
+
+def _profile_beside_decode(group, outputs, worker_pb2, SamplingParams) -> list[Any]:  # type: ignore[no-untyped-def]
+    """The pool's profile grid while the decode instance decodes ``BUSY_LOAD`` requests (short
+    prompts, long outputs, aborted once the profile is done)."""
+    params = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
+    rids = [f"load{i}" for i in range(BUSY_LOAD)]
+    for i, rid in enumerate(rids):
+        wire = worker_pb2.TetrisPlan(decode_instance=0)
+        wire.chunks.add(num_tokens=16, prefill_instances=[i % 2])
+        group.submit(rid, [(3 * i + k) % 1000 for k in range(16)], params, wire)
+    _token_times(outputs, rids, 60, started=True)  # every load request decoding
+    try:
+        return group.profile([], [0, 128, 256], [32, 96, 192, 320], 4)
+    finally:
+        for rid in rids:
+            group.abort(rid)
+        time.sleep(0.5)
+        while not outputs.empty():
+            outputs.get_nowait()
+        time.sleep(0.3)
+        if not outputs.empty():  # an aborted request still decoding would load the trace
+            raise SystemExit(f"{outputs.get_nowait()[0]} still ran after its abort")
 
 
 def _run(group, trace, plans, outputs, worker_pb2, SamplingParams) -> dict[str, float]:  # type: ignore[no-untyped-def]

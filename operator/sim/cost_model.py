@@ -156,3 +156,24 @@ class StepCostModel:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CostModelError(f"{path}: {exc!r}") from None
+
+
+@dataclass(frozen=True)
+class StepOverhead:
+    """A step cost plus what the engine that runs the steps adds to each, by the step's
+    sequences: ``extra`` as (sequences, seconds) points, read between by straight lines and
+    held beyond the ends. For an engine that no profile can run alone (a Tetris decode
+    instance: its leader also lands KV and admits requests every step), measured on the running
+    group as its steps' time less ``base``'s."""
+
+    base: StepCost
+    extra: tuple[tuple[int, float], ...]
+
+    def __post_init__(self) -> None:
+        sizes = [n for n, _ in self.extra]
+        if not sizes or sizes != sorted(set(sizes)):
+            raise CostModelError(f"extra: (sequences, seconds) points, sorted, got {self.extra}")
+
+    def step_time(self, batch: ScheduledBatch) -> float:
+        sequences = len(batch.decodes) + len(batch.prefills)
+        return self.base.step_time(batch) + interpolate(self.extra, sequences)

@@ -1,15 +1,24 @@
-"""Ranks that share a host's CPU cores, in simulated time (processor sharing).
+"""Ranks that share a host's CPU cores, in simulated time.
 
 On GPUs every rank has a device of its own and a step takes what the cost model says. Ranks that
-run on CPU cores of one host (the CPU build, ``gearshift serve`` on a small machine) do not: when
-more ranks compute at once than the host has cores, the kernel's scheduler gives each a fair share,
-so each runs at ``cores / busy ranks`` of its speed, and everything it computes takes that much
-longer. A Tetris group of two prefill instances and one decode instance on two cores is such a
-case: a ring prefill over both instances runs at 2/3 speed while the decode instance decodes.
+run on CPU cores of one host (the CPU build, ``gearshift serve`` on a small machine) do not: what
+one computes slows what another computes. Each running task gets a speed, re-computed whenever a
+task starts or ends:
+
+- **Processor sharing**: when more ranks compute at once than the host has cores,
+  the kernel's scheduler gives each a fair share, so every task runs at ``min(1, cores / busy
+  ranks)`` of its speed. A Tetris ring over two instances beside a decoding instance on two
+  cores: 2/3.
+- **Lock-step gangs** (``gangs``): the kernel schedules each rank on its own,
+  so a task whose ranks work in lock step (a ring) advances only while all of them hold a core.
+  Each holds one for a ``share`` of the time, independently, so the task runs at ``share **
+  ranks``: a ring of two beside a decoding rank on two cores at (2/3)² ≈ 0.44, 2.25× slower.
+  (``benchmarks/sim_fidelity_tetris.py`` profiles such a group's pool beside its decoding
+  instance: its two-instance chunks ran 1.7–2.4× slower than alone in most profiles, 1.2× at
+  the least.)
 
 A task is work measured in seconds at full speed, run by ``ranks`` ranks in lock step (a ring
-chunk over its group, a TP step); every running task advances at the common rate
-``min(1, cores / Σ ranks)``, re-computed whenever a task starts or ends.
+chunk over its group, a TP step).
 """
 
 from __future__ import annotations
@@ -34,23 +43,25 @@ class _Task:
 
 
 class SharedCores:
-    """Tasks on ``cores`` shared cores of one host, driven by ``loop``."""
+    """Tasks on one host's ``cores``, driven by ``loop``: processor-shared, and with ``gangs``
+    each task's ranks in lock step."""
 
-    def __init__(self, loop: EventLoop, cores: int) -> None:
+    def __init__(self, loop: EventLoop, cores: int, gangs: bool = False) -> None:
         if cores < 1:
             raise ValueError(f"cores must be >= 1, got {cores}")
         self.loop = loop
         self.cores = cores
+        self.gangs = gangs
         self._tasks: list[_Task] = []
         self._at = 0.0  # when the tasks' ``left`` was last brought up to date
         self._epoch = 0  # the scheduled wake-up that is still current
         self._order = itertools.count()
-        self.busy_ranks_seconds = 0.0  # ∫ busy ranks dt (for the mean load)
 
-    def rate(self) -> float:
-        """Each running task's speed now, as a fraction of full speed."""
+    def speeds(self) -> list[float]:
+        """Each running task's speed now, as a fraction of its full speed (in start order)."""
         busy = sum(t.ranks for t in self._tasks)
-        return min(1.0, self.cores / busy) if busy else 1.0
+        share = min(1.0, self.cores / busy) if busy else 1.0
+        return [share**t.ranks if self.gangs else share for t in self._tasks]
 
     def run(self, seconds: float, ranks: int, then: Callable[[], None]) -> None:
         """Start ``seconds`` of full-speed work on ``ranks`` ranks now; ``then`` at its end."""
@@ -64,19 +75,19 @@ class SharedCores:
         now = self.loop.now
         dt = now - self._at
         if dt > 0 and self._tasks:
-            rate = self.rate()
-            self.busy_ranks_seconds += dt * sum(t.ranks for t in self._tasks)
-            for t in self._tasks:
-                t.left -= dt * rate
+            for t, speed in zip(self._tasks, self.speeds(), strict=True):
+                t.left -= dt * speed
         self._at = now
 
     def _schedule(self) -> None:
         self._epoch += 1
         if not self._tasks:
             return
-        first = min(self._tasks, key=lambda t: (t.left, t.order))
-        due = self.loop.now + max(first.left, 0.0) / self.rate()
-        self.loop.at(due, functools.partial(self._wake, self._epoch, first))
+        due, first = min(
+            ((max(t.left, 0.0) / s, t) for t, s in zip(self._tasks, self.speeds(), strict=True)),
+            key=lambda pair: (pair[0], pair[1].order),
+        )
+        self.loop.at(self.loop.now + due, functools.partial(self._wake, self._epoch, first))
 
     def _wake(self, epoch: int, first: _Task) -> None:
         if epoch != self._epoch:

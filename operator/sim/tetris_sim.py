@@ -20,9 +20,9 @@ on the prefill pool, the KV hand-off, and decode instances that run the engine's
   run as the engine runs them (each prefill instance takes its requests in arrival order, a chunk
   starts once its group's instances have reached it and the chunk before it is done), each chunk
   for its Eq. (1) seconds, and the decode steps alongside, all on ``shared_cores.SharedCores``:
-  with more ranks computing than cores, each goes slower. The planner still plans with Eq. (1)
-  and its own queue view, as the router does. Without ``host_cores`` (a device per rank) a
-  prefill ends at its plan's TTFT.
+  processor-shared over the cores, and with ``host_gangs`` each ring chunk advancing only while
+  all its members hold a core. The planner still plans with Eq. (1) and its own queue view, as
+  the router does. Without ``host_cores`` (a device per rank) a prefill ends at its plan's TTFT.
 
 Not modelled: transfer-slot contention (``transferBackends`` defaults to one slot per prefill
 instance, so the handshake never queues), history rebalancing (it overlaps compute, §4.1).
@@ -114,13 +114,18 @@ class TetrisGroupSim:
     rate_table: tuple[RateStep, ...] = ()  # improvementRateTable; empty: the constant rate
     rate_window_s: float = 30.0  # rateWindowSeconds
     decode_tp: int = 1  # ranks of each decode instance
-    # CPU cores that every rank of the group shares (one host, no device per rank); None: each
-    # rank computes on a device of its own.
+    # CPU cores that every rank of the group shares (one host, no device per rank), priced by
+    # processor sharing; None: each rank computes on a device of its own.
     host_cores: int | None = None
+    # With host_cores: a chunk's ring members are scheduled one by one, so it advances only
+    # while all of them hold a core (shared_cores.SharedCores ``gangs``).
+    host_gangs: bool = False
 
     def __post_init__(self) -> None:
         if self.host_cores is not None and self.host_cores < 1:
             raise ValueError(f"host_cores must be >= 1, got {self.host_cores}")
+        if self.host_gangs and self.host_cores is None:
+            raise ValueError("host_gangs needs host_cores")
 
     def handoff_s(self, tokens: int, senders: int) -> float:
         """``senders`` instances' rows over the link, each instance's TP ranks in parallel."""
@@ -161,7 +166,11 @@ def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> Sim
         assert isinstance(hooks, DecodeHooks) and hooks.admission is not None
         return hooks.admission
 
-    host = SharedCores(loop, group.host_cores) if group.host_cores is not None else None
+    host = (
+        SharedCores(loop, group.host_cores, group.host_gangs)
+        if group.host_cores is not None
+        else None
+    )
     # Each prefill instance's requests in the order it got them (host_cores only).
     queues: list[collections.deque[_Prefill]] = [collections.deque() for _ in range(group.prefill)]
 

@@ -12,6 +12,7 @@ from gearshift.operator.sim.cost_model import (
     CostModelError,
     LinearFit,
     StepCostModel,
+    StepOverhead,
     batch_features,
     fit,
 )
@@ -89,3 +90,17 @@ def test_decode_scale_corrects_the_fit_per_batch_size_and_round_trips(tmp_path: 
     assert decode_scale(samples[:3], linear) == ()  # one batch size: nothing to correct
     with pytest.raises(CostModelError, match="decode_scale"):
         StepCostModel(linear, linear, {}, ((4, 1.0), (2, 1.0)))
+
+
+def test_a_step_overhead_adds_the_measured_extra_by_sequences() -> None:
+    flat = StepCostModel(LinearFit(0.010, 0.0, 0.0), LinearFit(0.010, 0.0, 0.0))
+
+    def decodes(n: int) -> ScheduledBatch:
+        return ScheduledBatch(decodes=[_seq(2, 1, f"r{i}") for i in range(n)])
+
+    cost = StepOverhead(flat, ((1, 0.001), (4, 0.004)))
+    assert cost.step_time(decodes(1)) == pytest.approx(0.011)
+    assert cost.step_time(decodes(2)) == pytest.approx(0.012)  # between the points
+    assert cost.step_time(decodes(8)) == pytest.approx(0.014)  # held beyond the last
+    with pytest.raises(CostModelError, match="sorted"):
+        StepOverhead(flat, ((4, 0.004), (1, 0.001)))

@@ -45,6 +45,26 @@ def test_more_busy_ranks_than_cores_share_them_and_speed_up_when_one_ends() -> N
     assert ends[0] == pytest.approx(2.5, abs=1e-12)
 
 
+def test_a_lock_step_gang_advances_only_while_all_its_ranks_hold_a_core() -> None:
+    loop = EventLoop()
+    host = SharedCores(loop, 2, gangs=True)
+    ends: dict[str, float] = {}
+
+    def done(name: str) -> None:
+        ends[name] = loop.now
+
+    # A 2-rank ring of 2 s beside a 1-rank step of 1 s on 2 cores: each rank's share is 2/3,
+    # so the step runs at 2/3 (ends at 1.5 s) and the ring at (2/3)² = 4/9: 2/3 s of its work
+    # done by then, 4/3 s left alone at full speed.
+    host.run(2.0, 2, lambda: done("ring"))
+    host.run(1.0, 1, lambda: done("step"))
+    loop.run()
+    assert ends["step"] == pytest.approx(1.5, abs=1e-12)
+    assert ends["ring"] == pytest.approx(1.5 + 2.0 - 1.5 * 4 / 9, abs=1e-12)
+    # Within the cores a gang runs at full speed.
+    assert _ends(3, [(0.0, 2.0, 2), (0.0, 1.0, 1)]) == {1: 1.0, 0: 2.0}
+
+
 def test_a_zero_task_ends_at_once_and_bad_tasks_are_refused() -> None:
     assert _ends(1, [(0.0, 1.0, 1), (0.5, 0.0, 1)]) == {1: 0.5, 0: 1.0}
     host = SharedCores(EventLoop(), 2)
@@ -113,6 +133,18 @@ def test_a_ring_prefill_beside_a_decoding_instance_on_two_cores_runs_at_two_thir
     assert fast_prefill <= fast.ttft <= fast_prefill + 3 * 0.010 + RECEIVE_STEP_S + 1e-9
     slow_prefill = 1.5 * chunk.seconds + handoff
     assert slow_prefill <= slow.ttft <= slow_prefill + 3 * 0.015 + RECEIVE_STEP_S + 1e-9
+
+
+def test_a_ring_as_a_lock_step_gang_beside_a_decoding_instance_runs_at_four_ninths() -> None:
+    group = dataclasses.replace(_group(2), host_gangs=True)
+    trace = [TraceRequest(0.0, 100, 1000), TraceRequest(1.0, 2000, 2)]
+    (chunk,) = plan_request(2000, Pool.uniform([0.0, 0.0], 8), group.rules, 0.1).chunks
+    assert chunk.sp == 2
+    got = simulate_tetris(group, trace).requests[1]
+    prefill = 2.25 * chunk.seconds + group.handoff_s(2000, 2)
+    assert prefill <= got.ttft <= prefill + 3 * 0.015 + RECEIVE_STEP_S + 1e-9
+    with pytest.raises(ValueError, match="host_gangs needs host_cores"):
+        dataclasses.replace(group, host_cores=None)
 
 
 def test_an_instance_takes_its_requests_in_arrival_order() -> None:
