@@ -57,22 +57,154 @@ from sim_fidelity import (  # noqa: E402
     simulated,
 )
 
+PROFILE_HISTORIES, PROFILE_LENGTHS, PROFILE_REPEATS = (0, 128, 256), (32, 96, 192, 320), 4
 
-def main() -> None:
-    from gearshift.operator.planner.cdsp import PlannerRules, plan_request
-    from gearshift.operator.planner.instance_pool import Pool
-    from gearshift.operator.sim.arrivals import Arrivals, RateCurve
-    from gearshift.operator.sim.cost_model import StepOverhead
-    from gearshift.operator.sim.lengths import LogNormal
+
+def decode_profile(config: Any, seed: int) -> tuple[Any, Any]:
+    """The decode instance's step cost (a one-rank engine of the same settings, alone) and the
+    replica settings the simulator schedules by."""
     from gearshift.operator.sim.profile import ProfileGrid, measure
     from gearshift.operator.sim.replica import ReplicaConfig
+    from gearshift.worker.launch import start_engine
+
+    engine = start_engine(config)
+    try:
+        grid = ProfileGrid(
+            prompt_lens=(16, 64),
+            prefill_batches=(1,),
+            decode_batches=(1, 2, 3, 4, 6, 8, 12, 16),
+            contexts=(32, 128, 256, 600, 900),
+            decode_steps=5,
+            repeats=3,
+        )
+        cost = measure(engine, grid, seed).model({"model": "random-llama"})
+        replica = ReplicaConfig(
+            num_blocks=engine.blocks.num_blocks,
+            block_size=engine.blocks.block_size,
+            max_num_seqs=engine.scheduler.config.max_num_seqs,
+            max_num_batched_tokens=engine.scheduler.config.max_num_batched_tokens,
+            max_model_len=engine.max_model_len,
+        )
+    finally:
+        engine.shutdown()
+    return cost, replica
+
+
+def measure_and_simulate(
+    config: Any,
+    decode_cost: Any,
+    replica: Any,
+    trace: list[Any],
+    improvement_rate: float,
+    link: tuple[float, float] | None = None,
+    busy_check: bool = True,
+) -> dict[str, Any]:
+    """Start a Tetris group (2 prefill + 1 decode instances of TP 1), measure the simulator's
+    inputs on it, replay ``trace`` through it with the router's plans, and simulate the same;
+    ``link``: (bytes/s, s) for the hand-off instead of measuring it; ``busy_check``: also
+    profile the pool beside a decoding instance (the gang model's check)."""
+    from gearshift.operator.planner.cdsp import PlannerRules, plan_request
+    from gearshift.operator.planner.instance_pool import Pool
+    from gearshift.operator.sim.cost_model import StepOverhead
     from gearshift.operator.sim.tetris_sim import TetrisGroupSim, simulate_tetris
-    from gearshift.operator.sim.workload import synthesize
     from gearshift.v1 import worker_pb2
-    from gearshift.worker.launch import GroupConfig, start_engine
+    from gearshift.worker.launch import GroupConfig
     from gearshift.worker.policies.registry import make_policy
     from gearshift.worker.policies.tetris.group import start_tetris
     from gearshift.worker.sampling.params import SamplingParams
+
+    out: dict[str, Any] = {}
+    outputs: queue.Queue[tuple[str, Any, float]] = queue.Queue()
+    policy = make_policy({"tetris": {"prefill_instances": 2, "decode_instances": 1}})
+    group = start_tetris(
+        config,
+        policy,  # type: ignore[arg-type]
+        GroupConfig(timeout_s=300),
+        lambda rid, item: outputs.put((rid, item, time.perf_counter())),
+    )
+    try:
+        t0 = time.perf_counter()
+        samples = group.profile([], PROFILE_HISTORIES, PROFILE_LENGTHS, PROFILE_REPEATS)
+        out["profile_s"] = time.perf_counter() - t0
+        out["profile_points"] = len(samples)
+        out["fitted"], models = _fit(samples)
+        out["decode_extra"] = _measure_decode_steps(
+            group, outputs, decode_cost, worker_pb2, SamplingParams
+        )
+        print(f"decode instance's extra per step by batch: {out['decode_extra']}")
+        instance_cost = StepOverhead(decode_cost, out["decode_extra"])
+        if link is None:
+            link = _measure_handoff(group, outputs, instance_cost, worker_pb2, SamplingParams)
+        bandwidth, latency = out["bandwidth"], out["latency"] = link
+        print(f"hand-off: {bandwidth / 1e9:.3f} GB/s, {latency * 1e3:.2f} ms")
+        if busy_check:
+            # The same grid while the decode instance decodes beside the pool: the check of
+            # the simulator's lock-step gang model (a chunk on both instances beside a decode
+            # step runs at (2/3)² of its speed on 2 cores, 2.25x slower; on one instance, 2
+            # ranks busy, at full speed).
+            busy = _profile_beside_decode(group, outputs, worker_pb2, SamplingParams)
+            out["busy_fitted"], busy_models = _fit(busy)
+            out["beside"] = {
+                sp: [
+                    round(busy_models[sp].seconds(c, n) / models[sp].seconds(c, n), 3)
+                    for c in (0, 256)
+                    for n in (32, 320)
+                ]
+                for sp in sorted(models)
+            }
+            print(f"busy / idle Eq. (1) by SP at C 0/256, L 32/320: {out['beside']}")
+        rules = PlannerRules(models, chunk_granularity=32, max_chunks=3)
+        # The router's planning, once, from the arrival times (both sides run these plans).
+        pool = Pool.uniform([0.0, 0.0], 8)
+        at = 0.0
+        plans = []
+        for r in trace:
+            pool = pool.advance(r.arrival_s - at)
+            at = r.arrival_s
+            plan = plan_request(r.prompt_tokens, pool, rules, improvement_rate)
+            pool = pool.commit((c.group, c.end) for c in plan.chunks)
+            plans.append(plan)
+        out["plans"] = plans
+        pool_before = group.stats()["prefill_seconds_sum"]
+        out["measured"] = _run(group, trace, plans, outputs, worker_pb2, SamplingParams)
+        # The members' own prefill seconds against Eq. (1)'s for the same chunks (queueing
+        # excluded on both sides).
+        out["pool_s"] = group.stats()["prefill_seconds_sum"] - pool_before
+        out["planned_s"] = sum(c.seconds for p in plans for c in p.chunks)
+        out["row_bytes"] = group.row_bytes
+    finally:
+        group.shutdown()
+    out["cores"] = len(os.sched_getaffinity(0))
+    sim_group = TetrisGroupSim(
+        prefill=2,
+        decode=1,
+        rules=rules,
+        improvement_rate=improvement_rate,
+        config=replica,
+        decode_cost=instance_cost,
+        kv_bytes_per_token=out["row_bytes"],
+        link_bandwidth=bandwidth,
+        link_latency=latency,
+        # The group's 3 ranks share this machine's cores, a ring's members in lock step.
+        host_cores=out["cores"],
+        host_gangs=True,
+    )
+    t0 = time.perf_counter()
+    out["result"] = simulate_tetris(sim_group, trace)
+    out["sim_s"] = time.perf_counter() - t0
+    # The same with plain processor sharing (rings not in lock step), and as if each rank had a
+    # core (a device) of its own.
+    out["shared"] = simulate_tetris(dataclasses.replace(sim_group, host_gangs=False), trace)
+    out["own"] = simulate_tetris(
+        dataclasses.replace(sim_group, host_cores=None, host_gangs=False), trace
+    )
+    return out
+
+
+def main() -> None:
+    from gearshift.operator.sim.arrivals import Arrivals, RateCurve
+    from gearshift.operator.sim.lengths import LogNormal
+    from gearshift.operator.sim.workload import synthesize
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--requests", type=int, default=24)
@@ -86,150 +218,51 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "sim_fidelity_tetris.json")
     args = ap.parse_args()
 
+    trace = synthesize(
+        args.requests,
+        Arrivals(RateCurve.constant(args.rate)),
+        LogNormal.from_median_p90(args.prompt_median, args.prompt_p90, 32, 900),
+        LogNormal.from_median_p90(24, 60, 2, 100),
+        args.seed,
+    )
+    link = None
+    if args.link_gbps is not None and args.link_ms is not None:
+        link = (args.link_gbps * 1e9, args.link_ms / 1e3)
     with tempfile.TemporaryDirectory() as tmp:
         model = str(random_llama(Path(tmp), hidden=256, layers=4))
         config = engine_config(model, 1, kv_cache_bytes=64 << 20)
-        # The decode instance's step cost: a one-rank engine of the same settings, alone.
-        engine = start_engine(config)
-        grid = ProfileGrid(
-            prompt_lens=(16, 64),
-            prefill_batches=(1,),
-            decode_batches=(1, 2, 3, 4, 6, 8, 12, 16),
-            contexts=(32, 128, 256, 600, 900),
-            decode_steps=5,
-            repeats=3,
-        )
-        decode_cost = measure(engine, grid, args.seed).model({"model": "random-llama"})
-        replica = ReplicaConfig(
-            num_blocks=engine.blocks.num_blocks,
-            block_size=engine.blocks.block_size,
-            max_num_seqs=engine.scheduler.config.max_num_seqs,
-            max_num_batched_tokens=engine.scheduler.config.max_num_batched_tokens,
-            max_model_len=engine.max_model_len,
-        )
-        engine.shutdown()
+        decode_cost, replica = decode_profile(config, args.seed)
+        got = measure_and_simulate(config, decode_cost, replica, trace, args.improvement_rate, link)
 
-        outputs: queue.Queue[tuple[str, Any, float]] = queue.Queue()
-        policy = make_policy({"tetris": {"prefill_instances": 2, "decode_instances": 1}})
-        group = start_tetris(
-            config,
-            policy,  # type: ignore[arg-type]
-            GroupConfig(timeout_s=300),
-            lambda rid, item: outputs.put((rid, item, time.perf_counter())),
-        )
-        try:
-            t0 = time.perf_counter()
-            samples = group.profile([], [0, 128, 256], [32, 96, 192, 320], 4)
-            profile_s = time.perf_counter() - t0
-            fitted, models = _fit(samples)
-            decode_extra = _measure_decode_steps(
-                group, outputs, decode_cost, worker_pb2, SamplingParams
-            )
-            print(f"decode instance's extra per step by batch: {decode_extra}")
-            instance_cost = StepOverhead(decode_cost, decode_extra)
-            if args.link_gbps is None or args.link_ms is None:
-                bandwidth, latency = _measure_handoff(
-                    group, outputs, instance_cost, worker_pb2, SamplingParams
-                )
-            else:
-                bandwidth, latency = args.link_gbps * 1e9, args.link_ms / 1e3
-            print(f"hand-off: {bandwidth / 1e9:.3f} GB/s, {latency * 1e3:.2f} ms")
-            # The same grid while the decode instance decodes beside the pool.
-            t0 = time.perf_counter()
-            busy_samples = _profile_beside_decode(group, outputs, worker_pb2, SamplingParams)
-            profile_s += time.perf_counter() - t0
-            busy_fitted, busy_models = _fit(busy_samples)
-            # The busy profile checks the simulator's lock-step gang model: a chunk on both
-            # instances beside a decode step runs at (2/3)² of its speed on 2 cores, 2.25x
-            # slower; a chunk on one instance (2 ranks busy) at full speed.
-            beside = {
-                sp: [
-                    round(busy_models[sp].seconds(c, n) / models[sp].seconds(c, n), 3)
-                    for c in (0, 256)
-                    for n in (32, 320)
-                ]
-                for sp in sorted(models)
-            }
-            print(f"busy / idle Eq. (1) by SP at C 0/256, L 32/320: {beside}")
-            rules = PlannerRules(models, chunk_granularity=32, max_chunks=3)
-            cores = len(os.sched_getaffinity(0))
-            trace = synthesize(
-                args.requests,
-                Arrivals(RateCurve.constant(args.rate)),
-                LogNormal.from_median_p90(args.prompt_median, args.prompt_p90, 32, 900),
-                LogNormal.from_median_p90(24, 60, 2, 100),
-                args.seed,
-            )
-            # The router's planning, once, from the arrival times (both sides run these plans).
-            pool = Pool.uniform([0.0, 0.0], 8)
-            at = 0.0
-            plans = []
-            for r in trace:
-                pool = pool.advance(r.arrival_s - at)
-                at = r.arrival_s
-                plan = plan_request(r.prompt_tokens, pool, rules, args.improvement_rate)
-                pool = pool.commit((c.group, c.end) for c in plan.chunks)
-                plans.append(plan)
-            pool_before = group.stats()["prefill_seconds_sum"]
-            measured = _run(group, trace, plans, outputs, worker_pb2, SamplingParams)
-            # The members' own prefill seconds against Eq. (1)'s for the same chunks (queueing
-            # excluded on both sides): how much slower the pool ran while the decode instance
-            # decoded beside it than when it was profiled alone.
-            pool_s = group.stats()["prefill_seconds_sum"] - pool_before
-            planned_s = sum(c.seconds for p in plans for c in p.chunks)
-            sim_group = TetrisGroupSim(
-                prefill=2,
-                decode=1,
-                rules=rules,
-                improvement_rate=args.improvement_rate,
-                config=replica,
-                decode_cost=instance_cost,
-                kv_bytes_per_token=group.row_bytes,
-                link_bandwidth=bandwidth,
-                link_latency=latency,
-                # The group's 3 ranks share this machine's cores, a ring's members in lock step.
-                host_cores=cores,
-                host_gangs=True,
-            )
-            t0 = time.perf_counter()
-            result = simulate_tetris(sim_group, trace)
-            sim_s = time.perf_counter() - t0
-            # The same with plain processor sharing (rings not in lock step), and as if each rank
-            # had a core (a device) of its own.
-            shared = simulate_tetris(dataclasses.replace(sim_group, host_gangs=False), trace)
-            own = simulate_tetris(
-                dataclasses.replace(sim_group, host_cores=None, host_gangs=False), trace
-            )
-        finally:
-            group.shutdown()
-
-    rows = compare(measured, simulated(result))
-    print(f"processor sharing over {cores} cores, rings not in lock step:")
-    rows_shared = compare(measured, simulated(shared))
+    result = got["result"]
+    rows = compare(got["measured"], simulated(result))
+    print(f"processor sharing over {got['cores']} cores, rings not in lock step:")
+    rows_shared = compare(got["measured"], simulated(got["shared"]))
     print("as if each rank had a core of its own:")
-    rows_own = compare(measured, simulated(own))
-    chunks = statistics.mean(len(p.chunks) for p in plans)
+    rows_own = compare(got["measured"], simulated(got["own"]))
+    chunks = statistics.mean(len(p.chunks) for p in got["plans"])
     print(
-        f"profile {profile_s:.1f} s ({len(samples)} points); simulation {sim_s * 1000:.1f} ms; "
-        f"{chunks:.2f} chunks per request; rejected in simulation: {len(result.rejected)}; "
-        f"the pool's prefills took {pool_s / planned_s:.2f}x Eq. (1)'s estimate"
+        f"profile {got['profile_s']:.1f} s ({got['profile_points']} points); simulation "
+        f"{got['sim_s'] * 1000:.1f} ms; {chunks:.2f} chunks per request; rejected in "
+        f"simulation: {len(result.rejected)}; the pool's prefills took "
+        f"{got['pool_s'] / got['planned_s']:.2f}x Eq. (1)'s estimate"
     )
     out = {
         "command": "python " + " ".join(sys.argv),
-        "latency_models": fitted,
+        "latency_models": got["fitted"],
         "decode_cost": {
             "prefill": vars(decode_cost.prefill),
             "decode": vars(decode_cost.decode),
             "decode_scale": decode_cost.decode_scale,
-            "decode_instance_extra_by_batch": decode_extra,
+            "decode_instance_extra_by_batch": got["decode_extra"],
         },
-        "busy_latency_models": busy_fitted,
-        "busy_over_idle_by_sp": beside,
-        "handoff": {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency},
-        "host_cores": cores,
+        "busy_latency_models": got["busy_fitted"],
+        "busy_over_idle_by_sp": got["beside"],
+        "handoff": {"bandwidth_bytes_per_s": got["bandwidth"], "latency_s": got["latency"]},
+        "host_cores": got["cores"],
         "chunks_per_request": chunks,
-        "pool_prefill_seconds": pool_s,
-        "eq1_prefill_seconds": planned_s,
+        "pool_prefill_seconds": got["pool_s"],
+        "eq1_prefill_seconds": got["planned_s"],
         "rows": rows,
         "rows_processor_sharing": rows_shared,
         "rows_a_core_per_rank": rows_own,
@@ -353,7 +386,7 @@ def _profile_beside_decode(group, outputs, worker_pb2, SamplingParams) -> list[A
         group.submit(rid, [(3 * i + k) % 1000 for k in range(16)], params, wire)
     _token_times(outputs, rids, 60, started=True)  # every load request decoding
     try:
-        return group.profile([], [0, 128, 256], [32, 96, 192, 320], 4)
+        return group.profile([], PROFILE_HISTORIES, PROFILE_LENGTHS, PROFILE_REPEATS)
     finally:
         for rid in rids:
             group.abort(rid)
