@@ -96,15 +96,19 @@ class RingCore:
         lengths: tuple[int, ...],
         scale: float,
         on_layer: Callable[[torch.Tensor], None] | None = None,
+        poll: Callable[[], None] | None = None,
     ):
         self.ring, self.layout, self.lengths, self.scale = ring, layout, lengths, scale
         self.on_layer = on_layer
+        self.poll = poll
 
     def forward_lse(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Any, meta: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         layer = cast(_LayerHistory, kv)
         layer.chunk = (k, v)
+        if self.poll is not None:
+            self.poll()
         if self.on_layer is not None:
             # The layer's KV is final now (history landed, chunk rows projected): it can leave
             # while this layer's attention and the later layers run (layerwise_transfer).
@@ -153,6 +157,7 @@ def run_chunk_plan(
     scale: float,
     timings: list[float] | None = None,
     on_layer: Callable[[torch.Tensor], None] | None = None,
+    poll: Callable[[], None] | None = None,
 ) -> PrefillResult:
     """Prefill ``prompt`` (int64 [L]) chunk by chunk over the pool ``comm`` (§4.1). ``model``
     is this member's model: the whole model at TP 1, or this TP rank's head shard of an instance
@@ -161,7 +166,8 @@ def run_chunk_plan(
     ``timings`` gets each chunk's seconds on this member (rebalance included; 0 when it sat the
     chunk out). ``on_layer`` gets, during the plan's last chunk, each layer's final rows of
     this member ([n, 2, Hkv, D], in the order of the returned holding) as soon as the layer has
-    projected them (layer-wise hand-off)."""
+    projected them (layer-wise hand-off). ``poll`` is called at every layer of every chunk (the
+    member's messages that must not wait for the prefill to end)."""
     check_plan(plan, int(prompt.shape[0]), comm.size)
     cfg = model.config
     layers = len(model.model.layers)
@@ -184,7 +190,8 @@ def run_chunk_plan(
         layout = ZigZag(chunk.length, ring.size)
         rows = torch.tensor(layout.positions(ring.index), dtype=torch.int64) + done
         stores = [_LayerHistory(history, i) for i in range(layers)]
-        core = RingCore(ring, layout, lengths, scale, on_layer if chunk is plan[-1] else None)
+        last_chunk = on_layer if chunk is plan[-1] else None
+        core = RingCore(ring, layout, lengths, scale, last_chunk, poll)
         hidden = model(prompt[rows], rows, cast(Any, stores), _metadata(len(rows)), core)
         holding = history.finish()
         if len(rows):

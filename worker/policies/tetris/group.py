@@ -171,6 +171,39 @@ def _pool_loop(state: Any, policy: TetrisPolicy, conn: Any, rank: int) -> None:
             if stream.settled:
                 streams.pop(rid)
 
+    def go_whole(msg: tuple, mid_prefill: bool = False) -> None:
+        # A granted piece of a prefill that is done: its send starts in the background.
+        _, rid, piece = msg
+        held = offered.get(rid)
+        if held is None:
+            conn.send(("unsent", rid, piece))
+            return
+        holding, mine, receivers = held
+        start, count = mine[piece]
+        rows = Holding(holding.kv[start : start + count], holding.positions[start : start + count])
+        try:
+            sending.append(start_piece(rows, receivers, world, tp, kv_heads))
+        except Exception as exc:  # noqa: BLE001 - a decode rank is gone: this request fails
+            offered.pop(rid, None)
+            conn.send(("failed", rid, f"prefill instance {rank}: {str(exc).splitlines()[0]}"))
+            return
+        conn.send(("sent", rid, piece, int(mid_prefill)))
+        if piece == len(mine) - 1:  # granted in order: the last piece is on its way
+            offered.pop(rid, None)
+
+    def grants_between_layers() -> None:
+        # Whole hand-off: the grants of pieces offered before this prefill start their sends
+        # between its layers, so a piece does not wait for the next prefill to end (§4.2: the
+        # transfer overlaps the next request's compute). Everything else waits for the prefill,
+        # and so does a grant behind its request's cancel, to keep their order.
+        while offered and conn.poll(0):
+            msg = conn.recv()
+            cancelled = any(m[0] == "cancel" and m[1] == msg[1] for m in deferred)
+            if msg[0] == "go" and not cancelled:
+                go_whole(msg, mid_prefill=True)
+                continue
+            deferred.append(msg)
+
     def between_layers(stream: LayerStream) -> Callable[[torch.Tensor], None]:
         def on_layer(kv: torch.Tensor) -> None:
             stream.add_layer(kv)
@@ -199,25 +232,7 @@ def _pool_loop(state: Any, policy: TetrisPolicy, conn: Any, rank: int) -> None:
             go(msg)
             continue
         if kind == "go":
-            _, rid, piece = msg
-            held = offered.get(rid)
-            if held is None:
-                conn.send(("unsent", rid, piece))
-                continue
-            holding, mine, receivers = held
-            start, count = mine[piece]
-            rows = Holding(
-                holding.kv[start : start + count], holding.positions[start : start + count]
-            )
-            try:
-                sending.append(start_piece(rows, receivers, world, tp, kv_heads))
-            except Exception as exc:  # noqa: BLE001 - a decode rank is gone: this request fails
-                offered.pop(rid, None)
-                conn.send(("failed", rid, f"prefill instance {rank}: {str(exc).splitlines()[0]}"))
-                continue
-            conn.send(("sent", rid, piece))
-            if piece == len(mine) - 1:  # granted in order: the last piece is on its way
-                offered.pop(rid, None)
+            go_whole(msg)
             continue
         if kind == "profile":
             _profile_probe(
@@ -234,9 +249,10 @@ def _pool_loop(state: Any, policy: TetrisPolicy, conn: Any, rank: int) -> None:
         plan = [PlannedChunk(n, tuple(g)) for n, g in chunks]
         started = time.perf_counter()
         on_layer = between_layers(stream) if stream is not None else None
+        poll = grants_between_layers if not layerwise else None
         try:
             result = run_chunk_plan(
-                model, pool, plan, torch.tensor(ids, dtype=torch.int64), scale, None, on_layer
+                model, pool, plan, torch.tensor(ids, dtype=torch.int64), scale, None, on_layer, poll
             )
         except Exception as exc:  # noqa: BLE001 - a ring peer died or the plan broke: it fails
             if stream is not None:
@@ -542,6 +558,7 @@ class TransferStats:
     failed: int = 0
     streamed_layers: int = 0  # layerwise: piece-layers sent (per sending rank)
     streamed_early: int = 0  # of them, sent while their prefill still computed
+    sent_mid_prefill: int = 0  # whole pieces whose sends started during a later prefill
 
 
 @dataclass
@@ -886,7 +903,7 @@ class TetrisGroup:
             # member still computing.
             key = (m, rid, msg[2])
             with self._lock:
-                if len(msg) > 3:  # a streamed piece's layers, and those sent mid-prefill
+                if len(msg) > 4:  # a streamed piece's layers, and those sent mid-prefill
                     self.transfer.streamed_layers += msg[4]
                     self.transfer.streamed_early += msg[3]
                 granted = self._granted.get(key)
@@ -897,6 +914,8 @@ class TetrisGroup:
                     granted.senders -= 1  # another TP rank of the instance has yet to report
                     return
                 self._granted.pop(key, None)
+                if granted is not None and len(msg) == 4:  # a whole piece, its last sender
+                    self.transfer.sent_mid_prefill += int(msg[3])
             if granted is None:
                 return
             decode = self.decode_conns[granted.decode]
@@ -1052,6 +1071,7 @@ class TetrisGroup:
             "prefill_instances_down": float(len(self.dead_pool)),
             "streamed_layers": float(t.streamed_layers),
             "streamed_layers_early": float(t.streamed_early),
+            "pieces_sent_mid_prefill": float(t.sent_mid_prefill),
         }
 
     # ---- ending -------------------------------------------------------------------------

@@ -492,3 +492,30 @@ def test_head_routes_send_each_head_once_whatever_the_two_tps() -> None:
                     want = kv_heads_of(t, decode_tp, kv_heads)
                     # Every head this decode rank keeps arrives exactly once, in head order.
                     assert got == list(range(want.start, want.stop)), (kv_heads, prefill_tp, t)
+
+
+@pytest.mark.slow
+def test_a_whole_piece_leaves_during_the_members_next_prefill(
+    smollm2_path: Path,
+    tetris_factory: Callable[..., tuple[TetrisGroup, Outputs]],
+) -> None:
+    """§4.2, whole hand-off: a member offers its piece when its prefill ends and goes on with
+    its next prefill; the grant that comes meanwhile starts the send between that prefill's
+    layers, not after it. A short request then a long one on the same instance: the short one's
+    piece leaves while the long one (300 tokens through SmolLM2's 30 layers) computes, and
+    both give the one-process tokens."""
+    short, long = _prompts([16, 300], vocab=49152, seed=13)
+    small = {"kv_cache_bytes": 64 << 20, "max_model_len": 512}
+    engine = start_engine(EngineConfig(model=str(smollm2_path), **{**ENGINE, **small}))
+    try:
+        expected = [o.token_ids for o in engine.generate([short, long], _greedy(4))]
+    finally:
+        engine.shutdown()
+    group, outputs = tetris_factory(
+        smollm2_path, {"prefill_instances": 2, "decode_instances": 1}, max_model_len=512
+    )
+    group.submit("short", short, _greedy(4), _plan([(16, [0])]))
+    group.submit("long", long, _greedy(4), _plan([(300, [0])]))
+    got = outputs.collect({"short", "long"})
+    assert [got["short"], got["long"]] == expected
+    assert group.stats()["pieces_sent_mid_prefill"] == 1.0, group.stats()
