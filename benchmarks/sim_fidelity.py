@@ -231,13 +231,7 @@ def main() -> None:
         profile_s = time.perf_counter() - t0
         trace = fidelity_trace(args.requests, args.rate, args.seed)
         measured = run_engine(engine, trace)
-        replica = ReplicaConfig(
-            num_blocks=engine.blocks.num_blocks,
-            block_size=engine.blocks.block_size,
-            max_num_seqs=engine.scheduler.config.max_num_seqs,
-            max_num_batched_tokens=engine.scheduler.config.max_num_batched_tokens,
-            max_model_len=engine.max_model_len,
-        )
+        replica = ReplicaConfig.of_engine(engine)
         stages = max(1, args.pp or 1)
         desc = model_desc.load(model)
         t0 = time.perf_counter()

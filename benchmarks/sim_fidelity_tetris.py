@@ -78,13 +78,7 @@ def decode_profile(config: Any, seed: int) -> tuple[Any, Any]:
             repeats=3,
         )
         cost = measure(engine, grid, seed).model({"model": "random-llama"})
-        replica = ReplicaConfig(
-            num_blocks=engine.blocks.num_blocks,
-            block_size=engine.blocks.block_size,
-            max_num_seqs=engine.scheduler.config.max_num_seqs,
-            max_num_batched_tokens=engine.scheduler.config.max_num_batched_tokens,
-            max_model_len=engine.max_model_len,
-        )
+        replica = ReplicaConfig.of_engine(engine)
     finally:
         engine.shutdown()
     return cost, replica

@@ -70,16 +70,15 @@ def simulate_lockstep(
     reps = [SimReplica(i, config, _Unpriced()) for i in range(replicas)]
     done: list[RequestTimes] = []
     rejected: list[tuple[int, str]] = []
-    state = {"stepping": False, "waking": False}
+    waking = False  # a first step after an idle spell is scheduled
 
     def step() -> None:
         # Each replica schedules its own batch (an empty one: a dummy step), at the same time.
-        state["waking"] = False
+        nonlocal waking
+        waking = False
         running = [rep for rep in reps if rep.launch(loop.now) is not None]
         if not running:
-            state["stepping"] = False
             return
-        state["stepping"] = True
         batches = [rep.in_flight[0].batch if rep.in_flight else None for rep in reps]
         seconds = cost.group_step_time(batches)
         for rep in running:
@@ -96,6 +95,7 @@ def simulate_lockstep(
         step()
 
     def arrive(index: int, req: TraceRequest) -> None:
+        nonlocal waking
         if (why := refusal(req, config.max_model_len)) is not None:
             rejected.append((index, why))
             return
@@ -106,10 +106,10 @@ def simulate_lockstep(
             assert picks is not None
             rep = reps[picks[index]]
         rep.add(rid, loop.now, req.prompt_tokens, req.output_tokens)
-        if not state["stepping"] and not state["waking"]:
+        if all(r.idle for r in reps) and not waking:
             # After every other event at this instant, so requests arriving together share
             # the first step, as they would in the engine's queue.
-            state["waking"] = True
+            waking = True
             loop.at(loop.now + idle_poll_s / 2, step)
 
     for i, req in enumerate(trace):

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from gearshift.operator.sim.cost_model import StepCost
 from gearshift.operator.sim.model_desc import StageShares
@@ -62,6 +62,18 @@ class ReplicaConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+
+    @classmethod
+    def of_engine(cls, engine: Any) -> ReplicaConfig:
+        """The settings a running ``LLMEngine`` schedules by (its KV blocks included)."""
+        cfg = engine.scheduler.config
+        return cls(
+            num_blocks=engine.blocks.num_blocks,
+            block_size=engine.blocks.block_size,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=cfg.max_model_len,
+        )
 
 
 @dataclass

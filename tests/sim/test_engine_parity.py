@@ -57,17 +57,6 @@ def engine_of(checkpoint: Path) -> Iterator[Callable[..., LLMEngine]]:
         engine.shutdown()
 
 
-def _replica(engine: LLMEngine) -> ReplicaConfig:
-    cfg = engine.scheduler.config
-    return ReplicaConfig(
-        num_blocks=engine.blocks.num_blocks,
-        block_size=engine.blocks.block_size,
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_model_len=cfg.max_model_len,
-    )
-
-
 def _trace(n: int, seed: int) -> list[TraceRequest]:
     rng = random.Random(seed)
     return [TraceRequest(0.0, rng.randint(5, 120), rng.randint(1, 30)) for _ in range(n)]
@@ -103,7 +92,7 @@ def test_engine_and_simulator_give_tokens_at_the_same_steps(
         assert engine.blocks.num_blocks == kv_blocks
     trace = _trace(14, seed=4)
     real = _run_engine(engine, trace)
-    sim = simulate(Deployment(1, _replica(engine), UNIT), trace)
+    sim = simulate(Deployment(1, ReplicaConfig.of_engine(engine), UNIT), trace)
     simulated = [[round(t) for t in r.token_times] for r in sim.requests]
     assert simulated == real
     assert (sim.preemptions > 0) == (engine.scheduler.num_preemptions > 0)
@@ -129,14 +118,21 @@ def test_a_pipeline_keeps_the_engines_micro_batches_in_flight(
     trace = _trace(10, seed=7)
     real = _run_engine(engine, trace)
     deployment = Deployment(
-        1, _replica(engine), UNIT, engine.policy.step_request, micro_batches=2, stages=2
+        1,
+        ReplicaConfig.of_engine(engine),
+        UNIT,
+        engine.policy.step_request,
+        micro_batches=2,
+        stages=2,
     )
     sim = simulate(deployment, trace)
     assert _finish_order([r.token_times for r in sim.requests]) == real
     # Pipelining shows in simulated time: with both stages busy a micro-batch ends every half
     # step, so the run takes fewer step-units than it has steps.
     assert sim.makespan < sum(sim.steps) * 0.75
-    alone = simulate(Deployment(1, _replica(engine), UNIT, engine.policy.step_request), trace)
+    alone = simulate(
+        Deployment(1, ReplicaConfig.of_engine(engine), UNIT, engine.policy.step_request), trace
+    )
     assert sim.makespan < alone.makespan
     # The profile times lone micro-batches (each a whole trip through both stages), batches of
     # several requests included, and leaves the pipeline as it was.
@@ -166,7 +162,7 @@ def test_a_profile_predicts_the_engines_wall_time_within_a_loose_bound(
     start = time.perf_counter()
     _run_engine(engine, trace)
     measured = time.perf_counter() - start
-    predicted = simulate(Deployment(1, _replica(engine), model), trace).makespan
+    predicted = simulate(Deployment(1, ReplicaConfig.of_engine(engine), model), trace).makespan
     # Loose on purpose: four engineers share two cores (benchmarks/sim_fidelity.py reports it).
     assert predicted == pytest.approx(measured, rel=0.5)
 

@@ -67,8 +67,8 @@ def test_a_measured_cost_predicts_a_sidp_groups_wall_time_within_a_loose_bound(t
     try:
         blocks = [int(r["num_blocks"]) for r in group.ready]
         run_group(group, trace[:6], [i % 2 for i in range(6)], prefix="w")  # warm both
-        cas_steps = mode == "CAS"
-        exchange = exchange_points(group, base, 4, IDLE_WAIT_S, (64, 200)) if cas_steps else None
+        cas = mode == "CAS"
+        exchange = exchange_points(group, base, 4, IDLE_WAIT_S, (64, 200)) if cas else None
         measured = run_group(group, trace, picks)
     finally:
         group.shutdown()
@@ -82,9 +82,9 @@ def test_a_measured_cost_predicts_a_sidp_groups_wall_time_within_a_loose_bound(t
             times += simulate(Deployment(1, replica, cost), mine).requests
     else:
         assert exchange is not None
-        cas = MeasuredCasCost(base, 4, 2, *exchange)
+        cas_cost = MeasuredCasCost(base, 4, 2, *exchange)
         replica = ReplicaConfig(min(blocks), 16, config.max_num_seqs, 256, engine.max_model_len)
-        times = simulate_lockstep(2, replica, cas, trace, picks, IDLE_WAIT_S).requests
+        times = simulate_lockstep(2, replica, cas_cost, trace, picks, IDLE_WAIT_S).requests
     predicted = combined(times)
     assert len(times) == len(trace)
     # Loose on purpose: engineers share two cores (the benchmark reports the real error).
