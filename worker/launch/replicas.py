@@ -57,7 +57,7 @@ class ReplicaGroup:
     def replicas(self) -> int:
         return len(self.conns)
 
-    def _check(self) -> None:
+    def raise_if_failed(self) -> None:
         """GroupFailure naming the replica that most likely failed first, if any rank has
         exited. Its peers follow it within moments (their watchdog exits with
         ``EXIT_PEER_FAILED``, or a collective with it fails and they exit with 1), so a rank
@@ -89,7 +89,7 @@ class ReplicaGroup:
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             try:
-                self._check()
+                self.raise_if_failed()
             except GroupFailure as failure:
                 return failure
             time.sleep(0.05)
@@ -119,7 +119,7 @@ class ReplicaGroup:
                 case _:
                     name = type(got).__name__
                     raise RuntimeError(f"replica {r}: expected {kind.__name__}, got {name}")
-            self._check()
+            self.raise_if_failed()
         raise GroupFailure(f"replica {r} did not answer {kind.__name__} in {self.timeout_s} s")
 
     def submit(self, work: dict[int, list[tuple[str, list[int], SamplingParams]]]) -> Pending:
@@ -151,7 +151,7 @@ class ReplicaGroup:
                 raise self._lost(r, exc) from exc
             if early:
                 self._early[r] = early
-        self._check()
+        self.raise_if_failed()
 
     def generate(self, work: dict[int, list[tuple[str, list[int], SamplingParams]]]) -> Results:
         """Queue each replica's requests at once; wait for all: request id -> (tokens, reason)."""

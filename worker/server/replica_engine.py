@@ -73,7 +73,7 @@ def _why(group: ReplicaGroup, exc: BaseException) -> str:
     deadline = time.monotonic() + 2.0
     while time.monotonic() < deadline:
         try:
-            group._check()
+            group.raise_if_failed()
         except GroupFailure as failure:
             return str(failure)
         time.sleep(0.05)
@@ -139,7 +139,7 @@ class ReplicaGroupEngine:
                 for r, conn in enumerate(group.conns):
                     while conn in ready and conn.poll():
                         batch.append((r, msg.FROM_REPLICA.recv(conn)))
-                group._check()
+                group.raise_if_failed()
             except (EOFError, OSError, GroupFailure, WireError) as exc:
                 if self._stop.is_set():
                     return
