@@ -204,6 +204,7 @@ def run_group(
 ) -> dict[str, float]:
     """Replay ``trace`` on the group's replicas (request i on replica picks[i]) in real time,
     timing each streamed token batch as it arrives here."""
+    from gearshift.worker.launch import replica_messages as rm
     from gearshift.worker.sampling.params import SamplingParams
 
     first: dict[str, float] = {}
@@ -221,17 +222,19 @@ def run_group(
             i, r = pending.pop(0)
             ids = [(7 * i + k) % 1000 for k in range(r.prompt_tokens)]
             params = SamplingParams(temperature=0.0, max_tokens=r.output_tokens, ignore_eos=True)
-            group.conns[picks[i]].send(("add", f"{prefix}{i}", ids, params))
+            group.send(picks[i], rm.AddRequest(f"{prefix}{i}", ids, params))
         # Block until a replica sends something or the next arrival is due: a polling loop
         # would take CPU from the two replicas on this 2-core machine.
         due = pending[0][1].arrival_s - (time.perf_counter() - start) if pending else 1.0
         for conn in wait(group.conns, timeout=max(0.0, min(due, 1.0))):
             while conn.poll(0):
-                msg = conn.recv()
-                if msg[0] == "finished":  # refused by the replica: ("finished", rid, [], why)
-                    raise RuntimeError(f"replica refused {msg[1]}: {msg[3]}")
-                kind, out = msg
-                assert kind == "out", kind
+                match got := rm.FROM_REPLICA.recv(conn):
+                    case rm.Output():
+                        out = got.output
+                    case rm.Refused():
+                        raise RuntimeError(f"replica refused {got.request_id}: {got.error}")
+                    case _:
+                        raise RuntimeError(f"unexpected {type(got).__name__} from a replica")
                 t = time.perf_counter() - start
                 if out.new_token_ids:
                     first.setdefault(out.request_id, t)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -13,6 +12,7 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gearshift.operator.commands import children as kids
 from gearshift.operator.commands.layout import choose_serve_layout, model_heads
@@ -24,7 +24,11 @@ from gearshift.operator.commands.router import (
 )
 from gearshift.worker.policies.flags import add_policy_args
 from gearshift.worker.server import auth
+from gearshift.worker.server.engine_json import EngineJson, GroupJson, ModelJson
 from gearshift.worker.server.settings import add_engine_args
+
+if TYPE_CHECKING:
+    from gearshift.v1 import policy_pb2
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +117,22 @@ def default_prefill_threads(groups: int, ranks: int) -> int:
     return max(1, (os.cpu_count() or 1) // (groups * ranks))
 
 
+def local_engine_json(
+    args: argparse.Namespace, model: str, served: str, policy: policy_pb2.Policy, ranks: int
+) -> EngineJson:
+    """The engine.json every local group reads: one node of ``ranks`` ranks."""
+    from google.protobuf import json_format
+
+    return EngineJson(
+        deployment=args.name,
+        model=ModelJson(
+            path=model, name=served, dtype=args.dtype, max_model_len=args.max_model_len
+        ),
+        group=GroupJson(nodes=1, gpus_per_node=ranks, ranks=ranks),
+        policy=json_format.MessageToDict(policy),
+    )
+
+
 def _worker_args(args: argparse.Namespace, engine_json: Path, ranks: int) -> list[str]:
     threads = args.num_threads or default_threads(args.groups, ranks)
     prefill_threads = args.prefill_threads or max(
@@ -147,8 +167,6 @@ def _worker_args(args: argparse.Namespace, engine_json: Path, ranks: int) -> lis
 
 
 async def _serve(args: argparse.Namespace, workdir: Path) -> int:
-    from google.protobuf import json_format
-
     from gearshift.operator.router import config as config_mod
     from gearshift.operator.router.server import RouterServer
     from gearshift.worker.errors import GearshiftError, InvalidRequestError
@@ -199,22 +217,7 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     engine_json = workdir / "engine.json"
-    engine_json.write_text(
-        json.dumps(
-            {
-                "deployment": args.name,
-                "engine": "gearshift",
-                "model": {
-                    "path": model,
-                    "name": served,
-                    "dtype": args.dtype,
-                    "maxModelLen": args.max_model_len,
-                },
-                "group": {"nodes": 1, "gpusPerNode": ranks, "ranks": ranks},
-                "policy": json_format.MessageToDict(policy),
-            }
-        )
-    )
+    engine_json.write_text(local_engine_json(args, model, served, policy, ranks).dumps())
     keys = config_mod.read_api_keys(
         args.api_key, args.api_key_file, "GEARSHIFT_API_KEY", os.environ
     )

@@ -1,8 +1,9 @@
 """The engine and router configuration (one ConfigMap) and the layout revision of a group.
 
-The worker reads `engine.json` (`gearshift worker --config`), the router `router.json`
-(`gearshift router --config`). Both carry the policy in the proto's JSON form, defaults filled in,
-so `json_format.ParseDict(cfg["policy"], Policy())` reads it back.
+The worker reads `engine.json` (`gearshift worker --config`; the `EngineJson` dataclass of
+`gearshift.worker.server.engine_json`), the router `router.json` (`gearshift router --config`).
+Both carry the policy in the proto's JSON form, defaults filled in, so
+`json_format.ParseDict(cfg["policy"], Policy())` reads it back.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from gearshift.operator.reconcile.render_meta import child_metadata
 from gearshift.operator.reconcile.spec import DeploymentSpec
 from gearshift.v1 import policy_fields, policy_pb2
 from gearshift.worker.model.source import HubSource
+from gearshift.worker.server.engine_json import EngineJson, GroupJson, ModelJson, PortsJson
 
 
 def _policy_json(policy: policy_pb2.Policy) -> dict[str, Any]:
@@ -37,27 +39,28 @@ def model_path(spec: DeploymentSpec) -> str:
     return src.path
 
 
-def engine_config(spec: DeploymentSpec) -> dict[str, Any]:
+def engine_json(spec: DeploymentSpec) -> EngineJson:
     """What every worker rank reads at start (through GEARSHIFT_CONFIG)."""
-    return {
-        "deployment": spec.name,
-        "namespace": spec.namespace,
-        "engine": spec.engine,
-        "model": {
-            "source": spec.model.uri,
-            "path": model_path(spec),
-            "name": spec.model.served_name,
-            "dtype": spec.model.dtype,
-            "maxModelLen": spec.model.max_model_len,
-        },
-        "group": {
-            "nodes": spec.group.nodes,
-            "gpusPerNode": spec.group.gpus_per_node,
-            "ranks": spec.group.ranks,
-        },
-        "ports": {"worker": names.WORKER_GRPC_PORT, "rendezvous": names.WORKER_DIST_PORT},
-        "policy": _policy_json(spec.full_policy),
-    }
+    return EngineJson(
+        deployment=spec.name,
+        namespace=spec.namespace,
+        engine=spec.engine,
+        model=ModelJson(
+            source=spec.model.uri,
+            path=model_path(spec),
+            name=spec.model.served_name,
+            dtype=spec.model.dtype,
+            max_model_len=spec.model.max_model_len,
+        ),
+        group=GroupJson(spec.group.nodes, spec.group.gpus_per_node, spec.group.ranks),
+        ports=PortsJson(worker=names.WORKER_GRPC_PORT, rendezvous=names.WORKER_DIST_PORT),
+        policy=_policy_json(spec.full_policy),
+    )
+
+
+def engine_config(spec: DeploymentSpec) -> dict[str, Any]:
+    """engine.json as its JSON object."""
+    return engine_json(spec).to_dict()
 
 
 def router_config(spec: DeploymentSpec, indices: list[int], cluster_domain: str) -> dict[str, Any]:
@@ -98,7 +101,7 @@ def config_map(spec: DeploymentSpec, indices: list[int], cluster_domain: str) ->
         "kind": "ConfigMap",
         "metadata": child_metadata(spec, names.config_map_name(spec.name), "config"),
         "data": {
-            "engine.json": json.dumps(engine_config(spec), indent=2, sort_keys=True),
+            "engine.json": engine_json(spec).dumps(indent=2),
             "router.json": json.dumps(
                 router_config(spec, indices, cluster_domain), indent=2, sort_keys=True
             ),

@@ -9,11 +9,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from gearshift.operator.router import errors, request_params
+from gearshift.operator.router import errors
 from gearshift.operator.router.core import Router
 from gearshift.operator.router.generate import PreparedRequest, RequestRun
+from gearshift.operator.router.preparation import Preparation
 from gearshift.operator.router.rejections import count_grpc
-from gearshift.operator.router.text import LogprobEntry, TextOptions
+from gearshift.operator.router.text import LogprobEntry
 from gearshift.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 _FINISH = {
@@ -27,8 +28,9 @@ _FINISH = {
 class GenerationService(router_pb2_grpc.GenerationServicer):
     """Generate over the same routing, retry and detokenisation as the HTTP API."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, preparation: Preparation) -> None:
         self.router = router
+        self.preparation = preparation
 
     async def _check_key(self, context: grpc.aio.ServicerContext) -> None:
         keys = self.router.config.api_keys
@@ -50,30 +52,7 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
         run: RequestRun | None = None
         claimed: str | None = None
         try:
-            router.check_accepting()
-            router.check_model(request.model or None)
-            if bool(request.prompt) == bool(request.prompt_token_ids):
-                raise errors.bad_request("set exactly one of prompt and prompt_token_ids")
-            if request.prompt:
-                ids = router.tokenizer.encode(request.prompt)
-            else:
-                ids = list(request.prompt_token_ids)
-                request_params.check_token_ids(ids, router.tokenizer.vocab_size, "prompt_token_ids")
-            s = request.sampling
-            max_tokens = s.max_tokens if s.HasField("max_tokens") else None
-            router.check_length(ids, max_tokens, "prompt")
-            request_params.check_proto_sampling(
-                s, router.tokenizer, len(ids), router.pool.max_model_len
-            )
-            sampling = common_pb2.SamplingParams()
-            sampling.CopyFrom(s)
-            del sampling.stop[:]  # stop strings are checked here, on the detokenised text
-            text = TextOptions(
-                stop=tuple(s.stop),
-                include_stop_str_in_output=s.include_stop_str_in_output,
-                skip_special_tokens=not s.HasField("skip_special_tokens") or s.skip_special_tokens,
-                min_tokens=s.min_tokens,
-            )
+            ids, sampling, text = await self.preparation.generation(request)
             rid = request.request_id or f"gen-{uuid.uuid4().hex}"
             router.claim_id(rid)
             claimed = rid

@@ -16,198 +16,39 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gearshift.operator.router.group import Group
+from gearshift.operator.router.metric_table import GROUP_METRICS, REQUEST_METRICS, MetricSpec
 from gearshift.operator.router.trace_recorder import TraceRecorder
 from gearshift.v1 import policy_fields, policy_pb2, worker_pb2
 
-# vLLM's bucket boundaries (vllm/v1/metrics/loggers.py), so dashboards carry over.
-TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-)
-ITL_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-LATENCY_BUCKETS = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
-)
-TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
-
 
 class RouterMetrics:
-    """Every metric of one router process, in its own registry."""
+    """Every metric of one router process, in its own registry (rows of metric_table.py)."""
+
+    ttft: Histogram
+    itl: Histogram
+    tpot: Histogram
+    e2e: Histogram
+    queue: Histogram
+    prompt_len: Histogram
+    generation_len: Histogram
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    request_success: Counter
+    rejected: Counter
+    retries: Counter
+    group_restarts: Counter
+    tetris_chunks: Histogram
+    tetris_chunk_sp: Histogram
+    tetris_planned_prefill: Histogram
+    tetris_placements: Counter
 
     def __init__(self, model_name: str, groups: Callable[[], Iterable[Group]]) -> None:
         self.model_name = model_name
         # --record-trace: every finished request also goes to this file (trace_recorder.py).
         self.trace: TraceRecorder | None = None
         self.registry = CollectorRegistry(auto_describe=True)
-        r, m = self.registry, ["model_name"]
-        self.ttft = Histogram(
-            "gearshift_time_to_first_token_seconds",
-            "Time to first token: from the router receiving the request to its first token.",
-            m,
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "gearshift_inter_token_latency_seconds",
-            "Time between two consecutive output tokens of a request.",
-            m,
-            buckets=ITL_BUCKETS,
-            registry=r,
-        )
-        self.tpot = Histogram(
-            "gearshift_request_time_per_output_token_seconds",
-            "Per request: decode time over output tokens after the first.",
-            m,
-            buckets=ITL_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "gearshift_e2e_request_latency_seconds",
-            "End-to-end request latency at the router.",
-            m,
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.queue = Histogram(
-            "gearshift_request_queue_time_seconds",
-            "Time a request waited in the worker's queue before its first step.",
-            m,
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.prompt_len = Histogram(
-            "gearshift_request_prompt_tokens",
-            "Prompt tokens per finished request.",
-            m,
-            buckets=TOKEN_BUCKETS,
-            registry=r,
-        )
-        self.generation_len = Histogram(
-            "gearshift_request_generation_tokens",
-            "Output tokens per finished request.",
-            m,
-            buckets=TOKEN_BUCKETS,
-            registry=r,
-        )
-        self.prompt_tokens = Counter(
-            "gearshift_prompt_tokens", "Prompt tokens of finished requests.", m, registry=r
-        )
-        self.generation_tokens = Counter(
-            "gearshift_generation_tokens", "Output tokens of finished requests.", m, registry=r
-        )
-        self.request_success = Counter(
-            "gearshift_request_success",
-            "Finished requests by finish reason (stop, length, abort, error).",
-            [*m, "finished_reason"],
-            registry=r,
-        )
-        self.rejected = Counter(
-            "gearshift_requests_rejected",
-            "Every 4xx/5xx answer of the client APIs, by HTTP status and reason.",
-            [*m, "status", "reason"],
-            registry=r,
-        )
-        self.retries = Counter(
-            "gearshift_request_retries",
-            "Requests re-sent to another group after theirs failed before the first token.",
-            m,
-            registry=r,
-        )
-        self.group_restarts = Counter(
-            "gearshift_group_restarts",
-            "Worker groups restarted after they died (gearshift serve; the operator reports "
-            "restarts in the InferenceDeployment's status).",
-            [*m, "group"],
-            registry=r,
-        )
-        # Tetris (§5.1-5.2): what the router's planner decided for each request it sent.
-        self.tetris_chunks = Histogram(
-            "gearshift_tetris_plan_chunks",
-            "Chunks per request in the Tetris planner's CDSP plans.",
-            m,
-            buckets=(1, 2, 3, 4, 6, 8),
-            registry=r,
-        )
-        self.tetris_chunk_sp = Histogram(
-            "gearshift_tetris_chunk_sp_size",
-            "SP size (prefill instances) of each planned CDSP chunk.",
-            m,
-            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
-            registry=r,
-        )
-        self.tetris_planned_prefill = Histogram(
-            "gearshift_tetris_planned_prefill_seconds",
-            "The planner's Eq. (1) estimate of each request's prefill, queueing included.",
-            m,
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        )
-        self.tetris_placements = Counter(
-            "gearshift_tetris_decode_placements",
-            "Requests planned onto each decode instance.",
-            [*m, "decode_instance"],
-            registry=r,
-        )
+        for spec in REQUEST_METRICS:
+            setattr(self, spec.key, _instrument(spec, self.registry))
         self.registry.register(GroupCollector(model_name, groups))
 
     def observe_tetris_plan(self, plan: worker_pb2.TetrisPlan) -> None:
@@ -263,60 +104,7 @@ class GroupCollector(Collector):
         return []  # dynamic label sets: let the registry collect instead
 
     def collect(self) -> Iterator[Metric]:
-        labels = ["model_name", "group"]
-        fams: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
-            "serving": GaugeMetricFamily(
-                "gearshift_group_serving", "1 while the group takes new requests.", labels=labels
-            ),
-            "running": GaugeMetricFamily(
-                "gearshift_num_requests_running", "Requests in the running batch.", labels=labels
-            ),
-            "waiting": GaugeMetricFamily(
-                "gearshift_num_requests_waiting", "Requests waiting in the queue.", labels=labels
-            ),
-            "kv": GaugeMetricFamily(
-                "gearshift_kv_cache_usage_perc",
-                "Fraction of KV cache blocks in use (0-1).",
-                labels=labels,
-            ),
-            "in_flight": GaugeMetricFamily(
-                "gearshift_router_requests_in_flight",
-                "Requests this router has in flight on the group.",
-                labels=labels,
-            ),
-            "outstanding": GaugeMetricFamily(
-                "gearshift_outstanding_tokens",
-                "Tokens accepted and not yet computed (the routing load measure).",
-                labels=labels,
-            ),
-            "gear": GaugeMetricFamily(
-                "gearshift_gear",
-                "1 for the gear that ran the group's last step, 0 for its other gears.",
-                labels=[*labels, "gear"],
-            ),
-            "switches": CounterMetricFamily(
-                "gearshift_gear_switches", "Gear switches since the worker started.", labels=labels
-            ),
-            "steps": CounterMetricFamily(
-                "gearshift_gear_steps", "Engine steps run per gear.", labels=[*labels, "gear"]
-            ),
-            "tokens": CounterMetricFamily(
-                "gearshift_gear_tokens", "Tokens computed per gear.", labels=[*labels, "gear"]
-            ),
-            "preemptions": CounterMetricFamily(
-                "gearshift_num_preemptions", "Requests preempted (recomputed).", labels=labels
-            ),
-            "policy_stat": GaugeMetricFamily(
-                "gearshift_policy_stat",
-                "Policy-specific figures of the group (its policy's stats; docs/metrics.md).",
-                labels=[*labels, "stat"],
-            ),
-            "policy": GaugeMetricFamily(
-                "gearshift_policy_parameter",
-                "Numeric parameters of the group's active policy (live ones change at run time).",
-                labels=[*labels, "parameter"],
-            ),
-        }
+        fams = {spec.key: _family(spec) for spec in GROUP_METRICS}
         for g in self.groups():
             lv = [self.model_name, g.name]
             fams["serving"].add_metric(lv, 1.0 if g.serving else 0.0)
@@ -339,6 +127,20 @@ class GroupCollector(Collector):
             for path, value in _numeric_fields(s.policy):
                 fams["policy"].add_metric([*lv, path], value)
         yield from fams.values()
+
+
+def _instrument(spec: MetricSpec, registry: CollectorRegistry) -> Histogram | Counter:
+    if spec.kind == "histogram":
+        return Histogram(spec.name, spec.help, spec.labels, buckets=spec.buckets, registry=registry)
+    assert spec.kind == "counter", spec
+    return Counter(spec.name, spec.help, spec.labels, registry=registry)
+
+
+def _family(spec: MetricSpec) -> GaugeMetricFamily | CounterMetricFamily:
+    if spec.kind == "gauge":
+        return GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
+    assert spec.kind == "counter", spec
+    return CounterMetricFamily(spec.name, spec.help, labels=spec.labels)
 
 
 def _numeric_fields(policy: policy_pb2.Policy) -> Iterator[tuple[str, float]]:

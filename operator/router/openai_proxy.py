@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gearshift.operator.router import errors
 from gearshift.operator.router.core import Router
 from gearshift.operator.router.group import Lease
-from gearshift.operator.router.http_api import ClientDisconnected, until_disconnect
+from gearshift.operator.router.http_streaming import ClientDisconnected, sse, until_disconnect
 from gearshift.operator.router.openai_accounting import (
     ProxyAccount,
     estimate_prompt_tokens,
@@ -203,7 +203,7 @@ class ProxiedRequest:
                     f"group {lease.group.name} failed after {self.account.chunks} chunks: "
                     f"{type(exc).__name__}: {exc}"
                 )
-                yield _sse(error.body())
+                yield sse(error.body())
                 yield "data: [DONE]\n\n"
                 self.account.record("error")
             finally:
@@ -229,14 +229,10 @@ class ProxiedRequest:
                 self.account.on_chunk(lease, chunk)
                 if "model" in chunk:
                     chunk["model"] = self.router.model_name
-                yield _sse(chunk)
+                yield sse(chunk)
         finally:
             await upstream.aclose()
             lease.release()
-
-
-def _sse(chunk: dict[str, Any]) -> str:
-    return f"data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 async def _until_disconnect(request: Request, work: Any) -> Any:

@@ -25,6 +25,7 @@ from gearshift.operator.router.http_api import ApiKeyMiddleware, build_app
 from gearshift.operator.router.metrics import RouterMetrics
 from gearshift.operator.router.openai_proxy import OpenAIProxy
 from gearshift.operator.router.pool import GROUP_KINDS, GroupPool
+from gearshift.operator.router.preparation import Preparation
 from gearshift.operator.router.rejections import RejectionCounter
 from gearshift.operator.router.trace_recorder import TraceRecorder
 from gearshift.v1 import router_pb2_grpc
@@ -117,7 +118,8 @@ class RouterServer:
         router = self.router = Router(cfg, tokenizer, pool, metrics)
         await pool.configure(cfg.groups)
 
-        app = build_app(router)
+        preparation = Preparation(router)  # shared by HTTP and gRPC
+        app = build_app(router, preparation)
         if cfg.backend == "openai-http":  # generation is the backend's; see openai_proxy.py
             app.add_middleware(OpenAIProxy, router=router)
         app.add_middleware(ApiKeyMiddleware, keys=cfg.api_keys, protect_metrics=cfg.protect_metrics)
@@ -139,7 +141,9 @@ class RouterServer:
         grpc_port = admin_port = None
         if cfg.grpc_port is not None:
             server = grpc.aio.server()
-            router_pb2_grpc.add_GenerationServicer_to_server(GenerationService(router), server)
+            router_pb2_grpc.add_GenerationServicer_to_server(
+                GenerationService(router, preparation), server
+            )
             grpc_port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
             await server.start()
             self._grpc.append(server)

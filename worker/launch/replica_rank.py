@@ -5,6 +5,8 @@ its plans over the replica's own control channel.
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import os
 import sys
@@ -12,6 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch.distributed as dist
@@ -24,6 +27,7 @@ from gearshift.worker.engine.executor import follow
 from gearshift.worker.engine.model_runner import Done, ModelRunner, StepHandle
 from gearshift.worker.engine.plan import StepPlan
 from gearshift.worker.errors import GroupFailure, InvalidRequestError
+from gearshift.worker.launch import replica_messages as msg
 from gearshift.worker.launch.group_config import GroupConfig
 from gearshift.worker.launch.host import bind_rank_cores, die_with_parent, set_threads
 from gearshift.worker.launch.leader import _engine
@@ -90,42 +94,42 @@ def replica_channel(policy: Policy, rank: int, timeout_s: float) -> ControlChann
 
 
 def _serve(
-    engine: Any, sync: ReplicaSync | None, policy: Policy, conn: Any, stream: bool = False
+    engine: Any, sync: ReplicaSync | None, policy: Policy, conn: Connection, stream: bool = False
 ) -> None:
     """The replica's loop: commands from the pipe, steps, and idle boundaries. ``stream``: send
-    every step's RequestOutput (("out", output), for a server) instead of finished token lists."""
+    every step's RequestOutput (``Output``, for a server) instead of finished token lists."""
     stopping = False
     tokens: dict[str, list[int]] = {}  # generated so far, per running request
+    send = functools.partial(msg.FROM_REPLICA.send, conn)
     while True:
         busy = engine.has_unfinished_requests()
         while conn.poll(0 if busy or sync is not None else IDLE_WAIT_S):
-            cmd = conn.recv()
-            if cmd[0] == "add":
-                _, rid, ids, params = cmd
-                try:
-                    engine.add_request(rid, ids, params)
-                except InvalidRequestError as exc:
-                    conn.send(("finished", rid, [], f"error: {exc}"))
-            elif cmd[0] == "abort":
-                engine.abort_request(cmd[1])
-            elif cmd[0] == "stats":
-                extra = sync.stats() if sync is not None else {}
-                stats = engine.stats()
-                conn.send(("stats", {"policy": policy.stats(), "sync": extra, "engine": stats}))
-            elif cmd[0] == "snapshot":  # a server's periodic stats (no mode tags)
-                conn.send(("snapshot", engine.stats()))
-            elif cmd[0] == "stop":
-                stopping = True
+            match command := msg.TO_REPLICA.recv(conn):
+                case msg.AddRequest():
+                    rid = command.request_id
+                    try:
+                        engine.add_request(rid, command.prompt_token_ids, command.params)
+                    except InvalidRequestError as exc:
+                        send(msg.Refused(rid, str(exc)))
+                case msg.AbortRequest():
+                    engine.abort_request(command.request_id)
+                case msg.GetStats():
+                    extra = json.dumps(sync.stats() if sync is not None else {})
+                    send(msg.ReplicaStats(policy.stats(), extra, engine.stats()))
+                case msg.GetSnapshot():  # a server's periodic stats (no mode tags)
+                    send(msg.Snapshot(engine.stats()))
+                case msg.StopReplica():
+                    stopping = True
             busy = engine.has_unfinished_requests()
         if busy:
             for out in engine.step():
                 if stream:
-                    conn.send(("out", out))
+                    send(msg.Output(out))
                     continue
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
                 if out.finished:
                     reason = out.error or (out.finish_reason.value if out.finish_reason else "")
-                    conn.send(("finished", out.request_id, tokens.pop(out.request_id), reason))
+                    send(msg.Finished(out.request_id, tokens.pop(out.request_id), reason))
             continue
         if sync is None:
             if stopping:
@@ -145,7 +149,7 @@ def replica_main(
     group: GroupConfig,
     rank: int,
     port: int,
-    conn: Any,
+    conn: Connection | None,
     cores: Sequence[int],
     stream: bool = False,
 ) -> None:
@@ -172,9 +176,7 @@ def replica_main(
         sync = policy.replica_sync(store, send)
         executor = ReplicaExecutor(state.runner, sync, replica, channel)
         engine = _engine(config, policy, state, executor)
-        conn.send(
-            ("ready", {"num_blocks": state.num_blocks, "max_model_len": engine.max_model_len})
-        )
+        msg.FROM_REPLICA.send(conn, msg.ReplicaReady(state.num_blocks, engine.max_model_len))
         _serve(engine, sync, policy, conn, stream)
         leaked = engine.blocks.leaked_blocks()
         free = engine.blocks.num_free_blocks == engine.blocks.num_blocks
@@ -183,7 +185,7 @@ def replica_main(
         if channel is not None:
             dist.barrier(group=channel.group.group)  # the followers' close_group meets here
         dist.destroy_process_group()
-        conn.send(("closed", {"leaked_blocks": len(leaked), "all_free": free}))
+        msg.FROM_REPLICA.send(conn, msg.Closed(len(leaked), free))
     except GroupFailure as exc:
         print(f"gearshift replica group: {exc}", file=sys.stderr, flush=True)
         os._exit(EXIT_PEER_FAILED)

@@ -12,13 +12,16 @@ group (its peers' watchdogs stop them) and the next call here raises ``GroupFail
 
 from __future__ import annotations
 
+import json
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any, TypeVar
 
 from gearshift.worker.config import EngineConfig
 from gearshift.worker.errors import GroupFailure, InvalidRequestError
+from gearshift.worker.launch import replica_messages as msg
 from gearshift.worker.launch.group_config import GroupConfig
 from gearshift.worker.launch.host import usable_cores
 from gearshift.worker.launch.processes import rank_context, start_rank, stop_processes
@@ -28,8 +31,10 @@ from gearshift.worker.policies.base import Policy
 from gearshift.worker.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
+A = TypeVar("A", bound=msg.Event)
 Pending = dict[int, set[str]]  # request ids not yet finished, per replica
 Results = dict[str, tuple[list[int], str]]  # request id -> (tokens, finish reason or error)
+Ended = msg.Finished | msg.Refused
 
 
 @dataclass
@@ -38,19 +43,21 @@ class ReplicaGroup:
 
     policy: Policy
     procs: list[Any]  # every rank's process, in rank order
-    conns: list[Any]  # one per replica, to its leading rank
+    conns: list[Connection]  # one per replica, to its leading rank
     store: Any
     timeout_s: float
+    # Each replica's ReplicaReady as a dict ({"num_blocks", "max_model_len"}).
     ready: list[dict[str, Any]] = field(default_factory=list)
     _closed: bool = False
-    # "finished" messages that arrived while waiting for another answer, per replica.
-    _early: dict[int, list[Any]] = field(default_factory=dict)
+    _stopping: bool = False  # StopReplica sent: a rank that then exits 0 has simply finished
+    # Requests that ended while waiting for another answer, per replica.
+    _early: dict[int, list[Ended]] = field(default_factory=dict)
 
     @property
     def replicas(self) -> int:
         return len(self.conns)
 
-    def _check(self) -> None:
+    def raise_if_failed(self) -> None:
         """GroupFailure naming the replica that most likely failed first, if any rank has
         exited. Its peers follow it within moments (their watchdog exits with
         ``EXIT_PEER_FAILED``, or a collective with it fails and they exit with 1), so a rank
@@ -58,7 +65,11 @@ class ReplicaGroup:
         if self._closed:
             return
         n = len(self.procs) // max(1, self.replicas)
-        dead = [(r, p.exitcode) for r, p in enumerate(self.procs) if not p.is_alive()]
+        dead = [
+            (r, p.exitcode)
+            for r, p in enumerate(self.procs)
+            if not p.is_alive() and not (self._stopping and p.exitcode == 0)
+        ]
         if not dead:
             return
 
@@ -78,39 +89,45 @@ class ReplicaGroup:
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             try:
-                self._check()
+                self.raise_if_failed()
             except GroupFailure as failure:
                 return failure
             time.sleep(0.05)
         return GroupFailure(f"replica group: replica {r}'s connection failed: {exc}")
 
-    def _recv(self, r: int, kind: str) -> Any:
+    def send(self, r: int, command: msg.Command) -> None:
+        """Send a command to replica ``r``; GroupFailure naming who failed if it is gone."""
+        try:
+            msg.TO_REPLICA.send(self.conns[r], command)
+        except OSError as exc:
+            raise self._lost(r, exc) from exc
+
+    def _recv(self, r: int, kind: type[A]) -> A:
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             try:
-                msg = self.conns[r].recv() if self.conns[r].poll(0.05) else None
+                got = msg.FROM_REPLICA.recv(self.conns[r]) if self.conns[r].poll(0.05) else None
             except (EOFError, OSError) as exc:
                 raise self._lost(r, exc) from exc
-            if msg is not None:
-                if msg[0] == kind:
-                    return msg
-                if msg[0] == "out":
-                    continue  # a stream's output after its reader stopped (shutdown)
-                if msg[0] != "finished":
-                    raise RuntimeError(f"replica {r}: expected {kind}, got {msg[0]}")
-                self._early.setdefault(r, []).append(msg)
-            self._check()
-        raise GroupFailure(f"replica {r} did not answer {kind!r} in {self.timeout_s} s")
+            match got:
+                case None | msg.Output():
+                    pass  # (Output: a stream's, after its reader stopped at shutdown)
+                case msg.Finished() | msg.Refused():
+                    self._early.setdefault(r, []).append(got)
+                case _ if isinstance(got, kind):
+                    return got
+                case _:
+                    name = type(got).__name__
+                    raise RuntimeError(f"replica {r}: expected {kind.__name__}, got {name}")
+            self.raise_if_failed()
+        raise GroupFailure(f"replica {r} did not answer {kind.__name__} in {self.timeout_s} s")
 
     def submit(self, work: dict[int, list[tuple[str, list[int], SamplingParams]]]) -> Pending:
         """Queue each replica's requests; ``poll`` collects them as they finish."""
         pending: Pending = {}
         for r, reqs in work.items():
             for rid, ids, params in reqs:
-                try:
-                    self.conns[r].send(("add", rid, ids, params))
-                except OSError as exc:
-                    raise self._lost(r, exc) from exc
+                self.send(r, msg.AddRequest(rid, ids, params))
             pending[r] = {rid for rid, _, _ in reqs}
         return pending
 
@@ -121,14 +138,20 @@ class ReplicaGroup:
             early = self._early.pop(r, [])
             try:
                 while left and (early or self.conns[r].poll(wait_s)):
-                    _, rid, tokens, reason = early.pop(0) if early else self.conns[r].recv()
-                    results[rid] = (tokens, reason)
-                    left.discard(rid)
+                    ended = early.pop(0) if early else msg.FROM_REPLICA.recv(self.conns[r])
+                    match ended:
+                        case msg.Finished():
+                            results[ended.request_id] = (ended.token_ids, ended.reason)
+                        case msg.Refused():
+                            results[ended.request_id] = ([], f"error: {ended.error}")
+                        case _:
+                            raise RuntimeError(f"replica {r}: unexpected {type(ended).__name__}")
+                    left.discard(ended.request_id)
             except (EOFError, OSError) as exc:
                 raise self._lost(r, exc) from exc
             if early:
                 self._early[r] = early
-        self._check()
+        self.raise_if_failed()
 
     def generate(self, work: dict[int, list[tuple[str, list[int], SamplingParams]]]) -> Results:
         """Queue each replica's requests at once; wait for all: request id -> (tokens, reason)."""
@@ -142,18 +165,21 @@ class ReplicaGroup:
         return results
 
     def stats(self, r: int) -> dict[str, Any]:
-        self.conns[r].send(("stats",))
-        return self._recv(r, "stats")[1]
+        """Replica ``r``'s figures: ``{"policy", "sync", "engine"}``."""
+        self.send(r, msg.GetStats())
+        got = self._recv(r, msg.ReplicaStats)
+        return {"policy": got.policy, "sync": json.loads(got.sync_json), "engine": got.engine}
 
     def shutdown(self) -> list[dict[str, Any]]:
         """Stop every replica together; what each reported about its KV blocks."""
         if self._closed:
             return []
         reports = []
+        self._stopping = True
         try:
             for conn in self.conns:
-                conn.send(("stop",))
-            reports = [self._recv(r, "closed")[1] for r in range(self.replicas)]
+                msg.TO_REPLICA.send(conn, msg.StopReplica())
+            reports = [asdict(self._recv(r, msg.Closed)) for r in range(self.replicas)]
         except (OSError, GroupFailure):
             self.kill()  # a replica is gone: nothing to stop in order
             raise
@@ -194,7 +220,8 @@ def start_replicas(
     port = int(store.port)
     ctx = rank_context()
     cores = usable_cores()
-    procs, conns = [], []
+    procs: list[Any] = []
+    conns: list[Connection] = []
     for rank in range(world):
         parent, child = ctx.Pipe() if rank % n == 0 else (None, None)
         proc = start_rank(
@@ -204,12 +231,12 @@ def start_replicas(
             f"gs-replica-{rank // n}" + (f"r{rank}" if n > 1 else ""),
         )
         procs.append(proc)
-        if child is not None:
+        if parent is not None and child is not None:
             child.close()
             conns.append(parent)
     handle = ReplicaGroup(policy, procs, conns, store, group.timeout_s)
     try:
-        handle.ready = [handle._recv(r, "ready")[1] for r in range(replicas)]
+        handle.ready = [asdict(handle._recv(r, msg.ReplicaReady)) for r in range(replicas)]
     except BaseException:
         handle.kill()
         raise

@@ -2,12 +2,8 @@
 
 Like vLLM's engine core: the forward pass and the gRPC/protobuf work run in separate
 interpreters, so neither waits for the other's GIL. The child runs the same EngineLoop; each
-step's outputs cross the pipe as one message, with the latest stats.
-
-Parent → child: ("add", rid, ids, params, arrival) | ("abort", rid, token) |
-("live", values, token) | ("stop",). Child → parent: ("ready", max_model_len, policy) |
-("failed", message) | ("out", [(rid, item)], stats, dead) | ("stats", stats, dead) |
-("reply", token, ok, value).
+step's outputs cross the pipe as one message, with the latest stats. The messages are the
+dataclasses of ``engine_messages.py``, encoded without pickle (``worker/wire.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import itertools
 import logging
 import os
@@ -22,6 +19,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -32,37 +31,38 @@ from gearshift.worker.engine.outputs import RequestOutput
 from gearshift.worker.errors import GearshiftError, GroupFailure, InvalidRequestError
 from gearshift.worker.launch.processes import rank_context, start_in_environment
 from gearshift.worker.sampling.params import InvalidSamplingParams, SamplingParams
+from gearshift.worker.server import engine_messages as msg
 from gearshift.worker.server.engine_loop import EngineFailure, EngineStopped, OutputSink
 from gearshift.worker.server.settings import WorkerSettings
+from gearshift.worker.wire import WireError
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.25
 
 
-# ---- errors across the pipe (exceptions with custom __init__ do not unpickle) -------------
+# ---- errors across the pipe (as data: the parent raises its own exception) -----------------
 
 
-def _to_wire(item: RequestOutput | BaseException) -> Any:
-    if isinstance(item, RequestOutput):
-        return item
-    if isinstance(item, InvalidRequestError):
-        return ("invalid", item.field, item.message)
-    if isinstance(item, InvalidSamplingParams):
-        return ("invalid", item.field, str(item))
-    if isinstance(item, (GroupFailure, EngineStopped)):
-        return ("unavailable", "", str(item))
-    return ("failure", "", str(item) or type(item).__name__)
+def _failed(request_id: str, error: BaseException) -> msg.RequestFailed:
+    if isinstance(error, InvalidRequestError):
+        return msg.RequestFailed(request_id, msg.Refusal.INVALID, error.field, error.message)
+    if isinstance(error, InvalidSamplingParams):
+        return msg.RequestFailed(request_id, msg.Refusal.INVALID, error.field, str(error))
+    if isinstance(error, (GroupFailure, EngineStopped)):
+        return msg.RequestFailed(request_id, msg.Refusal.UNAVAILABLE, "", str(error))
+    return msg.RequestFailed(
+        request_id, msg.Refusal.FAILURE, "", str(error) or type(error).__name__
+    )
 
 
-def _from_wire(item: Any) -> RequestOutput | BaseException:
-    if isinstance(item, RequestOutput):
-        return item
-    kind, field, message = item
-    if kind == "invalid":
-        return InvalidRequestError(field, message)
-    if kind == "unavailable":
-        return EngineStopped(message)
-    return EngineFailure(message)
+def _error(failed: msg.RequestFailed) -> BaseException:
+    match failed.refusal:
+        case msg.Refusal.INVALID:
+            return InvalidRequestError(failed.field, failed.message)
+        case msg.Refusal.UNAVAILABLE:
+            return EngineStopped(failed.message)
+        case msg.Refusal.FAILURE:
+            return EngineFailure(failed.message)
 
 
 # ---- the child -----------------------------------------------------------------------------
@@ -96,7 +96,7 @@ def _child_main(settings: WorkerSettings, conn: Connection, log_level: int) -> N
     try:
         engine = build_engine(settings)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which exits non-zero
-        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        msg.FROM_ENGINE.send(conn, msg.StartFailed(f"{type(exc).__name__}: {exc}"))
         return
     blocks = engine.blocks
     log.info(
@@ -110,34 +110,38 @@ def _child_main(settings: WorkerSettings, conn: Connection, log_level: int) -> N
     )
     lock = threading.Lock()
 
-    def send(message: tuple[Any, ...]) -> None:
+    def send(message: msg.Event) -> None:
+        data = msg.FROM_ENGINE.encode(message)
         with lock:
-            conn.send(message)
+            conn.send_bytes(data)
 
     def deliver(batch: Delivery) -> None:
-        items = [(sink.request_id, _to_wire(item)) for sink, item in batch]  # type: ignore[attr-defined]
-        send(("out", items, engine.stats(), engine.dead))
+        items: list[RequestOutput | msg.RequestFailed] = [
+            item if isinstance(item, RequestOutput) else _failed(sink.request_id, item)  # type: ignore[attr-defined]
+            for sink, item in batch
+        ]
+        send(msg.Outputs(items, engine.stats(), engine.dead))
 
     loop = EngineLoop(engine, deliver)
     loop.start()
-    send(("ready", engine.max_model_len, engine.policy.to_proto()))
+    send(msg.EngineReady(engine.max_model_len, engine.policy.to_proto()))
     stop = threading.Event()
 
     def report_stats() -> None:
         while not stop.wait(STATS_INTERVAL_S):
-            send(("stats", loop.snapshot, engine.dead))
+            send(msg.StatsReport(loop.snapshot, engine.dead))
 
     threading.Thread(target=report_stats, name="stats", daemon=True).start()
 
-    def reply(token: int, call: Any) -> None:
-        def done(future: Any) -> None:
+    def reply(token: int, call: Future[Any], answer: Callable[[Any], msg.Reply]) -> None:
+        def done(future: Future[Any]) -> None:
             exc = future.exception()
             if exc is None:
-                send(("reply", token, True, future.result()))
+                send(answer(future.result()))
             elif isinstance(exc, InvalidRequestError):
-                send(("reply", token, False, (exc.field, exc.message)))
+                send(msg.CallFailed(token, exc.field, exc.message))
             else:
-                send(("reply", token, False, ("", f"{type(exc).__name__}: {exc}")))
+                send(msg.CallFailed(token, "", f"{type(exc).__name__}: {exc}"))
 
         call.add_done_callback(done)
 
@@ -151,25 +155,28 @@ def _child_main(settings: WorkerSettings, conn: Connection, log_level: int) -> N
     try:
         while True:
             try:
-                message = conn.recv()
+                command = msg.TO_ENGINE.recv(conn)
             except (EOFError, OSError):
                 break  # the parent is gone
-            kind = message[0]
-            if kind == "add":
-                _, rid, ids, params, arrival = message
-                loop.submit(rid, ids, params, _Tag(rid), arrival)
-            elif kind == "abort":
-                reply(message[2], loop.abort(message[1]))
-            elif kind == "live":
-                reply(message[2], loop.call(apply(message[1])))
-            elif kind == "stop":
-                break
+            match command:
+                case msg.AddRequest():
+                    rid = command.request_id
+                    ids, params = command.prompt_token_ids, command.params
+                    loop.submit(rid, ids, params, _Tag(rid), command.arrival_time)
+                case msg.AbortRequest():
+                    found = loop.abort(command.request_id)
+                    reply(command.token, found, functools.partial(msg.Aborted, command.token))
+                case msg.ApplyLive():
+                    live = loop.call(apply(command.values))
+                    reply(command.token, live, functools.partial(msg.LiveApplied, command.token))
+                case msg.StopEngine():
+                    break
     finally:
         stop.set()
         loop.stop()
         engine.shutdown()
         with contextlib.suppress(OSError):
-            send(("stopped",))
+            send(msg.EngineExit())
 
 
 # ---- the parent ----------------------------------------------------------------------------
@@ -190,7 +197,7 @@ class ProcessEngine:
         self._snapshot: EngineStats | None = None
         self._dead: str | None = None
         self._sinks: dict[str, OutputSink] = {}
-        self._replies: dict[int, asyncio.Future[Any]] = {}
+        self._replies: dict[int, asyncio.Future[msg.Reply]] = {}
         self._tokens = itertools.count()
         self._ready: asyncio.Future[None] | None = None
         self._closed = False
@@ -253,37 +260,42 @@ class ProcessEngine:
         self._last_heard = time.monotonic()
         try:
             while self._conn.poll():
-                self._handle(self._conn.recv())
+                self._handle(msg.FROM_ENGINE.recv(self._conn))
         except (EOFError, OSError):
             self._close(self._leader_gone())
+        except WireError as exc:  # a bug on one side of the pipe: the engine cannot be trusted
+            log.error("the engine process sent a message this process refuses: %s", exc)
+            self._proc.kill()
+            self._close(f"the engine process sent a bad message ({exc})")
 
-    def _handle(self, message: tuple[Any, ...]) -> None:
-        kind = message[0]
-        if kind == "out":
-            _, items, stats, dead = message
-            self._snapshot, self._dead = stats, dead
-            for rid, item in items:
-                out = _from_wire(item)
-                finished = not isinstance(out, RequestOutput) or out.finished
-                sink = self._sinks.pop(rid, None) if finished else self._sinks.get(rid)
-                if sink is not None:
-                    sink(out)
-        elif kind == "stats":
-            self._snapshot, self._dead = message[1], message[2]
-        elif kind == "reply":
-            _, token, ok, value = message
-            future = self._replies.pop(token, None)
-            if future is not None and not future.done():
-                if ok:
-                    future.set_result(value)
-                else:
-                    future.set_exception(InvalidRequestError(*value))
-        elif kind == "ready":
-            _, self.max_model_len, self.policy = message
-            if self._ready is not None and not self._ready.done():
-                self._ready.set_result(None)
-        elif kind == "failed":
-            self._close(message[1])
+    def _handle(self, message: msg.Event) -> None:
+        match message:
+            case msg.Outputs():
+                self._snapshot, self._dead = message.stats, message.dead
+                for item in message.items:
+                    out = item if isinstance(item, RequestOutput) else _error(item)
+                    finished = not isinstance(out, RequestOutput) or out.finished
+                    rid = item.request_id
+                    sink = self._sinks.pop(rid, None) if finished else self._sinks.get(rid)
+                    if sink is not None:
+                        sink(out)
+            case msg.StatsReport():
+                self._snapshot, self._dead = message.stats, message.dead
+            case msg.Aborted() | msg.LiveApplied() | msg.CallFailed():
+                future = self._replies.pop(message.token, None)
+                if future is not None and not future.done():
+                    if isinstance(message, msg.CallFailed):
+                        future.set_exception(InvalidRequestError(message.field, message.message))
+                    else:
+                        future.set_result(message)
+            case msg.EngineReady():
+                self.max_model_len, self.policy = message.max_model_len, message.policy
+                if self._ready is not None and not self._ready.done():
+                    self._ready.set_result(None)
+            case msg.StartFailed():
+                self._close(message.message)
+            case msg.EngineExit():
+                pass  # the process is ending: _watch_exit says how
 
     def _close(self, reason: str) -> None:
         """The child is gone: fail everything that waits on it."""
@@ -331,30 +343,35 @@ class ProcessEngine:
             sink(EngineStopped(self._dead or "the engine is shutting down"))
             return
         self._sinks[request_id] = sink
-        self._conn.send(("add", request_id, prompt_token_ids, params, arrival_time))
+        add = msg.AddRequest(request_id, prompt_token_ids, params, arrival_time)
+        msg.TO_ENGINE.send(self._conn, add)
 
-    async def _call(self, *message: Any) -> Any:
+    async def _call(self, command: Callable[[int], msg.Command]) -> msg.Reply:
+        """Send ``command(token)`` and wait for the answer that repeats the token."""
         if self._closed:
             raise EngineStopped(self._dead or "the engine is shutting down")
         token = next(self._tokens)
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[msg.Reply] = asyncio.get_running_loop().create_future()
         self._replies[token] = future
-        self._conn.send((*message, token))
+        msg.TO_ENGINE.send(self._conn, command(token))
         return await future
 
     async def abort(self, request_id: str) -> bool:
-        return bool(await self._call("abort", request_id))
+        reply = await self._call(functools.partial(msg.AbortRequest, request_id))
+        assert isinstance(reply, msg.Aborted)
+        return reply.found
 
     async def apply_live(self, values: dict[str, LiveValue]) -> policy_pb2.Policy:
-        policy: policy_pb2.Policy = await self._call("live", values)
-        self.policy = policy
-        return policy
+        reply = await self._call(functools.partial(msg.ApplyLive, values))
+        assert isinstance(reply, msg.LiveApplied)
+        self.policy = reply.policy
+        return reply.policy
 
     async def stop(self, timeout_s: float = 15.0) -> None:
         """Stop the engine (aborting what runs), then the process; kill it if it hangs."""
         if self._proc.is_alive() and not self._closed:
             with contextlib.suppress(OSError):
-                self._conn.send(("stop",))
+                msg.TO_ENGINE.send(self._conn, msg.StopEngine())
         deadline = asyncio.get_running_loop().time() + timeout_s
         while self._proc.is_alive() and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)

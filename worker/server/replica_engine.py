@@ -23,14 +23,15 @@ from typing import Any
 from gearshift.v1 import policy_pb2
 from gearshift.worker.engine.contract import LiveValue
 from gearshift.worker.engine.llm_engine import EngineStats, ReplicaLoad
-from gearshift.worker.engine.outputs import RequestOutput
 from gearshift.worker.errors import GroupFailure, InvalidRequestError
+from gearshift.worker.launch import replica_messages as msg
 from gearshift.worker.launch.replicas import ReplicaGroup, start_replicas
 from gearshift.worker.policies.registry import make_policy
 from gearshift.worker.server.engine_loop import EngineStopped, OutputSink
 from gearshift.worker.server.engine_process import STATS_INTERVAL_S, EngineStartError
 from gearshift.worker.server.factory import engine_config, group_config
 from gearshift.worker.server.settings import WorkerSettings
+from gearshift.worker.wire import WireError
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ def _why(group: ReplicaGroup, exc: BaseException) -> str:
     deadline = time.monotonic() + 2.0
     while time.monotonic() < deadline:
         try:
-            group._check()
+            group.raise_if_failed()
         except GroupFailure as failure:
             return str(failure)
         time.sleep(0.05)
@@ -108,7 +109,7 @@ class ReplicaGroupEngine:
         except Exception as exc:
             raise EngineStartError(f"{type(exc).__name__}: {exc}") from exc
         n = self._group.replicas
-        self.max_model_len = int(self._group.ready[0].get("max_model_len", 0))
+        self.max_model_len = int(self._group.ready[0]["max_model_len"])
         self._load = [0] * n
         self._stats = [_EMPTY] * n
         self._reader = threading.Thread(target=self._read, name="replica-reader", daemon=True)
@@ -116,10 +117,11 @@ class ReplicaGroupEngine:
 
     # ---- the reader thread: outputs, stats and the group's health ---------------------------
 
-    def _send(self, r: int, message: tuple[Any, ...]) -> None:
+    def _send(self, r: int, command: msg.Command) -> None:
         assert self._group is not None
+        data = msg.TO_REPLICA.encode(command)
         with self._send_lock:
-            self._group.conns[r].send(message)
+            self._group.conns[r].send_bytes(data)
 
     def _read(self) -> None:
         group = self._group
@@ -131,14 +133,14 @@ class ReplicaGroupEngine:
                 if now >= next_stats:
                     next_stats = now + STATS_INTERVAL_S
                     for r in range(group.replicas):
-                        self._send(r, ("snapshot",))
+                        self._send(r, msg.GetSnapshot())
                 ready = wait(group.conns, timeout=STATS_INTERVAL_S / 2)
-                batch: list[tuple[int, Any]] = []
+                batch: list[tuple[int, msg.Event]] = []
                 for r, conn in enumerate(group.conns):
                     while conn in ready and conn.poll():
-                        batch.append((r, conn.recv()))
-                group._check()
-            except (EOFError, OSError, GroupFailure) as exc:
+                        batch.append((r, msg.FROM_REPLICA.recv(conn)))
+                group.raise_if_failed()
+            except (EOFError, OSError, GroupFailure, WireError) as exc:
                 if self._stop.is_set():
                     return
                 self._loop.call_soon_threadsafe(self._fail, _why(group, exc))
@@ -146,26 +148,25 @@ class ReplicaGroupEngine:
             if batch:
                 self._loop.call_soon_threadsafe(self._handle, batch)
 
-    def _handle(self, batch: list[tuple[int, Any]]) -> None:
+    def _handle(self, batch: list[tuple[int, msg.Event]]) -> None:
         for r, message in batch:
-            kind = message[0]
-            if kind == "out":
-                out: RequestOutput = message[1]
-                entry = self._sinks.get(out.request_id)
-                if entry is None:
-                    continue
-                if out.finished:
-                    del self._sinks[out.request_id]
-                    self._load[r] -= 1
-                entry[1](out)
-            elif kind == "finished":  # refused at add (InvalidRequestError)
-                _, rid, _, reason = message
-                entry = self._sinks.pop(rid, None)
-                if entry is not None:
-                    self._load[r] -= 1
-                    entry[1](InvalidRequestError("request", reason.removeprefix("error: ")))
-            elif kind == "snapshot":
-                self._stats[r] = message[1]
+            match message:
+                case msg.Output():
+                    out = message.output
+                    entry = self._sinks.get(out.request_id)
+                    if entry is None:
+                        continue
+                    if out.finished:
+                        del self._sinks[out.request_id]
+                        self._load[r] -= 1
+                    entry[1](out)
+                case msg.Refused():  # at admission (InvalidRequestError)
+                    entry = self._sinks.pop(message.request_id, None)
+                    if entry is not None:
+                        self._load[r] -= 1
+                        entry[1](InvalidRequestError("request", message.error))
+                case msg.Snapshot():
+                    self._stats[r] = message.engine
 
     def _fail(self, reason: str) -> None:
         if self._closed:
@@ -226,14 +227,14 @@ class ReplicaGroupEngine:
         )
         self._sinks[request_id] = (r, sink)
         self._load[r] += 1
-        self._send(r, ("add", request_id, prompt_token_ids, params))
+        self._send(r, msg.AddRequest(request_id, prompt_token_ids, params))
 
     async def abort(self, request_id: str) -> bool:
         entry = self._sinks.pop(request_id, None)
         if entry is None or self._closed:
             return False
         self._load[entry[0]] -= 1
-        self._send(entry[0], ("abort", request_id))
+        self._send(entry[0], msg.AbortRequest(request_id))
         return True
 
     async def apply_live(self, values: dict[str, LiveValue]) -> policy_pb2.Policy:
@@ -270,7 +271,7 @@ class ReplicaGroupEngine:
         # A stopping replica finishes what it runs: abort it all first, then stop together.
         with contextlib.suppress(OSError):
             for rid, (r, _) in sinks.items():
-                group.conns[r].send(("abort", rid))
+                msg.TO_REPLICA.send(group.conns[r], msg.AbortRequest(rid))
         try:
             await asyncio.to_thread(group.shutdown)
         except (OSError, GroupFailure, RuntimeError) as exc:

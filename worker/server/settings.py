@@ -8,7 +8,6 @@ the GEARSHIFT_* variables come from the worker pod's env. Flags override both, w
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.model.registry import default_served_name
 from gearshift.worker.policies.support import check_runnable
 from gearshift.worker.server import auth
+from gearshift.worker.server.engine_json import EngineJson
 
 if TYPE_CHECKING:
     from gearshift.worker.config import EngineConfig
@@ -168,18 +168,6 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _read_config(path: str | None) -> dict[str, Any]:
-    if not path:
-        return {}
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise InvalidRequestError("config", f"cannot read {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise InvalidRequestError("config", f"{path}: expected a JSON object")
-    return data
-
-
 def _policy(raw: Any, ranks: int) -> policy_pb2.Policy:
     from gearshift.worker.policies.flags import read_policy_text
     from gearshift.worker.policies.registry import parse_policy
@@ -196,14 +184,17 @@ def _policy(raw: Any, ranks: int) -> policy_pb2.Policy:
 def load_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> WorkerSettings:
     """Settings from flags over env over engine.json; raises InvalidRequestError naming a field."""
     env = os.environ if env is None else env
-    cfg = _read_config(args.config or env.get("GEARSHIFT_CONFIG"))
-    model_cfg = cfg.get("model") or {}
-    group_cfg = cfg.get("group") or {}
-    model = args.model or model_cfg.get("path") or "smollm2"
-    ranks = int(env.get("GEARSHIFT_GROUP_SIZE") or group_cfg.get("ranks") or 1)
+    path = args.config or env.get("GEARSHIFT_CONFIG")
+    cfg = EngineJson.load(path) if path else EngineJson()
+    if cfg.engine != "gearshift":
+        raise InvalidRequestError(
+            "engine", f"{path}: engine {cfg.engine!r} is not served by `gearshift worker`"
+        )
+    model = args.model or cfg.model.path or "smollm2"
+    ranks = int(env.get("GEARSHIFT_GROUP_SIZE") or cfg.group.ranks)
     port = args.port
     if port is None:
-        port = int(env.get("GEARSHIFT_WORKER_PORT") or (cfg.get("ports") or {}).get("worker") or 0)
+        port = int(env.get("GEARSHIFT_WORKER_PORT") or (cfg.ports and cfg.ports.worker) or 0)
         port = port or DEFAULT_WORKER_PORT
     token_file = args.control_token_file or env.get(auth.TOKEN_FILE_ENV)
     try:
@@ -216,9 +207,9 @@ def load_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None
     if heartbeat <= 0:
         raise InvalidRequestError("heartbeat_timeout", f"must be > 0, got {heartbeat}")
     engine = EngineKnobs(
-        dtype=args.dtype or model_cfg.get("dtype") or "auto",
+        dtype=args.dtype or cfg.model.dtype or "auto",
         device=args.device,
-        max_model_len=args.max_model_len or model_cfg.get("maxModelLen") or None,
+        max_model_len=args.max_model_len or cfg.model.max_model_len or None,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
@@ -229,10 +220,8 @@ def load_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None
     )
     return WorkerSettings(
         model=model,
-        served_model_name=args.served_model_name
-        or model_cfg.get("name")
-        or default_served_name(model),
-        policy=_policy(args.policy_json or cfg.get("policy"), ranks),
+        served_model_name=args.served_model_name or cfg.model.name or default_served_name(model),
+        policy=_policy(args.policy_json or cfg.policy, ranks),
         engine=engine,
         ranks=ranks,
         node_rank=int(env.get("GEARSHIFT_NODE_RANK") or 0),
