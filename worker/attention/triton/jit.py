@@ -1,8 +1,9 @@
 """Kernels wrapped for the current mode: Triton's compiler, or its interpreter on CPU tensors.
 
 Triton reads ``TRITON_INTERPRET`` when ``triton.jit`` wraps a function, so the kernel modules keep
-their kernels as plain functions and wrap them here, once per function and mode: a process (a
-test session) that sets the variable after importing them still gets the mode it asks for.
+their kernels as plain functions and wrap them here, once per function and mode. Triton's own
+library functions (``tl.max``, ``tl.sum``, ``tl.cdiv``) are wrapped when triton is imported, so
+the interpreter needs the variable set before that; ``kernel`` says so instead of failing inside.
 """
 
 from __future__ import annotations
@@ -25,8 +26,21 @@ def kernel(fn: Callable[..., Any]) -> Any:
     key = (fn, interpreting())
     wrapped = _WRAPPED.get(key)
     if wrapped is None:
+        if key[1] and not _library_interpreted():
+            raise RuntimeError(
+                "TRITON_INTERPRET=1 was set after triton was imported: triton wraps its own "
+                "library (tl.max, tl.sum, ...) at import, so set it before the process imports "
+                "triton (in the environment the process starts with)"
+            )
         wrapped = _WRAPPED[key] = triton.jit(fn)
     return wrapped
+
+
+def _library_interpreted() -> bool:
+    """Whether triton.language's own jit functions were wrapped for the interpreter."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(getattr(triton.language.standard, "max", None), InterpretedFunction)
 
 
 def unit_last(x: torch.Tensor) -> torch.Tensor:

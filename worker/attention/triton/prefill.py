@@ -164,6 +164,8 @@ def paged_prefill(
     q = unit_last(q)
     block_d = max(16, triton.next_power_of_2(dim))
     block_m, block_n, warps = prefill_tiles(block_d, q.element_size(), q.device.type == "cuda")
+    # Short chunks (mixed batches) take a smaller query tile instead of padding it.
+    block_m = max(16, min(block_m, triton.next_power_of_2(longest)))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     kernel(_prefill)[(count, triton.cdiv(longest, block_m), q_heads)](
         q,
