@@ -39,17 +39,22 @@ def model_path(spec: DeploymentSpec) -> str:
 
 def engine_config(spec: DeploymentSpec) -> dict[str, Any]:
     """What every worker rank reads at start (through GEARSHIFT_CONFIG)."""
+    model: dict[str, Any] = {
+        "source": spec.model.uri,
+        "path": model_path(spec),
+        "name": spec.model.served_name,
+        "dtype": spec.model.dtype,
+        "maxModelLen": spec.model.max_model_len,
+    }
+    if spec.model.attention_backend != "auto":
+        # Only when set: the worker's default is auto, and a deployment that never set it keeps
+        # its revision (and its pods) across an operator upgrade.
+        model["attentionBackend"] = spec.model.attention_backend
     return {
         "deployment": spec.name,
         "namespace": spec.namespace,
         "engine": spec.engine,
-        "model": {
-            "source": spec.model.uri,
-            "path": model_path(spec),
-            "name": spec.model.served_name,
-            "dtype": spec.model.dtype,
-            "maxModelLen": spec.model.max_model_len,
-        },
+        "model": model,
         "group": {
             "nodes": spec.group.nodes,
             "gpusPerNode": spec.group.gpus_per_node,
