@@ -17,9 +17,8 @@ pytest.importorskip("triton")
 @pytest.mark.slow
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_tiny_model_greedy_tokens_and_logits_equal_the_torch_backend(
-    block_size, tiny_checkpoint, engine_factory, monkeypatch
+    block_size, tiny_checkpoint, engine_factory, interpreter
 ):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     folder = tiny_checkpoint("qwen3")  # q/k norm, GQA 4:1 at head_dim 32
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     g = torch.Generator().manual_seed(11)

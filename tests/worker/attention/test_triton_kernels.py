@@ -10,7 +10,6 @@ seen here is about 1e-6). A wrong mask, page or head mapping is off by order 0.1
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -26,10 +25,7 @@ pytest.importorskip("triton")
 ATOL, RTOL = 1e-5, 1e-4
 
 
-@pytest.fixture(autouse=True)
-def interpreter(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    yield
+pytestmark = pytest.mark.usefixtures("interpreter")
 
 
 def _reference(batch: Batch, scale: float) -> tuple[torch.Tensor, torch.Tensor, tuple]:

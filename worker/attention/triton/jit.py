@@ -26,7 +26,7 @@ def kernel(fn: Callable[..., Any]) -> Any:
     key = (fn, interpreting())
     wrapped = _WRAPPED.get(key)
     if wrapped is None:
-        if key[1] and not _library_interpreted():
+        if key[1] and not library_interpreted():
             raise RuntimeError(
                 "TRITON_INTERPRET=1 was set after triton was imported: triton wraps its own "
                 "library (tl.max, tl.sum, ...) at import, so set it before the process imports "
@@ -36,7 +36,7 @@ def kernel(fn: Callable[..., Any]) -> Any:
     return wrapped
 
 
-def _library_interpreted() -> bool:
+def library_interpreted() -> bool:
     """Whether triton.language's own jit functions were wrapped for the interpreter."""
     from triton.runtime.interpreter import InterpretedFunction
 
