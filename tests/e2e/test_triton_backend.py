@@ -72,14 +72,21 @@ def test_generate_with_triton_prints_the_torch_backends_text(model, torch_runs):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "policy",
+    [[], ["--policy", "shift", "--sp", "2", "--shift-threshold", "8"]],
+    ids=["one-rank", "shift-sp2"],
+)
 def test_serve_with_triton_answers_concurrent_requests_with_the_torch_backends_text(
-    model, torch_runs, tmp_path, monkeypatch
+    policy, model, torch_runs, tmp_path, monkeypatch
 ):
+    # shift-sp2: Ulysses (SP 2) wraps the triton core in the base gear, the shift gear runs it
+    # on TP 2 shards of the heads; both see this step's KV in the one shared cache.
     from openai import OpenAI
 
     ids, texts = torch_runs
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # ServeProcess passes the environment on
-    args = ["--model", str(model), "--dtype", "float32", "--attention-backend", "triton"]
+    args = ["--model", str(model), "--dtype", "float32", "--attention-backend", "triton", *policy]
     # 16-token steps: the longer prompts prefill in chunks over their cached prefix while the
     # others decode.
     args += ["--max-num-batched-tokens", "16", "--block-size", "16"]

@@ -201,3 +201,17 @@ def test_split_count_is_a_function_of_static_sizes():
     # Big batches fill the GPU without splitting: 64 x 8 programs outnumber 132 SMs twice over.
     assert num_splits(64, 8, 4096, 16, 132) == 1
     assert num_splits(8, 8, 4096, 16, 132) == 5
+
+
+def test_strided_views_of_a_fused_projection_are_read_in_place():
+    # As the model and Ulysses hand them over: q/k/v as column slices of one fused [T, H, D]
+    # tensor (rows strided by every head), not contiguous copies.
+    batch = make_batch(
+        [45], [(12, 30)], kv_heads=2, group=2, head_dim=32, block_size=16, padding=1, seed=12
+    )
+    fused = torch.cat((batch.q, batch.k, batch.v), dim=1)
+    heads = batch.q.shape[1]
+    q, k, v = fused[:, :heads], fused[:, heads : heads + 2], fused[:, heads + 2 :]
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    strided = Batch(q, k, v, batch.meta, batch.k_cache, batch.v_cache)
+    _assert_matches_reference(strided)

@@ -101,3 +101,21 @@ def test_worker_settings_carry_the_backend_from_engine_json_unless_the_flag_says
     assert load_settings(args, env={}).engine.attention_backend == "cpu"
     args = parser.parse_args(["worker", "--model", "/m"])
     assert load_settings(args, env={}).engine.attention_backend == "auto"
+
+
+def test_importing_gearshift_and_choosing_a_core_never_imports_triton():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import gearshift.operator.cli, gearshift.worker.launch, gearshift.worker.server.app\n"
+        "from gearshift.worker.attention.select import make_attention\n"
+        "from gearshift.worker.config import EngineConfig\n"
+        "make_attention(EngineConfig(model='m', device='cuda'), 64)\n"
+        "assert 'triton' not in sys.modules, sorted(m for m in sys.modules if 'triton' in m)\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert res.returncode == 0, res.stderr
