@@ -215,3 +215,13 @@ def test_strided_views_of_a_fused_projection_are_read_in_place():
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
     strided = Batch(q, k, v, batch.meta, batch.k_cache, batch.v_cache)
     _assert_matches_reference(strided)
+
+
+@pytest.mark.parametrize("block_size", [1, 48, 128])
+def test_any_block_size_the_engine_allows(block_size):
+    # EngineConfig takes any positive block size: pages of one token, pages that do not divide
+    # the 64-key tiles, and pages longer than a tile.
+    batch = make_batch(
+        [150, 9], [(11, 140)], kv_heads=2, group=2, head_dim=32, block_size=block_size, seed=5
+    )
+    _assert_matches_reference(batch)
