@@ -33,11 +33,12 @@ MAX_GROUP_ROWS = 64
 LOG2E = 1.0 / math.log(2.0)
 
 
-def num_splits(decodes: int, kv_programs: int, table_width: int, page: int, sms: int) -> int:
-    """Ranges per sequence: enough programs for about two waves over ``sms`` multiprocessors,
-    none shorter than MIN_SPLIT_TOKENS of the longest context the block table can hold."""
+def num_splits(decodes: int, kv_heads: int, table_width: int, page: int, sms: int) -> int:
+    """Ranges per sequence: about two programs per multiprocessor over (decodes x KV heads x
+    ranges), none shorter than MIN_SPLIT_TOKENS of the longest context the block table holds.
+    Every argument is a shape or a device property, so the count is fixed for a graph bucket."""
     by_length = -(-table_width * page // MIN_SPLIT_TOKENS)
-    by_occupancy = -(-2 * sms // max(1, decodes * kv_programs))
+    by_occupancy = -(-2 * sms // max(1, decodes * kv_heads))
     return max(1, min(MAX_SPLITS, by_length, by_occupancy))
 
 
