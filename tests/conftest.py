@@ -21,9 +21,11 @@ def _import_triton_for_its_interpreter() -> None:
     import importlib.util
     import os
 
+    if importlib.util.find_spec("triton") is None:
+        return
     import torch
 
-    if torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
+    if torch.cuda.is_available():
         return
     before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
