@@ -13,6 +13,34 @@ import pytest
 SLOW_FIXTURES = frozenset({"group_factory", "replica_factory", "operator_process", "victim"})
 
 
+def _import_triton_for_its_interpreter() -> None:
+    """Without CUDA, Triton kernels run only in Triton's interpreter, and triton wraps its own
+    library (tl.max, tl.sum) for one mode when it is imported: import it here, before any test
+    does, with the interpreter chosen. The variable is restored, so only tests that set it
+    (in-process, or for the processes they start) run kernels interpreted."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("triton") is None:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+_import_triton_for_its_interpreter()
+
+
 def _cuda_available() -> bool:
     try:
         import torch

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gearshift.worker.attention.triton import mode as triton_mode
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.kernels.cpu_features import PACKINGS
 
@@ -21,7 +22,7 @@ _DTYPES = {
 }
 
 DEFAULT_CPU_KV_BYTES = 4 << 30
-ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,10 @@ class EngineConfig:
     # CPU: torch threads for steps of at least PREFILL_THREADS_MIN_TOKENS tokens (prefill-heavy,
     # compute-bound steps while the serving processes beside the engine wait). None: num_threads.
     prefill_threads: int | None = None
-    # auto: the C++ CPU kernels on CPU when they build, else torch; torch: the reference (any
-    # device); cpu: the kernels. RMSNorm/RoPE/SiLU kernels follow GEARSHIFT_CPU_KERNELS instead.
+    # auto: the C++ CPU kernels on CPU when they build (else torch), Triton's kernels on CUDA
+    # (torch when triton is missing); torch: the reference (any device); cpu: the C++ kernels;
+    # triton: Triton's kernels (CUDA, or a CPU under TRITON_INTERPRET=1). RMSNorm/RoPE/SiLU
+    # kernels follow GEARSHIFT_CPU_KERNELS instead.
     attention_backend: str = "auto"
     # CPU matmul weights: auto picks oneDNN-packed bf16/fp16 where this CPU runs them natively
     # (kernels/cpu_features.py), plain F.linear otherwise; plain forces F.linear; onednn insists.
@@ -78,12 +81,7 @@ class EngineConfig:
             raise InvalidRequestError(
                 "gpu_memory_utilization", "gpu_memory_utilization must be in (0, 1]"
             )
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise InvalidRequestError(
-                "attention_backend",
-                f"attention_backend {self.attention_backend!r} is not one of "
-                f"{', '.join(ATTENTION_BACKENDS)}",
-            )
+        check_attention_backend(self.attention_backend, self.device)
         if self.weight_packing not in PACKINGS:
             raise InvalidRequestError(
                 "weight_packing",
@@ -93,6 +91,20 @@ class EngineConfig:
             raise InvalidRequestError(
                 "dtype", f"dtype {self.dtype!r} is not one of auto, {', '.join(sorted(_DTYPES))}"
             )
+
+
+def check_attention_backend(backend: str, device: str) -> None:
+    """Refuse, naming the field, a backend that does not exist or cannot run on ``device`` here
+    (triton on a CPU without Triton's interpreter); called before any rank starts."""
+    if backend not in ATTENTION_BACKENDS:
+        raise InvalidRequestError(
+            "attention_backend",
+            f"attention_backend {backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}",
+        )
+    if backend == "triton":
+        reason = triton_mode.refusal(device)
+        if reason is not None:
+            raise InvalidRequestError("attention_backend", reason)
 
 
 def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:

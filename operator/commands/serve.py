@@ -154,6 +154,8 @@ def _worker_args(args: argparse.Namespace, engine_json: Path, ranks: int) -> lis
         str(threads),
         "--prefill-threads",
         str(prefill_threads),
+        "--attention-backend",
+        args.attention_backend,
     ]
     if args.block_size:
         out += ["--block-size", str(args.block_size)]
@@ -169,6 +171,7 @@ def _worker_args(args: argparse.Namespace, engine_json: Path, ranks: int) -> lis
 async def _serve(args: argparse.Namespace, workdir: Path) -> int:
     from gearshift.operator.router import config as config_mod
     from gearshift.operator.router.server import RouterServer
+    from gearshift.worker.config import check_attention_backend
     from gearshift.worker.errors import GearshiftError, InvalidRequestError
     from gearshift.worker.model.registry import default_served_name
     from gearshift.worker.policies.flags import policy_from_args
@@ -204,6 +207,10 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             problems.append(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    try:  # refused here, before any group starts
+        check_attention_backend(args.attention_backend, args.device)
+    except InvalidRequestError as exc:
+        problems.append(exc.message)
     if problems:
         print(f"error: {'; '.join(problems)}", file=sys.stderr)
         return 2

@@ -61,6 +61,14 @@ def spec_schema(policy: dict[str, Any]) -> dict[str, Any]:
                         "Weight and activation dtype.", enum=list(spec.DTYPES), default="auto"
                     ),
                     "maxModelLen": _int("Context length limit. Default: the model's.", minimum=1),
+                    "attentionBackend": _str(
+                        "Attention kernels (`gearshift worker --attention-backend`): auto (Triton "
+                        "on GPUs, the C++ kernels on CPUs), torch (the reference), cpu, or triton "
+                        "(GPUs; on CPUs only with TRITON_INTERPRET=1 in group.env). Engine "
+                        "gearshift only.",
+                        enum=list(spec.ATTENTION_BACKENDS),
+                        default="auto",
+                    ),
                     "revision": _str(
                         "hf:// only: the commit sha, tag or branch to download. Default: main.",
                         pattern=r"^[\w.][\w./-]*$",

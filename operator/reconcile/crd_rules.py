@@ -84,6 +84,12 @@ def layout_rules() -> list[dict[str, Any]]:
             ".model",
         ),
         (
+            "self.engine != 'vllm' || !has(self.model.attentionBackend) || "
+            "self.model.attentionBackend == 'auto'",
+            "model.attentionBackend: engine vllm picks its own (auto only)",
+            ".model.attentionBackend",
+        ),
+        (
             "self.engine == 'vllm' || has(self.images.worker)",
             "images.worker: required for engine gearshift",
             ".images",

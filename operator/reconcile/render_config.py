@@ -51,6 +51,7 @@ def engine_json(spec: DeploymentSpec) -> EngineJson:
             name=spec.model.served_name,
             dtype=spec.model.dtype,
             max_model_len=spec.model.max_model_len,
+            attention_backend=spec.model.attention_backend,
         ),
         group=GroupJson(spec.group.nodes, spec.group.gpus_per_node, spec.group.ranks),
         ports=PortsJson(worker=names.WORKER_GRPC_PORT, rendezvous=names.WORKER_DIST_PORT),

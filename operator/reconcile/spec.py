@@ -27,6 +27,9 @@ DEFAULT_MAX_BACKOFF_SECONDS = 300
 DEFAULT_MAX_RESTARTS = 10
 ENGINES = ("gearshift", "vllm")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+# The worker's attention cores (gearshift.worker.config.ATTENTION_BACKENDS; a test keeps them
+# equal without the operator importing torch).
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 GANG_SCHEDULERS = ("none", "volcano", "coscheduling")
 RESTART_POLICIES = ("RecreateGroupOnPodFailure", "None")
@@ -74,6 +77,7 @@ class ModelSpec:
     served_name: str
     dtype: str = "auto"
     max_model_len: int | None = None
+    attention_backend: str = "auto"
     # hf:// sources only: what to pin, who may read it, where downloads are kept.
     revision: str = ""
     token_secret: str = ""
@@ -222,6 +226,7 @@ def parse(body: dict[str, Any]) -> DeploymentSpec:
             served_name=m.get("name") or name,
             dtype=m.get("dtype", "auto"),
             max_model_len=m.get("maxModelLen"),
+            attention_backend=m.get("attentionBackend", "auto"),
             revision=m.get("revision", ""),
             token_secret=m.get("hfTokenSecret", {}).get("name", ""),
             token_key=m.get("hfTokenSecret", {}).get("key", "HF_TOKEN"),
@@ -288,7 +293,13 @@ def _check(spec: DeploymentSpec) -> None:
     errors = policy_fields.layout_errors(spec.policy, spec.group.ranks)
     if errors:
         raise SpecError("spec." + "; spec.".join(errors))
+    if spec.model.attention_backend not in ATTENTION_BACKENDS:
+        raise SpecError(
+            f"spec.model.attentionBackend: must be one of {', '.join(ATTENTION_BACKENDS)}"
+        )
     if spec.engine == "vllm":
+        if spec.model.attention_backend != "auto":
+            raise SpecError("spec.model.attentionBackend: engine vllm picks its own (auto only)")
         if policy_fields.kind_of(spec.policy) != "static":
             raise SpecError("spec.policy: engine vllm runs only the static policy")
         if spec.group.nodes != 1 or spec.policy.static.sp > 1:

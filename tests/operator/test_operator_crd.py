@@ -121,6 +121,8 @@ INVALID = [
     ("shift", "spec.restartPolicy", {"backoffSeconds": 600}, "maxBackoffSeconds must be at least"),
     ("static", "spec.router", {"protectMetrics": True}, "router.protectMetrics: needs"),
     ("static", "spec.router.drainTimeoutSeconds", -1, "spec.router.drainTimeoutSeconds"),
+    ("static", "spec.model.attentionBackend", "flash", "spec.model.attentionBackend"),
+    ("static-vllm", "spec.model.attentionBackend", "triton", "engine vllm picks its own"),
 ]
 
 

@@ -276,3 +276,32 @@ def test_merge_patch_removes_what_the_operator_stopped_setting() -> None:
         "metadata": {"labels": {"a": "2", "old": None}},
         "spec": {"x": 1, "gone": None},
     }
+
+
+def test_attention_backend_reaches_engine_json_and_a_change_restarts_the_groups() -> None:
+    import json
+
+    from gearshift.operator.reconcile import spec as spec_mod
+    from gearshift.worker.config import ATTENTION_BACKENDS
+
+    assert spec_mod.ATTENTION_BACKENDS == ATTENTION_BACKENDS  # the worker's, without torch
+    model = {"source": "/models/m", "attentionBackend": "triton"}
+    spec = parse(_body(model=model))
+    engine = json.loads(render_config.config_map(spec, [0], "cluster.local")["data"]["engine.json"])
+    assert engine["model"]["attentionBackend"] == "triton"
+    # auto (the default) is left out: the worker's default, and revisions of older specs hold.
+    plain = render_config.engine_config(parse(_body(model={"source": "/models/m"})))
+    assert "attentionBackend" not in plain["model"]
+
+    def rev(backend: str) -> str:
+        body = _body(model={"source": "/models/m", "attentionBackend": backend})
+        labels = render_workers.stateful_set(parse(body), 0, "cluster.local")["metadata"]["labels"]
+        return str(labels[names.LABEL_REVISION])
+
+    assert rev("triton") != rev("torch")
+    with pytest.raises(SpecError, match=r"spec\.model\.attentionBackend: must be one of"):
+        parse(_body(model={"source": "/models/m", "attentionBackend": "flash"}))
+    vllm = _body("static-vllm")
+    vllm["spec"]["model"]["attentionBackend"] = "triton"
+    with pytest.raises(SpecError, match=r"spec\.model\.attentionBackend: engine vllm"):
+        parse(vllm)

@@ -29,7 +29,7 @@ def _worker_args(*argv: str) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
-def _deployment(**spec_fields: Any) -> spec.DeploymentSpec:
+def _deployment(attention_backend: str | None = None, **spec_fields: Any) -> spec.DeploymentSpec:
     body = yaml.safe_load((REPO / "docs/examples/shift.yaml").read_text())
     body["metadata"] = {"name": "demo", "namespace": "ml"}
     body["spec"]["group"] = {"nodes": 1, "gpusPerNode": 2}
@@ -40,6 +40,8 @@ def _deployment(**spec_fields: Any) -> spec.DeploymentSpec:
         "dtype": "float32",
         "maxModelLen": 512,
     }
+    if attention_backend is not None:
+        body["spec"]["model"]["attentionBackend"] = attention_backend
     body["spec"].update(spec_fields)
     return spec.parse(body)
 
@@ -133,7 +135,8 @@ def test_docs_list_every_key_of_engine_json() -> None:
     doc = (REPO / "docs/operator.md").read_text()
     listed = re.search(r"\*\*engine\.json\*\*: `(\{.*?\})`", doc, re.S)
     assert listed is not None
-    written = render_config.engine_config(_deployment())
+    # attentionBackend is written only when not auto: set it so every key is written.
+    written = render_config.engine_config(_deployment(attention_backend="torch"))
 
     def paths(d: dict[str, Any], prefix: str = "") -> set[str]:
         out = set()
@@ -144,3 +147,11 @@ def test_docs_list_every_key_of_engine_json() -> None:
         return out
 
     assert _keys(listed.group(1)) == paths(written)
+
+
+def test_an_auto_attention_backend_is_not_written_and_reads_back_as_auto(tmp_path: Path) -> None:
+    assert "attentionBackend" not in render_config.engine_config(_deployment())["model"]
+    chosen = render_config.engine_json(_deployment(attention_backend="torch"))
+    path = tmp_path / "engine.json"
+    path.write_text(chosen.dumps())
+    assert EngineJson.load(path).model.attention_backend == "torch"

@@ -35,6 +35,9 @@ class ModelJson:
     source: str | None = None  # the deployment's model URI (hf://, pvc://, ...), for people
     dtype: str = "auto"
     max_model_len: int | None = None
+    # Written only when not auto: a deployment that never set it keeps its engine.json (its
+    # revision, so its pods) across an operator upgrade.
+    attention_backend: str = field(default="auto", metadata={"omit_default": True})
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ class EngineJson:
     policy: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON object, every key written (None as null)."""
+        """The JSON object, every key written (None as null) but defaults marked omit_default."""
         return _write(self)
 
     def dumps(self, indent: int | None = None) -> str:
@@ -106,7 +109,11 @@ def json_key(name: str) -> str:
 
 def _write(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {json_key(f.name): _write(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {
+            json_key(f.name): _write(getattr(value, f.name))
+            for f in dataclasses.fields(value)
+            if not (f.metadata.get("omit_default") and getattr(value, f.name) == f.default)
+        }
     return value
 
 

@@ -44,6 +44,7 @@ class EngineKnobs:
     enable_prefix_caching: bool = True
     num_threads: int | None = None
     prefill_threads: int | None = None
+    attention_backend: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ def add_engine_args(
     p: argparse.ArgumentParser,
     *,
     dtype_default: str | None = "auto",
+    attention_backend_default: str | None = "auto",
     threads_help: str = "torch CPU threads per rank",
     prefill_threads_help: str = "torch CPU threads for 256+ token steps (default: --num-threads)",
 ) -> None:
@@ -105,6 +107,12 @@ def add_engine_args(
     p.add_argument("--num-threads", type=int, default=None, help=threads_help)
     p.add_argument("--prefill-threads", type=int, default=None, help=prefill_threads_help)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--attention-backend",
+        default=attention_backend_default,
+        help="auto (the C++ kernels on CPU, Triton on CUDA), torch (the reference), cpu, or "
+        "triton (CUDA; on a CPU only under TRITON_INTERPRET=1)",
+    )
 
 
 def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
@@ -124,6 +132,7 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         num_threads=args.num_threads,
         prefill_threads=args.prefill_threads,
+        attention_backend=args.attention_backend or "auto",
     )
     knobs.update(overrides)
     return EngineConfig(**knobs)
@@ -134,7 +143,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="engine.json (default: $GEARSHIFT_CONFIG)")
     p.add_argument("--model", default=None, help="model folder, .gguf file, or 'smollm2'")
     p.add_argument("--served-model-name", default=None)
-    add_engine_args(p, dtype_default=None)
+    add_engine_args(p, dtype_default=None, attention_backend_default=None)
     p.add_argument("--max-waiting", type=int, default=None, help="default: max-num-seqs")
     p.add_argument(
         "--policy-config",
@@ -206,6 +215,10 @@ def load_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None
         heartbeat = float(env.get("GEARSHIFT_HEARTBEAT_TIMEOUT") or DEFAULT_HEARTBEAT_TIMEOUT_S)
     if heartbeat <= 0:
         raise InvalidRequestError("heartbeat_timeout", f"must be > 0, got {heartbeat}")
+    attention_backend = args.attention_backend or cfg.model.attention_backend
+    from gearshift.worker.config import check_attention_backend
+
+    check_attention_backend(attention_backend, args.device)  # before any rank starts
     engine = EngineKnobs(
         dtype=args.dtype or cfg.model.dtype or "auto",
         device=args.device,
@@ -217,6 +230,7 @@ def load_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None
         enable_prefix_caching=args.enable_prefix_caching,
         num_threads=args.num_threads,
         prefill_threads=args.prefill_threads,
+        attention_backend=attention_backend,
     )
     return WorkerSettings(
         model=model,

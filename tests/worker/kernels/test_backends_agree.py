@@ -21,7 +21,11 @@ def test_backend_choice_follows_the_config(cpu_kernels):
     )
     torch_core = make_attention(EngineConfig(model="m", attention_backend="torch"), 64)
     assert isinstance(torch_core, TorchAttention)
-    assert isinstance(make_attention(EngineConfig(model="m", device="cuda"), 64), TorchAttention)
+    # auto on CUDA: Triton's kernels (tests/worker/attention/test_triton_select.py).
+    cuda_core = make_attention(
+        EngineConfig(model="m", device="cuda", attention_backend="torch"), 64
+    )
+    assert isinstance(cuda_core, TorchAttention)
     with pytest.raises(InvalidRequestError, match="needs device=cpu"):
         make_attention(EngineConfig(model="m", device="cuda", attention_backend="cpu"), 64)
     with pytest.raises(InvalidRequestError, match="attention_backend"):
