@@ -47,7 +47,11 @@ def _policy(policy: PolicyLike) -> Policy:
     return policy if isinstance(policy, Policy) else make_policy(policy)
 
 
-def _engine(config: EngineConfig, policy: Policy, state: RankState, executor: Any) -> LLMEngine:
+def leader_engine(
+    config: EngineConfig, policy: Policy, state: RankState, executor: Any
+) -> LLMEngine:
+    """The engine an (instance or replica) leader runs over its joined rank: tokenizer, KV
+    blocks, scheduler and sampler, stepping through ``executor``."""
     spec = state.spec
     tokenizer = None if config.skip_tokenizer_init else Tokenizer.from_path(spec.path)
     blocks = BlockManager(
@@ -72,8 +76,8 @@ def _engine(config: EngineConfig, policy: Policy, state: RankState, executor: An
     )
 
 
-def _check(config: EngineConfig, policy: Policy, group: GroupConfig) -> None:
-    """Refuse a layout the model cannot take before any rank starts."""
+def check_group(config: EngineConfig, policy: Policy, group: GroupConfig) -> None:
+    """Refuse a layout the model or the hosts cannot take, before any rank starts."""
     group.check(policy.world_size)
     local = group.local_ranks(policy.world_size)
     if policy.single_node and local < policy.world_size:
@@ -111,10 +115,10 @@ def start_engine(
         state = setup_rank(
             config, policy, 0, device_for(config, 0), timedelta(seconds=group.timeout_s)
         )
-        engine = _engine(config, policy, state, state.runner)
+        engine = leader_engine(config, policy, state, state.runner)
         log.info("engine ready in %.1fs: %s", time.monotonic() - started, state.spec.path.name)
         return engine
-    _check(config, policy, group)
+    check_group(config, policy, group)
     if group.node_rank != 0:
         raise InvalidRequestError(
             "node_rank", "only node 0 hosts the leader; other nodes run run_node"
@@ -154,7 +158,7 @@ def start_engine(
         p2p_group=state.model.p2p_group,
         stop_children=stop_processes,
     )
-    return _engine(config, policy, state, executor)
+    return leader_engine(config, policy, state, executor)
 
 
 def run_node(config: EngineConfig, policy: PolicyLike, group: GroupConfig) -> int:

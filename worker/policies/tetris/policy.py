@@ -12,9 +12,10 @@ handshake runs during the prefill and each layer's rows leave as soon as they ar
 the decode instance admits it into continuous batching once every piece has landed
 (``decode.DecodeAdmission``).
 
-The group is served by its own endpoint (``group.py``, ``endpoint.py``): requests go to the pool,
-not to one engine. Across nodes, the endpoint runs on node 0 and the other nodes' instances dial
-its control listener (``group.run_tetris_node``); an instance's ranks share one node.
+The group is served by its own endpoint (``launch/tetris/``, ``server/tetris_engine.py``):
+requests go to the pool, not to one engine. Across nodes, the endpoint runs on node 0 and the
+other nodes' instances dial its control listener (``launch/tetris/start.run_tetris_node``); an
+instance's ranks share one node.
 This class is what every rank builds and what a decode leader's engine asks.
 """
 
@@ -91,12 +92,12 @@ class TetrisPolicy(Policy):
         return CommGroup(self.prefill, m, ranks, world.group)
 
     def group_handle(self) -> Callable[[Any], Any] | None:
-        from gearshift.worker.policies.tetris.endpoint import TetrisGroupEngine
+        from gearshift.worker.server.tetris_engine import TetrisGroupEngine
 
         return TetrisGroupEngine
 
     def node_runner(self) -> Callable[[Any, Any], int] | None:
-        from gearshift.worker.policies.tetris.group import run_tetris_node
+        from gearshift.worker.launch.tetris.start import run_tetris_node
 
         return lambda config, group: run_tetris_node(config, self, group)
 
