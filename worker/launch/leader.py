@@ -34,7 +34,7 @@ from gearshift.worker.launch.host import (
 )
 from gearshift.worker.launch.processes import spawn_followers, stop_processes
 from gearshift.worker.launch.rank import RankState, device_for, join_group, setup_rank
-from gearshift.worker.policies.base import Policy
+from gearshift.worker.policies.base import ENGINE_RUNTIME, Policy
 from gearshift.worker.policies.registry import make_policy
 from gearshift.worker.tokenizer.tokenizer import Tokenizer
 
@@ -104,6 +104,12 @@ def start_engine(
             f"policy {policy.kind!r} forms {policy.engine_replicas()} engine replicas: start it "
             "with launch.replicas.start_replicas",
         )
+    if policy.group_runtime() != ENGINE_RUNTIME:
+        raise InvalidRequestError(
+            f"policy.{policy.kind}",
+            f"policy {policy.kind!r} runs as a {policy.group_runtime()!r} group, not one engine: "
+            "start it through its group runtime (server/runtimes.py)",
+        )
     group = group or GroupConfig()
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
@@ -162,11 +168,9 @@ def start_engine(
 
 
 def run_node(config: EngineConfig, policy: PolicyLike, group: GroupConfig) -> int:
-    """A non-leader pod: run its ranks until the group ends; the first failing exit code wins."""
+    """A non-leader pod of a group of one engine or of engine replicas: run its ranks (the
+    followers of ``build_rank``) until the group ends; the first failing exit code wins."""
     policy = _policy(policy)
-    own = policy.node_runner()
-    if own is not None:
-        return own(config, group)
     local = group.local_ranks(policy.world_size)
     first = group.node_rank * local
     procs = spawn_followers(
