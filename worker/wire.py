@@ -1,314 +1,353 @@
-"""Typed messages between processes without pickle: JSON of known frozen dataclasses.
+"""Typed messages across a process pipe: a closed set of dataclasses as JSON, never pickle.
 
-A ``Wire`` is built from the dataclasses one protocol speaks. ``encode`` writes a message as
-JSON (its type's name and its fields, each written as its type hint says); ``decode`` refuses
-anything that is not JSON naming one of those types with exactly their fields, each of its
-hinted type (``WireError``). Nothing received is ever unpickled, so a peer that can reach a
-connection (a control listener across nodes) can make the receiver build only these values.
+A ``Codec`` is built from a protocol's message classes. The types their fields may hold are
+read from the annotations (scalars, ``None``, enums, ``Literal``s, lists, tuples, mappings,
+protobuf messages and further dataclasses) and nothing else: an annotation the codec cannot
+check (``Any``, ``object``, a plain class) is refused when the codec is built, a value of the
+wrong type when a message is encoded or decoded. Decoding builds nothing but those dataclasses
+(through their ``__init__``, so their own checks run), which unpickling cannot promise.
 
-Field types a wire carries: ``None``, ``bool``, ``int``, ``float``, ``str``, enums, ``Literal``,
-unions (tried in order), ``tuple``/``list``/``Sequence``, ``dict``/``Mapping`` (as pairs, so keys
-keep their type) and nested dataclasses named in ``nested``. A hint outside these (``Any``, a
-tensor) makes the ``Wire`` refuse the type when it is built, not when a message is sent.
-
-A ``Link`` wraps a ``multiprocessing`` connection (a pipe, or a ``Client``/``Listener`` socket)
-and moves a wire's messages with ``send_bytes``/``recv_bytes``.
+On the wire a dataclass is ``[name, field values in declaration order]``; both ends of a pipe
+run the same code, so the order is the schema. A mapping with non-string keys is a list of
+pairs, a protobuf message its serialised bytes in base64. NaN and infinities pass (a logprob
+may be -inf).
 """
 
 from __future__ import annotations
 
-import collections.abc
+import base64
 import dataclasses
 import enum
 import json
-import threading
+import sys
 import types
 import typing
-from collections.abc import Callable, Sequence
-from multiprocessing.connection import Connection, wait
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from multiprocessing.connection import Connection
+from typing import Any, Generic, TypeVar
 
-__all__ = ["Link", "Wire", "WireError", "wait_links"]
+from google.protobuf.message import DecodeError
+from google.protobuf.message import Message as ProtoMessage
+
+M = TypeVar("M")
+Convert = Callable[[Any], Any]
+_EXACT: tuple[type, ...] = (bool, int, str)  # JSON gives these back as they were sent
 
 
 class WireError(ValueError):
-    """Bytes that are not a message of this wire (unknown type, missing or extra fields, a
-    value of the wrong type), or a message type the wire cannot carry."""
+    """A message the codec refuses: a type it does not carry, or bytes that are not one."""
 
 
-Encode = Callable[[object], object]
-Decode = Callable[[object], object]
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """How one annotation travels."""
+
+    encode: Convert | None  # None: the value is JSON as it is
+    decode: Convert  # checks (and converts) what arrived; raises WireError
+    json_kind: type  # what it travels as: list, dict, str, ... (object: several)
+    exact: type | None = None  # a value of this type arrives unchanged and needs no check
 
 
-def _strict_int(x: object) -> int:
-    if type(x) is not int:
-        raise WireError(f"expected an integer, got {type(x).__name__}")
-    return x
+def _fail(what: str, value: Any) -> WireError:
+    return WireError(f"expected {what}, got {repr(value)[:80]}")
 
 
-def _strict_float(x: object) -> float:
-    if type(x) not in (int, float):
-        raise WireError(f"expected a number, got {type(x).__name__}")
-    return float(x)  # type: ignore[arg-type]
+def _is_record(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
-def _exact(kind: type) -> Decode:
-    def check(x: object) -> object:
-        if type(x) is not kind:
-            raise WireError(f"expected {kind.__name__}, got {type(x).__name__}")
+def _one_kind(kinds: Iterable[type]) -> type:
+    found = set(kinds)
+    return found.pop() if len(found) == 1 else object
+
+
+def _scalar(tp: type) -> _Shape:
+    if tp is float:
+
+        def number(x: Any) -> Any:
+            if type(x) is float or type(x) is int:  # 1.0 may arrive as 1
+                return float(x)
+            raise _fail("a number", x)
+
+        return _Shape(None, number, float)
+
+    def check(x: Any) -> Any:
+        if type(x) is not tp:
+            raise _fail("null" if tp is type(None) else tp.__name__, x)
         return x
 
-    return check
+    return _Shape(None, check, tp, tp)
 
 
-def _items(x: object) -> list[object]:
-    if type(x) is not list:
-        raise WireError(f"expected a list, got {type(x).__name__}")
-    return x
-
-
-class Wire:
-    """The messages of one protocol; see the module docstring."""
-
-    def __init__(self, messages: Sequence[type], nested: Sequence[type] = ()) -> None:
-        """``messages``: the dataclasses sent on their own; ``nested``: dataclasses that only
-        appear inside them (and the names their hints use under ``TYPE_CHECKING``)."""
-        known = [*messages, *nested]
-        self._names = {t.__name__: t for t in known}
-        if len(self._names) != len(known):
-            raise WireError("two message types share a name")
-        self._fields: dict[type, list[tuple[str, Encode, Decode]]] = {}
-        for kind in known:
-            self._build(kind)
-        self._messages = {t.__name__: t for t in messages}
-
-    # ---- building the per-type coders -------------------------------------------------------
-
-    def _build(self, kind: type) -> None:
-        if kind in self._fields:
-            return
-        if not dataclasses.is_dataclass(kind):
-            raise WireError(f"{kind.__name__} is not a dataclass")
-        self._fields[kind] = []  # a placeholder: a type may nest itself
+def _field_error(name: str, shapes: list[tuple[str, _Shape]], x: list[Any]) -> WireError:
+    """The first refused field of a record, named (found again: the fast path keeps no track)."""
+    for (field, shape), value in zip(shapes, x[1:], strict=True):
         try:
-            hints = typing.get_type_hints(kind, localns=self._names)
-        except NameError as exc:  # a dataclass its hints name that the wire was not given
-            raise WireError(f"{kind.__name__}: {exc}; it must be named in nested") from exc
-        self._fields[kind] = [
-            (f.name, *self._coder(hints[f.name], f"{kind.__name__}.{f.name}"))
-            for f in dataclasses.fields(kind)
-            if f.init
-        ]
+            shape.decode(value)
+        except WireError as exc:
+            return WireError(f"{name}.{field}: {exc}")
+    return WireError(f"{name}: refused")
 
-    def _coder(self, hint: Any, where: str) -> tuple[Encode, Decode]:
-        origin, args = typing.get_origin(hint), typing.get_args(hint)
-        if hint is type(None) or hint is None:
-            return (lambda x: x), _none
-        if hint in (bool, str):
-            return (lambda x: x), _exact(hint)
-        if hint is int:
-            return (lambda x: x), _strict_int
-        if hint is float:
-            return (lambda x: x), _strict_float
-        if isinstance(hint, type) and issubclass(hint, enum.Enum):
-            return _enum_coder(hint)
-        if origin is typing.Literal:
-            return (lambda x: x), _literal(args, where)
-        if origin in (typing.Union, types.UnionType):
-            return self._union(args, where)
-        if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
-            enc, dec = self._coder(args[0], where)
-            return _seq(enc), lambda x: tuple(dec(v) for v in _items(x))
-        if origin is tuple:
-            return self._fixed_tuple(args, where)
-        if origin in (list, collections.abc.Sequence):
-            enc, dec = self._coder(args[0], where)
-            build = list if origin is list else tuple
-            return _seq(enc), lambda x: build(dec(v) for v in _items(x))
-        if origin in (dict, collections.abc.Mapping):
-            return self._mapping(args, where)
-        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-            if hint not in self._fields and hint.__name__ not in self._names:
-                raise WireError(f"{where}: {hint.__name__} must be named in nested")
-            self._build(hint)
-            return self._encode_dataclass, lambda x: self._decode_dataclass(hint, x)
-        raise WireError(f"{where}: a wire cannot carry {hint!r}")
 
-    def _union(self, args: tuple[Any, ...], where: str) -> tuple[Encode, Decode]:
-        arms = [(a, *self._coder(a, where)) for a in args]
+def _record(cls: type, shapes: list[tuple[str, _Shape]]) -> tuple[Convert, Convert]:
+    """Straight-line encode and decode of one dataclass, generated as dataclasses generates
+    ``__init__``: a loop over the fields costs about twice as much per message."""
+    env: dict[str, Any] = {"cls": cls, "shapes": shapes, "WireError": WireError}
+    env.update(_fail=_fail, _field_error=_field_error)
+    written, read = [], []
+    for i, (field, shape) in enumerate(shapes, 1):
+        env[f"e{i}"], env[f"d{i}"], env[f"t{i}"] = shape.encode, shape.decode, shape.exact
+        written.append(f"v.{field}" if shape.encode is None else f"e{i}(v.{field})")
+        if shape.exact is None:
+            read.append(f"d{i}(x[{i}])")
+        else:  # the common case inline; the reader refuses the rest
+            read.append(f"(x[{i}] if type(x[{i}]) is t{i} else d{i}(x[{i}]))")
+    name = cls.__name__
+    source = f"""
+def encode(v):
+    if type(v) is not cls:
+        raise _fail({name!r}, v)
+    return [{name!r}, {", ".join(written)}]
 
-        def encode(x: object) -> object:
-            for arm, enc, _ in arms:
-                if _is_instance(x, arm):
-                    return enc(x)
-            raise WireError(f"{where}: {type(x).__name__} is none of {args}")
+def decode(x):
+    if type(x) is not list or len(x) != {len(shapes) + 1} or x[0] != {name!r}:
+        raise _fail("a " + {name!r}, x)
+    try:
+        return cls({", ".join(read)})
+    except WireError:
+        raise _field_error({name!r}, shapes, x) from None
+    except (TypeError, ValueError) as exc:
+        raise WireError({name!r} + ": " + str(exc)) from exc
+"""
+    exec(source, env)  # our own text, from a dataclass's field names and no input
+    return env["encode"], env["decode"]
 
-        def decode(x: object) -> object:
-            for _, _, dec in arms:
-                try:
-                    return dec(x)
-                except (WireError, TypeError, ValueError):
-                    continue
-            raise WireError(f"{where}: a value of none of {args}")
 
-        return encode, decode
+class Codec(Generic[M]):
+    """Encode and decode one direction of a protocol; ``messages`` are the classes it carries."""
 
-    def _fixed_tuple(self, args: tuple[Any, ...], where: str) -> tuple[Encode, Decode]:
-        coders = [self._coder(a, where) for a in args]
+    def __init__(self, messages: Iterable[type], namespace: Mapping[str, Any] | None = None):
+        # ``namespace``: names the messages' modules import only while type checking.
+        self._namespace = dict(namespace or {})
+        self._classes: dict[str, type] = {}
+        self._shapes: dict[type, _Shape] = {}
+        self._building: set[type] = set()
+        self._messages = {cls.__name__: self._dataclass(cls) for cls in messages}
 
-        def decode(x: object) -> object:
-            items = _items(x)
-            if len(items) != len(coders):
-                raise WireError(f"{where}: expected {len(coders)} items, got {len(items)}")
-            return tuple(dec(v) for (_, dec), v in zip(coders, items, strict=True))
-
-        def encode(x: object) -> object:
-            return [enc(v) for (enc, _), v in zip(coders, _tuple(x), strict=True)]
-
-        return encode, decode
-
-    def _mapping(self, args: tuple[Any, ...], where: str) -> tuple[Encode, Decode]:
-        (kenc, kdec), (venc, vdec) = self._coder(args[0], where), self._coder(args[1], where)
-
-        def encode(x: object) -> object:
-            return [[kenc(k), venc(v)] for k, v in typing.cast(dict[Any, Any], x).items()]
-
-        def decode(x: object) -> object:
-            out = {}
-            for pair in _items(x):
-                entry = _items(pair)
-                if len(entry) != 2:
-                    raise WireError(f"{where}: a mapping entry is not a [key, value] pair")
-                out[kdec(entry[0])] = vdec(entry[1])
-            return out
-
-        return encode, decode
-
-    # ---- dataclasses ------------------------------------------------------------------------
-
-    def _encode_dataclass(self, x: object) -> object:
-        fields = self._fields.get(type(x))
-        if fields is None:
-            raise WireError(f"{type(x).__name__} is not a type of this wire")
-        return {name: enc(getattr(x, name)) for name, enc, _ in fields}
-
-    def _decode_dataclass(self, kind: type, x: object) -> object:
-        if type(x) is not dict:
-            raise WireError(f"{kind.__name__}: expected an object")
-        fields = self._fields[kind]
-        names = {name for name, _, _ in fields}
-        if set(x) != names:
-            raise WireError(f"{kind.__name__}: fields {sorted(x)}, expected {sorted(names)}")
-        return kind(**{name: dec(x[name]) for name, _, dec in fields})
-
-    # ---- messages ---------------------------------------------------------------------------
-
-    @property
-    def messages(self) -> tuple[type, ...]:
-        """The types this wire sends on their own."""
-        return tuple(self._messages.values())
-
-    def encode(self, message: object) -> bytes:
-        """``message`` as bytes; WireError for an object that is not one of the messages."""
+    def encode(self, message: M) -> bytes:
+        """The message as bytes; WireError if it is not one of the codec's messages."""
         name = type(message).__name__
-        if self._messages.get(name) is not type(message):
-            raise WireError(f"{name} is not a message of this wire")
-        body = {"type": name, "fields": self._encode_dataclass(message)}
-        return json.dumps(body, separators=(",", ":")).encode()
-
-    def decode(self, data: bytes) -> object:
-        """The message ``data`` holds; WireError for anything else (a pickle, unknown types,
-        wrong fields)."""
+        if name not in self._messages or self._classes[name] is not type(message):
+            raise WireError(f"{name} is not a message of this protocol")
+        encode = self._messages[name].encode
+        assert encode is not None
         try:
-            body = json.loads(data)
-        except (ValueError, RecursionError) as exc:
-            raise WireError("not a message: the bytes are not JSON") from exc
-        if type(body) is not dict or set(body) != {"type", "fields"}:
-            raise WireError("not a message: expected an object with type and fields")
-        kind = self._messages.get(body["type"]) if type(body["type"]) is str else None
-        if kind is None:
-            raise WireError(f"unknown message type {str(body['type'])[:64]!r}")
+            return json.dumps(encode(message), separators=(",", ":")).encode()
+        except (TypeError, ValueError) as exc:
+            raise WireError(f"{name}: {exc}") from exc
+
+    def decode(self, data: bytes) -> M:
+        """The message in ``data``; WireError saying what is wrong with it."""
         try:
-            return self._decode_dataclass(kind, body["fields"])
-        except (TypeError, ValueError) as exc:  # a constructor's own check refused a value
-            raise WireError(f"{kind.__name__}: {exc}") from exc
+            tree = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise WireError(f"not a message: {exc}") from exc
+        if type(tree) is not list or not tree or tree[0] not in self._messages:
+            raise WireError(f"not a message of this protocol: {str(tree)[:80]}")
+        message: M = self._messages[tree[0]].decode(tree)
+        return message
+
+    def send(self, conn: Connection, message: M) -> None:
+        """Encode ``message`` and send it as one frame."""
+        conn.send_bytes(self.encode(message))
+
+    def recv(self, conn: Connection) -> M:
+        """Receive one frame and decode it (EOFError/OSError when the pipe is gone)."""
+        return self.decode(conn.recv_bytes())
+
+    # ---- shapes of annotations -------------------------------------------------------------
+
+    def _shape(self, tp: Any) -> _Shape:
+        if tp is None or tp in (type(None), *_EXACT, float):
+            return _scalar(type(None) if tp is None else tp)
+        origin = typing.get_origin(tp)
+        if origin is typing.Union or origin is types.UnionType:
+            return self._union(typing.get_args(tp))
+        if origin is typing.Literal:
+            return self._literal(typing.get_args(tp))
+        if origin in (list, tuple, Sequence):
+            return self._sequence(origin, typing.get_args(tp))
+        if origin in (dict, Mapping):
+            return self._mapping(*typing.get_args(tp))
+        if isinstance(tp, type) and issubclass(tp, enum.Enum):
+            return self._enum(tp)
+        if isinstance(tp, type) and issubclass(tp, ProtoMessage):
+            return self._proto(tp)
+        if _is_record(tp):
+            return self._dataclass(tp)
+        raise TypeError(f"the wire codec cannot carry {tp!r}")
+
+    def _dataclass(self, cls: type) -> _Shape:
+        if cls in self._shapes:
+            return self._shapes[cls]
+        if cls in self._building:
+            raise TypeError(f"the wire codec cannot carry recursive {cls.__name__}")
+        if self._classes.setdefault(cls.__name__, cls) is not cls:
+            raise TypeError(f"two classes named {cls.__name__} in one protocol")
+        self._building.add(cls)
+        module = vars(sys.modules[cls.__module__])
+        hints = typing.get_type_hints(cls, globalns={**module, **self._namespace})
+        shapes = [(f.name, self._shape(hints[f.name])) for f in dataclasses.fields(cls) if f.init]
+        self._building.discard(cls)
+        shape = _Shape(*_record(cls, shapes), list)
+        self._shapes[cls] = shape
+        return shape
+
+    def _union(self, args: tuple[Any, ...]) -> _Shape:
+        shapes = [self._shape(a) for a in args]
+        by_kind: dict[type, list[tuple[Any, _Shape]]] = {}
+        for arg, shape in zip(args, shapes, strict=True):
+            by_kind.setdefault(shape.json_kind, []).append((arg, shape))
+        # One reading per JSON type; dataclasses share lists, told apart by their name.
+        for members in by_kind.values():
+            if len(members) > 1 and not all(_is_record(a) for a, _ in members):
+                raise TypeError(f"the wire codec cannot tell apart {[a for a, _ in members]}")
+        records = {a.__name__: s for a, s in by_kind.get(list, ()) if _is_record(a)}
+        readers = {kind: members[0][1].decode for kind, members in by_kind.items()}
+        if float in readers and int not in readers:
+            readers[int] = readers[float]
+        what = " | ".join(a.__name__ if isinstance(a, type) else str(a) for a in args)
+
+        def decode(x: Any) -> Any:
+            if records and type(x) is list and x and x[0] in records:
+                return records[x[0]].decode(x)
+            reader = readers.get(type(x))
+            if reader is None:
+                raise _fail(what, x)
+            return reader(x)
+
+        # Encoding picks a member by the value's class (a generic alias by its origin).
+        by_class: dict[type, Convert | None] = {}
+        for arg, shape in zip(args, shapes, strict=True):
+            if typing.get_origin(arg) is typing.Literal:
+                by_class.update({type(v): None for v in typing.get_args(arg)})
+            else:
+                by_class.setdefault(typing.get_origin(arg) or arg, shape.encode)
+        kind = _one_kind(by_kind)
+        if all(e is None for e in by_class.values()):
+            return _Shape(None, decode, kind)
+
+        def encode(v: Any) -> Any:
+            if type(v) in by_class:
+                convert = by_class[type(v)]
+            else:
+                found = [c for cls, c in by_class.items() if isinstance(v, cls)]
+                if not found:
+                    raise _fail(what, v)
+                convert = found[0]
+            return v if convert is None else convert(v)
+
+        return _Shape(encode, decode, kind)
+
+    def _literal(self, values: tuple[Any, ...]) -> _Shape:
+        allowed = set(values)
+
+        def check(x: Any) -> Any:
+            if type(x) not in (*_EXACT, float) or x not in allowed:
+                raise _fail(f"one of {sorted(map(str, allowed))}", x)
+            return x
+
+        return _Shape(None, check, _one_kind(type(v) for v in values))
+
+    def _sequence(self, origin: Any, args: tuple[Any, ...]) -> _Shape:
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+            return self._fixed_tuple([self._shape(a) for a in args])
+        make = list if origin is list else tuple
+        item = self._shape(args[0])
+        read, write, exact = item.decode, item.encode, item.exact
+
+        def decode(x: Any) -> Any:
+            if type(x) is not list:
+                raise _fail("a list", x)
+            if exact is not None and all(type(v) is exact for v in x):
+                return x if make is list else tuple(x)
+            return make(read(v) for v in x)
+
+        def encode(v: Any) -> Any:
+            assert write is not None
+            return [write(i) for i in v]
+
+        return _Shape(None if write is None else encode, decode, list)
+
+    def _fixed_tuple(self, fixed: list[_Shape]) -> _Shape:
+        def decode(x: Any) -> Any:
+            if type(x) is not list or len(x) != len(fixed):
+                raise _fail(f"a list of {len(fixed)}", x)
+            return tuple(s.decode(v) for s, v in zip(fixed, x, strict=True))
+
+        def encode(v: Any) -> Any:
+            return [i if s.encode is None else s.encode(i) for s, i in zip(fixed, v, strict=True)]
+
+        plain = all(s.encode is None for s in fixed)
+        return _Shape(None if plain else encode, decode, list)
+
+    def _mapping(self, key: Any, value: Any) -> _Shape:
+        read_k, read_v, write_v = self._shape(key).decode, *_parts(self._shape(value))
+        if key is str:
+
+            def decode(x: Any) -> Any:
+                if type(x) is not dict:
+                    raise _fail("an object", x)
+                return {read_k(k): read_v(v) for k, v in x.items()}
+
+            def encode(v: Any) -> Any:
+                # json.dumps would turn other keys into strings without a word.
+                if not all(type(k) is str for k in v):
+                    raise _fail("string keys", list(v))
+                return v if write_v is None else {k: write_v(i) for k, i in v.items()}
+
+            return _Shape(encode, decode, dict)
+
+        def decode_pairs(x: Any) -> Any:
+            if type(x) is not list or not all(type(p) is list and len(p) == 2 for p in x):
+                raise _fail("a list of pairs", x)
+            return {read_k(k): read_v(v) for k, v in x}
+
+        def encode_pairs(v: Any) -> Any:
+            return [[k, i if write_v is None else write_v(i)] for k, i in v.items()]
+
+        return _Shape(encode_pairs, decode_pairs, list)
+
+    def _enum(self, cls: type[enum.Enum]) -> _Shape:
+        def decode(x: Any) -> Any:
+            try:
+                return cls(x)
+            except ValueError:
+                raise _fail(cls.__name__, x) from None
+
+        def encode(v: Any) -> Any:
+            if not isinstance(v, cls):
+                raise _fail(cls.__name__, v)
+            return v.value
+
+        return _Shape(encode, decode, _one_kind(type(m.value) for m in cls))
+
+    def _proto(self, cls: type[ProtoMessage]) -> _Shape:
+        def decode(x: Any) -> Any:
+            if type(x) is not str:
+                raise _fail(cls.__name__, x)
+            try:
+                return cls.FromString(base64.b64decode(x, validate=True))
+            except (DecodeError, ValueError) as exc:
+                raise WireError(f"{cls.__name__}: {exc}") from None
+
+        def encode(v: Any) -> Any:
+            if not isinstance(v, cls):
+                raise _fail(cls.__name__, v)
+            return base64.b64encode(v.SerializeToString()).decode("ascii")
+
+        return _Shape(encode, decode, str)
 
 
-class Link:
-    """A connection that carries one wire's messages (``send_bytes``/``recv_bytes``, never
-    pickle). ``send`` may be called from several threads."""
-
-    def __init__(self, conn: Connection, wire: Wire, max_bytes: int | None = None) -> None:
-        """``max_bytes``: refuse (OSError) a received message longer than this."""
-        self.conn = conn
-        self.wire = wire
-        self.max_bytes = max_bytes
-        self._send_lock = threading.Lock()
-
-    def send(self, message: object) -> None:
-        data = self.wire.encode(message)
-        with self._send_lock:
-            self.conn.send_bytes(data)
-
-    def recv(self) -> object:
-        """The next message (blocks); WireError if it is not one of the wire's."""
-        return self.wire.decode(self.conn.recv_bytes(self.max_bytes))
-
-    def poll(self, timeout: float | None = 0.0) -> bool:
-        return self.conn.poll(timeout)
-
-    def close(self) -> None:
-        self.conn.close()
-
-
-def wait_links(links: Sequence[Link], timeout: float) -> list[Link]:
-    """The links with something to read (or closed), waiting at most ``timeout`` seconds."""
-    by_conn = {id(link.conn): link for link in links}
-    return [by_conn[id(c)] for c in wait([link.conn for link in links], timeout)]
-
-
-def _none(x: object) -> None:
-    if x is not None:
-        raise WireError(f"expected null, got {type(x).__name__}")
-
-
-def _literal(values: tuple[Any, ...], where: str) -> Decode:
-    def check(x: object) -> object:
-        if not any(type(x) is type(v) and x == v for v in values):
-            raise WireError(f"{where}: {x!r} is not one of {values}")
-        return x
-
-    return check
-
-
-def _enum_coder(kind: type[enum.Enum]) -> tuple[Encode, Decode]:
-    def decode(x: object) -> object:
-        try:
-            return kind(x)
-        except ValueError as exc:
-            raise WireError(f"{x!r} is not a {kind.__name__}") from exc
-
-    return (lambda x: typing.cast(enum.Enum, x).value), decode
-
-
-def _seq(enc: Encode) -> Encode:
-    return lambda x: [enc(v) for v in typing.cast(Sequence[object], x)]
-
-
-def _tuple(x: object) -> tuple[object, ...]:
-    return tuple(typing.cast(Sequence[object], x))
-
-
-def _is_instance(x: object, hint: Any) -> bool:
-    if hint is type(None) or hint is None:
-        return x is None
-    if hint is int:
-        return type(x) is int
-    if hint is float:
-        return type(x) in (int, float)
-    origin = typing.get_origin(hint)
-    if origin is typing.Literal:
-        return x in typing.get_args(hint)
-    if origin is not None:
-        return isinstance(x, origin)
-    return isinstance(x, hint)
+def _parts(shape: _Shape) -> tuple[Convert, Convert | None]:
+    return shape.decode, shape.encode

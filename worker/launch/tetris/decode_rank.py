@@ -10,11 +10,11 @@ from gearshift.worker.engine.llm_engine import LLMEngine
 from gearshift.worker.engine.model_runner import ModelRunner
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.launch.replica_rank import IDLE_WAIT_S
+from gearshift.worker.launch.tetris.links import LeaderLink
 from gearshift.worker.launch.tetris.messages import (
     Abort,
     AskSnapshot,
     Complete,
-    DecodeMessage,
     Expect,
     Landed,
     Output,
@@ -23,14 +23,16 @@ from gearshift.worker.launch.tetris.messages import (
     Refused,
     Snapshot,
     Stop,
+    ToDecode,
     TransferFailed,
 )
 from gearshift.worker.policies.tetris.decode import DecodeAdmission
 from gearshift.worker.policies.tetris.policy import TetrisPolicy
-from gearshift.worker.wire import Link, WireError
 
 
-def run_decode_leader(engine: LLMEngine, policy: TetrisPolicy, link: Link, block_size: int) -> None:
+def run_decode_leader(
+    engine: LLMEngine, policy: TetrisPolicy, link: LeaderLink, block_size: int
+) -> None:
     """The leader's loop: the controller's messages between steps, then a step while anything
     runs or is in transfer; returns after ``Stop`` once nothing is in transfer."""
     admission = policy.admission
@@ -39,10 +41,7 @@ def run_decode_leader(engine: LLMEngine, policy: TetrisPolicy, link: Link, block
     while True:
         busy = engine.has_unfinished_requests() or admission.has_work
         while link.poll(0 if busy else IDLE_WAIT_S):
-            msg = link.recv()
-            if not isinstance(msg, DecodeMessage):
-                raise WireError(f"{type(msg).__name__} is not a message for a decode leader")
-            stopping = _handle(engine, admission, link, msg, block_size) or stopping
+            stopping = _handle(engine, admission, link, link.recv(), block_size) or stopping
             busy = engine.has_unfinished_requests() or admission.has_work
         if busy:
             for out in engine.step():
@@ -62,8 +61,8 @@ def run_decode_leader(engine: LLMEngine, policy: TetrisPolicy, link: Link, block
 def _handle(
     engine: LLMEngine,
     admission: DecodeAdmission,
-    link: Link,
-    msg: DecodeMessage,
+    link: LeaderLink,
+    msg: ToDecode,
     block_size: int,
 ) -> bool:
     """Apply one message; True for ``Stop``."""

@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import Any
 
 from gearshift.worker.errors import GroupFailure
+from gearshift.worker.launch.tetris.links import Link
 from gearshift.worker.launch.tetris.messages import Complete
 from gearshift.worker.launch.tetris.state import GroupState
-from gearshift.worker.wire import Link
 
 log = logging.getLogger(__name__)
 
 DEAD_QUEUE_S = 1e9  # a dead prefill instance's reported queue: no planner picks it
 
 
-def link_lost(group: GroupState, role: str, index: int, rank: int, live: list[Link]) -> None:
+def link_lost(
+    group: GroupState, role: str, index: int, rank: int, live: list[Link[Any, Any]]
+) -> None:
     """An instance's control link closed: a rank of this host is reported by its exit
     (``check_procs``); one of another node by this."""
     if group.closed or rank < len(group.procs):
@@ -36,7 +39,7 @@ def link_lost(group: GroupState, role: str, index: int, rank: int, live: list[Li
     )
 
 
-def check_procs(group: GroupState, live: list[Link]) -> None:
+def check_procs(group: GroupState, live: list[Link[Any, Any]]) -> None:
     """Report every rank of this host whose process has exited."""
     if group.closed:
         return
@@ -54,7 +57,7 @@ def check_procs(group: GroupState, live: list[Link]) -> None:
             return
 
 
-def rank_down(group: GroupState, rank: int, why: str, live: list[Link]) -> None:
+def rank_down(group: GroupState, rank: int, why: str, live: list[Link[Any, Any]]) -> None:
     """A rank is gone: a decode rank ends the group, a prefill instance fails its requests
     and is reported down (its links leave ``live``, the reader's)."""
     role, index, _ = group.policy.role(rank)

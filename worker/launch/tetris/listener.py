@@ -4,8 +4,9 @@ instances span nodes).
 
 The listener's address and a fresh key go into the group's rendezvous store; a dialler must
 know the key (``multiprocessing``'s HMAC challenge, no pickle) and then say ``Hello`` with its
-rank. Everything that crosses these connections is the Tetris wire (``messages.WIRE``), so bytes
-that are not one of its messages (a pickle, say) are refused and the connection closed.
+rank. Everything that crosses these connections is one of the Tetris codecs' messages
+(``messages.py``), so bytes that are not (a pickle, say) are refused: here the connection is
+closed unread, later the controller treats the rank as lost.
 """
 
 from __future__ import annotations
@@ -17,28 +18,28 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Listener
+from multiprocessing.connection import Client, Connection, Listener
 
 from torch.distributed import Store
 
 from gearshift.worker.errors import GroupFailure
 from gearshift.worker.launch.group_config import GroupConfig
-from gearshift.worker.launch.tetris.messages import WIRE, Hello
-from gearshift.worker.wire import Link, WireError
+from gearshift.worker.launch.tetris.messages import HELLO, Hello
+from gearshift.worker.wire import WireError
 
 CONTROL_KEY = "tetris/control"  # in the group's store: "host port authkey-hex" of the listener
 HELLO_WAIT_S = 30.0  # a dialler that says nothing this long is dropped
 HELLO_BYTES = 4096  # a Hello is a few dozen bytes: anything longer is refused unread
 
 
-def dial(store: Store, rank: int) -> Link:
-    """This rank's control link to the controller on node 0 (its listener's address and key
-    come from the group's store; ``store.get`` waits for them, bounded by the store's
-    timeout)."""
+def dial(store: Store, rank: int) -> Connection:
+    """This rank's control connection to the controller on node 0, introduced (its listener's
+    address and key come from the group's store; ``store.get`` waits for them, bounded by the
+    store's timeout)."""
     host, port, key = store.get(CONTROL_KEY).decode().split(" ")
-    link = Link(Client((host, int(port)), authkey=bytes.fromhex(key)), WIRE)
-    link.send(Hello(rank))
-    return link
+    conn = Client((host, int(port)), authkey=bytes.fromhex(key))
+    HELLO.send(conn, Hello(rank))
+    return conn
 
 
 class ControlListener:
@@ -50,7 +51,7 @@ class ControlListener:
         self.port = int(self.listener.address[1])
         store.set(CONTROL_KEY, f"{group.group_addr} {self.port} {key.hex()}")
         self.want = set(ranks)
-        self.links: dict[int, Link] = {}
+        self.conns: dict[int, Connection] = {}
         self.refused = 0  # connections closed for a bad or missing Hello
         self.closing = False
         self.done = threading.Event()
@@ -58,7 +59,7 @@ class ControlListener:
         self.thread.start()
 
     def _accept(self) -> None:
-        while self.want - set(self.links) and not self.closing:
+        while self.want - set(self.conns) and not self.closing:
             try:
                 conn = self.listener.accept()
             except (AuthenticationError, EOFError, ConnectionError):
@@ -68,39 +69,38 @@ class ControlListener:
             if self.closing:
                 conn.close()
                 break
-            link = Link(conn, WIRE, max_bytes=HELLO_BYTES)
             try:
-                hello = link.recv() if link.poll(HELLO_WAIT_S) else None
+                data = conn.recv_bytes(HELLO_BYTES) if conn.poll(HELLO_WAIT_S) else b""
+                hello = HELLO.decode(data) if data else None
             except (EOFError, OSError, WireError):
                 hello = None
-            if isinstance(hello, Hello) and hello.rank in self.want - set(self.links):
-                link.max_bytes = None
-                self.links[hello.rank] = link
+            if hello is not None and hello.rank in self.want - set(self.conns):
+                self.conns[hello.rank] = conn
             else:
                 self.refused += 1
-                link.close()
+                conn.close()
         self.done.set()
 
-    def wait(self, timeout_s: float, alive: Callable[[], None]) -> dict[int, Link]:
-        """Every wanted rank's link (``alive`` raises when a local rank died meanwhile);
+    def wait(self, timeout_s: float, alive: Callable[[], None]) -> dict[int, Connection]:
+        """Every wanted rank's connection (``alive`` raises when a local rank died meanwhile);
         GroupFailure after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         try:
             while not self.done.wait(0.1):
                 alive()
                 if time.monotonic() > deadline:
-                    missing = sorted(self.want - set(self.links))
+                    missing = sorted(self.want - set(self.conns))
                     raise GroupFailure(
                         f"tetris group: ranks {missing} of the other nodes did not connect "
                         f"within {timeout_s} s"
                     )
-            missing = sorted(self.want - set(self.links))
+            missing = sorted(self.want - set(self.conns))
             if missing:
                 raise GroupFailure(f"tetris group: the control listener closed before {missing}")
-            return self.links
+            return self.conns
         except BaseException:
-            for link in self.links.values():
-                link.close()
+            for conn in self.conns.values():
+                conn.close()
             raise
         finally:
             self.close()

@@ -1,9 +1,10 @@
 """The messages between a Tetris group's controller and its ranks (Tetris §4.1–4.2), one frozen
-dataclass each, and the wire that carries them without pickle (``worker/wire.py``).
+dataclass each, and the codecs that carry them without pickle (``worker/wire.py``).
 
 The controller (``controller.py``, node 0) speaks to each prefill rank and to each decode
-instance's leader over one ``Link``: a pipe for this host's ranks, a socket to node 0's control
-listener for the other nodes' (``listener.py``). A request's hand-off, piece by piece:
+instance's leader over one ``links.Link``: a pipe for this host's ranks, a socket to node 0's
+control listener for the other nodes' (``listener.py``, where a dialler first says ``Hello``).
+A request's hand-off, piece by piece:
 
     controller → pool:    Prefill, then per piece Go (whole) or StreamGo (layer-wise); Cancel
     pool → controller:    Prefilled, Offer (whole: a piece is ready), WholeSent / WholeUnsent,
@@ -19,13 +20,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gearshift.worker.engine.llm_engine import EngineStats, InstanceLoad, ReplicaLoad
-from gearshift.worker.engine.outputs import RequestMetrics, RequestOutput
+from gearshift.worker.engine.llm_engine import EngineStats
+from gearshift.worker.engine.outputs import RequestOutput
 from gearshift.worker.policies.tetris.chunked_prefill import PlannedChunk
 from gearshift.worker.sampling.logprobs import TokenLogprobs
 from gearshift.worker.sampling.params import SamplingParams
-from gearshift.worker.structured.grammar import GrammarSpec
-from gearshift.worker.wire import Wire
+from gearshift.worker.wire import Codec
 
 PieceRows = tuple[int, int]  # (first row, row count) of a member's rows: one piece
 
@@ -277,20 +277,28 @@ class Snapshot:
     block_size: int
 
 
-PoolMessage = Go | StreamGo | Cancel | Prefill | Probe | Stop
-DecodeMessage = Expect | Receive | Post | Complete | Abort | AskSnapshot | Stop
+# One codec per direction (``worker/wire.py``): a message of another direction is refused.
+ToPool = Prefill | Go | StreamGo | Cancel | Probe | Stop
+FromPool = (
+    Loaded
+    | Prefilled
+    | Offer
+    | WholeSent
+    | WholeUnsent
+    | StreamSent
+    | PrefillFailed
+    | Probed
+    | ProbeFailed
+    | Closed
+)
+ToDecode = Expect | Receive | Post | Complete | Abort | AskSnapshot | Stop
+FromDecode = Loaded | Output | Landed | Refused | TransferFailed | Snapshot | Closed
 
-WIRE = Wire(
+HELLO: Codec[Hello] = Codec([Hello])
+TO_POOL: Codec[ToPool] = Codec([Prefill, Go, StreamGo, Cancel, Probe, Stop])
+FROM_POOL: Codec[FromPool] = Codec(
     [
-        Hello,
         Loaded,
-        Stop,
-        Closed,
-        Prefill,
-        Go,
-        StreamGo,
-        Cancel,
-        Probe,
         Prefilled,
         Offer,
         WholeSent,
@@ -299,27 +307,11 @@ WIRE = Wire(
         PrefillFailed,
         Probed,
         ProbeFailed,
-        Expect,
-        Receive,
-        Post,
-        Complete,
-        Abort,
-        AskSnapshot,
-        Output,
-        Landed,
-        Refused,
-        TransferFailed,
-        Snapshot,
-    ],
-    nested=[
-        PlannedChunk,
-        SamplingParams,
-        GrammarSpec,
-        RequestOutput,
-        RequestMetrics,
-        TokenLogprobs,
-        EngineStats,
-        ReplicaLoad,
-        InstanceLoad,
-    ],
+        Closed,
+    ]
+)
+TO_DECODE: Codec[ToDecode] = Codec([Expect, Receive, Post, Complete, Abort, AskSnapshot, Stop])
+FROM_DECODE: Codec[FromDecode] = Codec(
+    [Loaded, Output, Landed, Refused, TransferFailed, Snapshot, Closed],
+    namespace={"TokenLogprobs": TokenLogprobs},  # RequestOutput names it only for mypy
 )

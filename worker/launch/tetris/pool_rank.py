@@ -29,12 +29,12 @@ import torch
 
 from gearshift.worker.comm import CommGroup
 from gearshift.worker.launch.rank import RankState
+from gearshift.worker.launch.tetris.links import MemberLink
 from gearshift.worker.launch.tetris.messages import (
     Cancel,
     Go,
     Offer,
     PieceRows,
-    PoolMessage,
     Prefill,
     Prefilled,
     PrefillFailed,
@@ -44,6 +44,7 @@ from gearshift.worker.launch.tetris.messages import (
     Stop,
     StreamGo,
     StreamSent,
+    ToPool,
     WholeSent,
     WholeUnsent,
 )
@@ -52,7 +53,6 @@ from gearshift.worker.policies.tetris.chunked_prefill import run_chunk_plan
 from gearshift.worker.policies.tetris.handoff import LayerStream, Sending, start_piece
 from gearshift.worker.policies.tetris.policy import TetrisPolicy
 from gearshift.worker.policies.tetris.rebalance import Holding
-from gearshift.worker.wire import Link, WireError
 
 
 def first_line(exc: BaseException) -> str:
@@ -73,7 +73,7 @@ class PoolMember:
     """One rank of a prefill instance, driven by the controller over ``link`` (see the module
     docstring)."""
 
-    def __init__(self, state: RankState, policy: TetrisPolicy, link: Link, rank: int) -> None:
+    def __init__(self, state: RankState, policy: TetrisPolicy, link: MemberLink, rank: int) -> None:
         model = state.model.gears[0].model
         assert isinstance(model, LlamaForCausalLM)
         self.model = model
@@ -92,14 +92,14 @@ class PoolMember:
         self.tp = (j, policy.prefill_tp)
         self.offered: dict[str, Offered] = {}
         self.streams: dict[str, LayerStream] = {}  # layerwise: requests with pieces to send
-        self.deferred: collections.deque[PoolMessage] = collections.deque()  # read mid-prefill
+        self.deferred: collections.deque[ToPool] = collections.deque()  # read mid-prefill
         self.sending: list[Sending] = []  # started pieces whose sends may still be in flight
 
     def run(self) -> None:
         """Serve the controller's messages until ``Stop``."""
         while True:
             self.sending = [s for s in self.sending if not s.done()]
-            msg = self.deferred.popleft() if self.deferred else self._recv()
+            msg = self.deferred.popleft() if self.deferred else self.link.recv()
             if isinstance(msg, Stop):
                 return
             if isinstance(msg, Cancel):
@@ -113,12 +113,6 @@ class PoolMember:
                 self._probe(msg)
             else:
                 self._prefill(msg)
-
-    def _recv(self) -> PoolMessage:
-        msg = self.link.recv()
-        if not isinstance(msg, Go | StreamGo | Cancel | Prefill | Probe | Stop):
-            raise WireError(f"{type(msg).__name__} is not a message for a prefill rank")
-        return msg
 
     # ---- layer-wise hand-off -------------------------------------------------------------------
 
@@ -165,7 +159,7 @@ class PoolMember:
         def on_layer(kv: torch.Tensor) -> None:
             stream.add_layer(kv)
             while self.link.poll(0):  # grants that came while this prefill computes
-                msg = self._recv()
+                msg = self.link.recv()
                 if isinstance(msg, StreamGo):
                     self._go_stream(msg)
                     continue
@@ -206,7 +200,7 @@ class PoolMember:
         # transfer overlaps the next request's compute). Everything else waits for the prefill,
         # and so does a grant behind its request's cancel, to keep their order.
         while self.offered and self.link.poll(0):
-            msg = self._recv()
+            msg = self.link.recv()
             if isinstance(msg, Go) and not any(
                 isinstance(m, Cancel) and m.rid == msg.rid for m in self.deferred
             ):

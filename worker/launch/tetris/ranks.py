@@ -25,11 +25,11 @@ from gearshift.worker.launch.leader import leader_engine
 from gearshift.worker.launch.rank import RankState, device_for, group_backend, setup_rank
 from gearshift.worker.launch.replica_rank import ReplicaExecutor
 from gearshift.worker.launch.tetris.decode_rank import follow_decode_leader, run_decode_leader
+from gearshift.worker.launch.tetris.links import LeaderLink, leader_link, member_link
 from gearshift.worker.launch.tetris.listener import dial
-from gearshift.worker.launch.tetris.messages import WIRE, Closed, Loaded
+from gearshift.worker.launch.tetris.messages import Closed, Loaded
 from gearshift.worker.launch.tetris.pool_rank import PoolMember
 from gearshift.worker.policies.tetris.policy import TetrisPolicy
-from gearshift.worker.wire import Link
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +66,8 @@ def tetris_rank_main(
     bind_rank_cores(config, group, world, rank % group.local_ranks(world), cores)
     try:
         store = group.join_store(world, port)
-        link = None
-        if conn is not None:
-            link = Link(conn, WIRE)
-        elif speaks(policy, rank):
-            link = dial(store, rank)  # a rank of another node: the controller is on node 0
+        if conn is None and speaks(policy, rank):
+            conn = dial(store, rank)  # a rank of another node: the controller is on node 0
         device = device_for(config, rank)
         timeout = timedelta(seconds=group.timeout_s)
         backend = group_backend(config, device)
@@ -82,15 +79,16 @@ def tetris_rank_main(
             if control is None
             else ControlChannel(control, keepalive_interval=min(5.0, group.timeout_s / 4))
         )
-        if link is None:
+        if conn is None:
             assert channel is not None
             follow_decode_leader(state.runner, channel)
         elif role == "prefill":
+            link = member_link(conn)
             link.send(Loaded(state.num_blocks))
             PoolMember(state, policy, link, rank).run()
             link.send(Closed())
         else:
-            _lead_decode(config, policy, state, link, index, channel)
+            _lead_decode(config, policy, state, leader_link(conn), index, channel)
         # No world barrier: a dead prefill instance must not keep the others from ending.
         os._exit(0)
     except Exception as exc:  # any failure ends this rank, loudly
@@ -103,7 +101,7 @@ def _lead_decode(
     config: EngineConfig,
     policy: TetrisPolicy,
     state: RankState,
-    link: Link,
+    link: LeaderLink,
     index: int,
     channel: ControlChannel | None,
 ) -> None:

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import Any
 
 from gearshift.worker.errors import GroupFailure, InvalidRequestError
 from gearshift.worker.launch.tetris.failures import check_procs, link_lost, rank_down
+from gearshift.worker.launch.tetris.links import DecodeLink, Link, PoolLink, wait_links
 from gearshift.worker.launch.tetris.messages import (
     AskSnapshot,
     Complete,
+    FromDecode,
+    FromPool,
     Landed,
     Offer,
     Output,
@@ -34,7 +38,7 @@ from gearshift.worker.launch.tetris.messages import (
 )
 from gearshift.worker.launch.tetris.state import GroupState
 from gearshift.worker.policies.tetris.transfer import TransferError
-from gearshift.worker.wire import WireError, wait_links
+from gearshift.worker.wire import WireError
 
 SNAPSHOT_S = 0.25  # how often each decode leader reports its engine's stats
 WAIT_S = 0.1  # the longest the reader sleeps without looking at the processes
@@ -42,13 +46,13 @@ WAIT_S = 0.1  # the longest the reader sleeps without looking at the processes
 
 def read_loop(group: GroupState) -> None:
     """Until the group stops: read every link, apply each message, report lost ranks."""
-    roles = {
-        id(link): ("pool", m, group.policy.prefill_ranks(m)[j])
+    pools = {
+        id(link): (m, group.policy.prefill_ranks(m)[j], link)
         for m in range(len(group.pool_conns))
         for j, link in enumerate(group.pool_conns[m])
     }
-    roles |= {
-        id(link): ("decode", d, group.policy.decode_ranks(d)[0])
+    decodes = {
+        id(link): (d, group.policy.decode_ranks(d)[0], link)
         for d, link in enumerate(group.decode_conns)
     }
     live = group.all_links()
@@ -64,13 +68,10 @@ def read_loop(group: GroupState) -> None:
         except OSError:
             ready = []
         for link in ready:
-            role, i, rank = roles[id(link)]
+            role = "pool" if id(link) in pools else "decode"
+            i, rank, _ = pools[id(link)] if role == "pool" else decodes[id(link)]
             try:
-                while link.poll():
-                    if role == "pool":
-                        on_pool(group, i, link.recv())
-                    else:
-                        on_decode(group, i, link.recv())
+                _drain(group, pools, decodes, link)
             except WireError as exc:  # a rank that speaks another protocol is not one of ours
                 with contextlib.suppress(ValueError):
                     live.remove(link)
@@ -81,7 +82,24 @@ def read_loop(group: GroupState) -> None:
         check_procs(group, live)
 
 
-def on_pool(group: GroupState, m: int, msg: object) -> None:
+def _drain(
+    group: GroupState,
+    pools: dict[int, tuple[int, int, PoolLink]],
+    decodes: dict[int, tuple[int, int, DecodeLink]],
+    link: Link[Any, Any],
+) -> None:
+    """Apply every message waiting on ``link``."""
+    if id(link) in pools:
+        m, _, pool = pools[id(link)]
+        while pool.poll():
+            on_pool(group, m, pool.recv())
+        return
+    d, _, decode = decodes[id(link)]
+    while decode.poll():
+        on_decode(group, d, decode.recv())
+
+
+def on_pool(group: GroupState, m: int, msg: FromPool) -> None:
     """A message of prefill instance ``m``'s ranks."""
     if isinstance(msg, Offer):
         group.handshakes[m].put((msg.rid, msg.piece))
@@ -137,7 +155,7 @@ def _on_sent(group: GroupState, m: int, msg: WholeSent | WholeUnsent | StreamSen
         group.fail(msg.rid, GroupFailure(why))
 
 
-def on_decode(group: GroupState, d: int, msg: object) -> None:
+def on_decode(group: GroupState, d: int, msg: FromDecode) -> None:
     """A message of decode instance ``d``'s leader."""
     if isinstance(msg, Output):
         out = msg.out

@@ -9,6 +9,7 @@ import math
 import time
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 import torch
 
@@ -20,13 +21,14 @@ from gearshift.worker.launch.host import usable_cores
 from gearshift.worker.launch.leader import check_group
 from gearshift.worker.launch.processes import rank_context, start_rank, stop_processes
 from gearshift.worker.launch.tetris.controller import TetrisGroup
+from gearshift.worker.launch.tetris.links import Link, decode_link, pool_link
 from gearshift.worker.launch.tetris.listener import ControlListener
-from gearshift.worker.launch.tetris.messages import WIRE, Loaded
+from gearshift.worker.launch.tetris.messages import Loaded
 from gearshift.worker.launch.tetris.ranks import rank_name, speaks, tetris_rank_main
 from gearshift.worker.launch.tetris.state import Deliver
 from gearshift.worker.policies.base import Policy
 from gearshift.worker.policies.tetris.policy import TetrisPolicy
-from gearshift.worker.wire import Link, WireError
+from gearshift.worker.wire import WireError
 
 LOAD_POLL_S = 0.1  # between looks at a loading rank's link and this host's processes
 
@@ -58,7 +60,7 @@ def start_tetris(
     remote = [r for r in range(local, world) if speaks(policy, r)]
     listener = ControlListener(store, group, remote) if remote else None
     procs: list[BaseProcess] = []
-    links: dict[int, Link] = {}
+    conns: dict[int, Connection] = {}
     for rank in range(local):
         parent: Connection | None = None
         child: Connection | None = None
@@ -68,19 +70,19 @@ def start_tetris(
         procs.append(start_rank(ctx, tetris_rank_main, args, rank_name(policy, rank)))
         if child is not None and parent is not None:
             child.close()
-            links[rank] = Link(parent, WIRE)
+            conns[rank] = parent
     try:
         if listener is not None:
-            links |= listener.wait(group.timeout_s, lambda: _loading(procs))
+            conns |= listener.wait(group.timeout_s, lambda: _loading(procs))
     except BaseException:
-        for link in links.values():
-            link.close()
+        for conn in conns.values():
+            conn.close()
         for proc in procs:
             proc.kill()
         stop_processes(procs, timeout=10)
         raise
-    pool = [[links[r] for r in policy.prefill_ranks(m)] for m in range(policy.prefill)]
-    decode = [links[policy.decode_ranks(d)[0]] for d in range(policy.decode)]
+    pool = [[pool_link(conns[r]) for r in policy.prefill_ranks(m)] for m in range(policy.prefill)]
+    decode = [decode_link(conns[policy.decode_ranks(d)[0]]) for d in range(policy.decode)]
     handle = TetrisGroup(policy, procs, pool, decode, store, group.timeout_s, deliver)
     handle.ranks_per_node = local
     try:
@@ -98,7 +100,7 @@ def start_tetris(
     return handle
 
 
-def _await_loaded(handle: TetrisGroup, link: Link) -> Loaded:
+def _await_loaded(handle: TetrisGroup, link: Link[Any, Any]) -> Loaded:
     deadline = time.monotonic() + handle.timeout_s
     while time.monotonic() < deadline:
         try:

@@ -18,18 +18,20 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
+from typing import Any, TypeVar
 
 from torch.distributed import Store
 
 from gearshift.worker.engine.outputs import RequestOutput
 from gearshift.worker.errors import GroupFailure
 from gearshift.worker.launch.processes import stop_processes
-from gearshift.worker.launch.tetris.messages import Abort, Cancel, PieceRows, PoolMessage, Snapshot
+from gearshift.worker.launch.tetris.links import DecodeLink, Link, PoolLink
+from gearshift.worker.launch.tetris.messages import Abort, Cancel, PieceRows, Snapshot, ToPool
 from gearshift.worker.policies.tetris.policy import TetrisPolicy
 from gearshift.worker.policies.tetris.transfer import ReceiveManager
-from gearshift.worker.wire import Link
 
 log = logging.getLogger(__name__)
+Out = TypeVar("Out")
 
 Deliver = Callable[[str, RequestOutput | BaseException], None]
 
@@ -96,8 +98,8 @@ class GroupState:
     policy: TetrisPolicy
     procs: list[BaseProcess]  # this host's ranks, in rank order
     # Each prefill instance's ranks' links, in TP order (the first speaks for it).
-    pool_conns: list[list[Link]]
-    decode_conns: list[Link]  # each decode instance's leader
+    pool_conns: list[list[PoolLink]]
+    decode_conns: list[DecodeLink]  # each decode instance's leader
     store: Store | None
     timeout_s: float
     deliver: Deliver
@@ -132,17 +134,17 @@ class GroupState:
 
     # ---- links -------------------------------------------------------------------------------
 
-    def send(self, link: Link, message: object) -> None:
+    def send(self, link: Link[Out, Any], message: Out) -> None:
         """Send, ignoring a link that is gone (its loss is the reader's to report)."""
         with contextlib.suppress(OSError, BrokenPipeError):
             link.send(message)
 
-    def to_pool(self, m: int, message: PoolMessage) -> None:
+    def to_pool(self, m: int, message: ToPool) -> None:
         """``message`` to every rank of prefill instance ``m``."""
         for link in self.pool_conns[m]:
             self.send(link, message)
 
-    def all_links(self) -> list[Link]:
+    def all_links(self) -> list[Link[Any, Any]]:
         return [c for ranks in self.pool_conns for c in ranks] + list(self.decode_conns)
 
     # ---- requests ----------------------------------------------------------------------------

@@ -13,9 +13,11 @@ import torch.distributed as dist
 
 from gearshift.worker.errors import GroupFailure
 from gearshift.worker.launch.group_config import GroupConfig
+from gearshift.worker.launch.tetris import messages as m
+from gearshift.worker.launch.tetris.links import leader_link, member_link
 from gearshift.worker.launch.tetris.listener import CONTROL_KEY, ControlListener, dial
-from gearshift.worker.launch.tetris.messages import WIRE, Hello, Loaded, Stop
-from tests.worker.test_wire import live_pickle
+from gearshift.worker.launch.tetris.messages import HELLO, TO_DECODE, Hello, Loaded, Stop
+from tests.worker.policies.tetris.test_tetris_messages import live_pickle
 
 WAIT_S = 30.0
 
@@ -47,19 +49,21 @@ def test_the_listener_refuses_pickles_and_strangers_and_links_the_wanted_ranks(
         assert _refused(evil)
         assert not target.exists(), "the listener unpickled what it received"
         stranger = Client(address, authkey=bytes.fromhex(key))
-        stranger.send_bytes(WIRE.encode(Hello(7)))  # no such rank is waited for
+        stranger.send_bytes(HELLO.encode(Hello(7)))  # no such rank is waited for
         assert _refused(stranger)
         evil.close()
         stranger.close()
-        two, three = dial(store, 2), dial(store, 3)
-        links = listener.wait(WAIT_S, lambda: None)
-        assert sorted(links) == [2, 3] and listener.refused == 2
-        links[3].send(Stop())
+        two, three = member_link(dial(store, 2)), leader_link(dial(store, 3))
+        conns = listener.wait(WAIT_S, lambda: None)
+        assert sorted(conns) == [2, 3] and listener.refused == 2
+        TO_DECODE.send(conns[3], Stop())
         assert three.recv() == Stop()
         two.send(Loaded(16))
-        assert links[2].recv() == Loaded(16)
-        for link in [*links.values(), two, three]:
+        assert m.FROM_POOL.recv(conns[2]) == Loaded(16)
+        for link in [two, three]:
             link.close()
+        for conn in conns.values():
+            conn.close()
     finally:
         listener.close()
 
