@@ -103,8 +103,8 @@ def measure_and_simulate(
     from gearshift.operator.sim.tetris_sim import TetrisGroupSim, simulate_tetris
     from gearshift.v1 import worker_pb2
     from gearshift.worker.launch import GroupConfig
+    from gearshift.worker.launch.tetris.start import start_tetris
     from gearshift.worker.policies.registry import make_policy
-    from gearshift.worker.policies.tetris.group import start_tetris
     from gearshift.worker.sampling.params import SamplingParams
 
     out: dict[str, Any] = {}

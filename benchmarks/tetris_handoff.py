@@ -47,8 +47,8 @@ def run_group(
     from gearshift.v1 import worker_pb2
     from gearshift.worker.config import EngineConfig
     from gearshift.worker.launch import GroupConfig
+    from gearshift.worker.launch.tetris.start import start_tetris
     from gearshift.worker.policies.registry import make_policy
-    from gearshift.worker.policies.tetris.group import start_tetris
     from gearshift.worker.sampling.params import SamplingParams
 
     longest = max(len(p) for p in prompts)

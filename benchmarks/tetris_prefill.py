@@ -30,8 +30,8 @@ from typing import Any
 
 from gearshift.operator.commands.tetris_profile import fit
 from gearshift.operator.planner.latency_model import LatencyModel
+from gearshift.worker.launch.tetris.profile import ProfilePoints, profile_pool, time_plans
 from gearshift.worker.policies.tetris.chunked_prefill import PlannedChunk
-from gearshift.worker.policies.tetris.profile import ProfilePoints, profile_pool, time_plans
 
 HERE = Path(__file__).resolve().parent
 

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        from gearshift.worker.policies.tetris.profile import ProfilePoints
+        from gearshift.worker.launch.tetris.profile import ProfilePoints
 
         try:  # what the fit needs; the worker checks the model's positions
             ProfilePoints(args.histories, args.lengths, args.repeats).check()
@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     from gearshift.worker.config import EngineConfig
     from gearshift.worker.engine.loading import inspect_model
     from gearshift.worker.errors import GearshiftError
-    from gearshift.worker.policies.tetris.profile import ProfilePoints, profile_pool
+    from gearshift.worker.launch.tetris.profile import ProfilePoints, profile_pool
 
     points = ProfilePoints(args.histories, args.lengths, args.repeats)
     try:

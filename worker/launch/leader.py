@@ -34,7 +34,7 @@ from gearshift.worker.launch.host import (
 )
 from gearshift.worker.launch.processes import spawn_followers, stop_processes
 from gearshift.worker.launch.rank import RankState, device_for, join_group, setup_rank
-from gearshift.worker.policies.base import Policy
+from gearshift.worker.policies.base import ENGINE_RUNTIME, Policy
 from gearshift.worker.policies.registry import make_policy
 from gearshift.worker.tokenizer.tokenizer import Tokenizer
 
@@ -47,7 +47,11 @@ def _policy(policy: PolicyLike) -> Policy:
     return policy if isinstance(policy, Policy) else make_policy(policy)
 
 
-def _engine(config: EngineConfig, policy: Policy, state: RankState, executor: Any) -> LLMEngine:
+def leader_engine(
+    config: EngineConfig, policy: Policy, state: RankState, executor: Any
+) -> LLMEngine:
+    """The engine an (instance or replica) leader runs over its joined rank: tokenizer, KV
+    blocks, scheduler and sampler, stepping through ``executor``."""
     spec = state.spec
     tokenizer = None if config.skip_tokenizer_init else Tokenizer.from_path(spec.path)
     blocks = BlockManager(
@@ -72,8 +76,8 @@ def _engine(config: EngineConfig, policy: Policy, state: RankState, executor: An
     )
 
 
-def _check(config: EngineConfig, policy: Policy, group: GroupConfig) -> None:
-    """Refuse a layout the model cannot take before any rank starts."""
+def check_group(config: EngineConfig, policy: Policy, group: GroupConfig) -> None:
+    """Refuse a layout the model or the hosts cannot take, before any rank starts."""
     group.check(policy.world_size)
     local = group.local_ranks(policy.world_size)
     if policy.single_node and local < policy.world_size:
@@ -100,6 +104,12 @@ def start_engine(
             f"policy {policy.kind!r} forms {policy.engine_replicas()} engine replicas: start it "
             "with launch.replicas.start_replicas",
         )
+    if policy.group_runtime() != ENGINE_RUNTIME:
+        raise InvalidRequestError(
+            f"policy.{policy.kind}",
+            f"policy {policy.kind!r} runs as a {policy.group_runtime()!r} group, not one engine: "
+            "start it through its group runtime (server/runtimes.py)",
+        )
     group = group or GroupConfig()
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
@@ -111,10 +121,10 @@ def start_engine(
         state = setup_rank(
             config, policy, 0, device_for(config, 0), timedelta(seconds=group.timeout_s)
         )
-        engine = _engine(config, policy, state, state.runner)
+        engine = leader_engine(config, policy, state, state.runner)
         log.info("engine ready in %.1fs: %s", time.monotonic() - started, state.spec.path.name)
         return engine
-    _check(config, policy, group)
+    check_group(config, policy, group)
     if group.node_rank != 0:
         raise InvalidRequestError(
             "node_rank", "only node 0 hosts the leader; other nodes run run_node"
@@ -154,15 +164,13 @@ def start_engine(
         p2p_group=state.model.p2p_group,
         stop_children=stop_processes,
     )
-    return _engine(config, policy, state, executor)
+    return leader_engine(config, policy, state, executor)
 
 
 def run_node(config: EngineConfig, policy: PolicyLike, group: GroupConfig) -> int:
-    """A non-leader pod: run its ranks until the group ends; the first failing exit code wins."""
+    """A non-leader pod of a group of one engine or of engine replicas: run its ranks (the
+    followers of ``build_rank``) until the group ends; the first failing exit code wins."""
     policy = _policy(policy)
-    own = policy.node_runner()
-    if own is not None:
-        return own(config, group)
     local = group.local_ranks(policy.world_size)
     first = group.node_rank * local
     procs = spawn_followers(

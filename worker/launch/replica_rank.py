@@ -30,7 +30,7 @@ from gearshift.worker.errors import GroupFailure, InvalidRequestError
 from gearshift.worker.launch import replica_messages as msg
 from gearshift.worker.launch.group_config import GroupConfig
 from gearshift.worker.launch.host import bind_rank_cores, die_with_parent, set_threads
-from gearshift.worker.launch.leader import _engine
+from gearshift.worker.launch.leader import leader_engine
 from gearshift.worker.launch.rank import join_group
 from gearshift.worker.parallel.watchdog import EXIT_PEER_FAILED
 from gearshift.worker.policies.base import Policy
@@ -175,7 +175,7 @@ def replica_main(
         send = None if channel is None else (lambda plan: channel.send(STEP, plan))
         sync = policy.replica_sync(store, send)
         executor = ReplicaExecutor(state.runner, sync, replica, channel)
-        engine = _engine(config, policy, state, executor)
+        engine = leader_engine(config, policy, state, executor)
         msg.FROM_REPLICA.send(conn, msg.ReplicaReady(state.num_blocks, engine.max_model_len))
         _serve(engine, sync, policy, conn, stream)
         leaked = engine.blocks.leaked_blocks()

@@ -11,6 +11,8 @@ A policy is one package under ``worker/policies/`` that owns everything about it
   stats.
 
 The engine and the launcher call only these methods; nothing else dispatches on the policy kind.
+A policy whose group is not one engine names the group runtime that serves it
+(``group_runtime``); the runtimes live at the launch/server floor, above every policy.
 Policies are registered in ``registry.py``.
 """
 
@@ -48,6 +50,8 @@ if TYPE_CHECKING:
     from gearshift.worker.model.weights import WeightSource
 
 __all__ = [
+    "ENGINE_RUNTIME",
+    "REPLICAS_RUNTIME",
     "LiveValue",
     "Policy",
     "QueueView",
@@ -56,6 +60,11 @@ __all__ = [
     "StepKind",
     "StepRequest",
 ]
+
+
+# Policy.group_runtime() of the two shapes of group the launcher itself starts.
+ENGINE_RUNTIME = "engine"  # one engine led by rank 0 (launch/leader.py)
+REPLICAS_RUNTIME = "replicas"  # independent engine replicas (launch/replicas.py)
 
 
 @dataclass(frozen=True)
@@ -155,17 +164,12 @@ class Policy(ABC):
         group is one engine led by rank 0. Ranks ``r * (world / n)`` lead replica ``r``."""
         return 1
 
-    def group_handle(self) -> Callable[[Any], Any] | None:
-        """A policy whose group is neither one engine nor equal engine replicas (Tetris: a
-        prefill pool and decode instances) serves through its own endpoint: the EngineHandle
-        class the worker server builds from its WorkerSettings. None: the server's own."""
-        return None
-
-    def node_runner(self) -> Callable[[Any, Any], int] | None:
-        """With ``group_handle``: how a non-leader pod runs its ranks, ``f(EngineConfig,
-        GroupConfig) -> exit code`` (``launch.run_node`` calls it); None: the follower ranks of
-        ``build_rank``."""
-        return None
+    def group_runtime(self) -> str:
+        """The name of the group runtime that starts and serves this policy's group (the table
+        is at the launch/server floor, ``server/runtimes.py``): ``ENGINE_RUNTIME`` for one engine
+        led by rank 0, ``REPLICAS_RUNTIME`` for ``engine_replicas() > 1``; a policy whose group
+        has another shape (Tetris: a prefill pool and decode instances) names its own."""
+        return REPLICAS_RUNTIME if self.engine_replicas() > 1 else ENGINE_RUNTIME
 
     def replica_sync(
         self, store: Any, followers: Callable[[StepPlan], None] | None = None

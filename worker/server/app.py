@@ -15,7 +15,6 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -23,9 +22,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from gearshift.v1 import worker_pb2, worker_pb2_grpc
 from gearshift.worker.policies.registry import make_policy
 from gearshift.worker.server import auth
-from gearshift.worker.server.engine_process import EngineStartError, ProcessEngine
+from gearshift.worker.server.engine_process import EngineStartError
 from gearshift.worker.server.handle import EngineHandle
-from gearshift.worker.server.replica_engine import ReplicaGroupEngine
+from gearshift.worker.server.runtimes import run_follower_node, runtime_for
 from gearshift.worker.server.service import WorkerInfo, WorkerService
 from gearshift.worker.server.settings import WorkerSettings
 
@@ -123,15 +122,7 @@ class WorkerProcess:
 
     async def _serve_leader(self) -> None:
         s = self.settings
-        policy = make_policy(s.policy, s.ranks)
-        own = policy.group_handle()
-        engine: Any = (
-            own(s)
-            if own is not None
-            else ReplicaGroupEngine(s)
-            if policy.engine_replicas() > 1
-            else ProcessEngine(s)
-        )
+        engine = runtime_for(make_policy(s.policy, s.ranks)).endpoint(s)
         load = asyncio.ensure_future(engine.start())
         stopped = asyncio.ensure_future(self.stop.wait())
         await asyncio.wait([load, stopped], return_when=asyncio.FIRST_COMPLETED)
@@ -169,8 +160,6 @@ class WorkerProcess:
             await engine.stop()
 
     async def _serve_follower(self) -> None:
-        from gearshift.worker.server.factory import run_follower_node
-
         await self._set_health(True)
         self._ready()
         node = asyncio.ensure_future(asyncio.to_thread(run_follower_node, self.settings))

@@ -1,8 +1,9 @@
 """Builds the group leader's engine for a worker process: the one call that starts a group.
 
 The policy in engine.json (the proto) goes to the registry, which returns the running policy;
-`start_engine` returns the leader's engine (spawning this host's other ranks), `run_node` runs a
-non-leader pod's ranks. The rendezvous comes from the pod's environment.
+`start_engine` returns the leader's engine (spawning this host's other ranks). The rendezvous
+comes from the pod's environment. A non-leader pod's ranks are its group runtime's
+(``runtimes.run_follower_node``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import asdict, replace
 
 from gearshift.worker.config import EngineConfig
 from gearshift.worker.engine.llm_engine import LLMEngine
-from gearshift.worker.launch import GroupConfig, run_node, start_engine
+from gearshift.worker.launch import GroupConfig, start_engine
 from gearshift.worker.policies.base import Policy
 from gearshift.worker.policies.registry import make_policy
 from gearshift.worker.server.settings import WorkerSettings
@@ -46,10 +47,3 @@ def build_engine(settings: WorkerSettings) -> LLMEngine:
     policy = make_policy(settings.policy, settings.ranks)
     group = group_config(policy, heartbeat_timeout_s=settings.heartbeat_timeout_s)
     return start_engine(engine_config(settings), policy, group)
-
-
-def run_follower_node(settings: WorkerSettings) -> int:
-    """A non-leader pod: run its ranks until the group ends; returns the exit code."""
-    policy = make_policy(settings.policy, settings.ranks)
-    group = group_config(policy, heartbeat_timeout_s=settings.heartbeat_timeout_s)
-    return run_node(engine_config(settings), policy, group)

@@ -6,8 +6,9 @@ import json
 import sys
 
 from gearshift.worker.config import EngineConfig
-from gearshift.worker.launch import GroupConfig, run_node
+from gearshift.worker.launch import GroupConfig
 from gearshift.worker.policies.registry import make_policy
+from gearshift.worker.server.runtimes import run_group_node
 
 
 def main() -> int:
@@ -17,7 +18,7 @@ def main() -> int:
     group = GroupConfig(timeout_s=60.0).with_environment(policy.world_size)
     engine = {"dtype": "float32", "skip_tokenizer_init": True, "kv_cache_bytes": 32 << 20}
     config = EngineConfig(model=model, **{**engine, **extra})
-    return run_node(config, policy, group)
+    return run_group_node(config, policy, group)
 
 
 if __name__ == "__main__":

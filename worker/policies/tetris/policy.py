@@ -12,10 +12,12 @@ handshake runs during the prefill and each layer's rows leave as soon as they ar
 the decode instance admits it into continuous batching once every piece has landed
 (``decode.DecodeAdmission``).
 
-The group is served by its own endpoint (``group.py``, ``endpoint.py``): requests go to the pool,
-not to one engine. Across nodes, the endpoint runs on node 0 and the other nodes' instances dial
-its control listener (``group.run_tetris_node``); an instance's ranks share one node.
-This class is what every rank builds and what a decode leader's engine asks.
+The group is not one engine: requests go to the pool. It is started and served by the Tetris
+group runtime at the launch/server floor (``group_runtime``: ``launch/tetris/`` runs the ranks
+and the controller, ``server/tetris_engine.py`` is the worker endpoint). Across nodes, the
+controller runs on node 0 and the other nodes' instances dial its control listener; an
+instance's ranks share one node. This class is what every rank builds and what a decode leader's
+engine asks.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from gearshift.worker.policies.tetris.handoff import (
     head_route,
     kv_heads_of,
 )
+
+TETRIS_RUNTIME = "tetris"  # the group runtime that serves this policy (server/runtimes.py)
 
 
 class TetrisPolicy(Policy):
@@ -90,15 +94,9 @@ class TetrisPolicy(Policy):
         ranks = tuple(i * self.prefill_tp + j for i in range(self.prefill))
         return CommGroup(self.prefill, m, ranks, world.group)
 
-    def group_handle(self) -> Callable[[Any], Any] | None:
-        from gearshift.worker.policies.tetris.endpoint import TetrisGroupEngine
-
-        return TetrisGroupEngine
-
-    def node_runner(self) -> Callable[[Any, Any], int] | None:
-        from gearshift.worker.policies.tetris.group import run_tetris_node
-
-        return lambda config, group: run_tetris_node(config, self, group)
+    def group_runtime(self) -> str:
+        """Not one engine: the pool and the decode instances are run by the Tetris runtime."""
+        return TETRIS_RUNTIME
 
     def check_nodes(self, nodes: int) -> None:
         """Across nodes (§3.2): a ring of instances may cross nodes (point-to-point in the one

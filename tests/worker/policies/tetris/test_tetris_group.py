@@ -27,8 +27,10 @@ from gearshift.worker.engine.outputs import RequestOutput
 from gearshift.worker.errors import GroupFailure, InvalidRequestError
 from gearshift.worker.launch import start_engine
 from gearshift.worker.launch.group_config import GroupConfig
+from gearshift.worker.launch.tetris.controller import TetrisGroup
+from gearshift.worker.launch.tetris.start import start_tetris
+from gearshift.worker.launch.tetris.state import pieces_of
 from gearshift.worker.policies.registry import make_policy
-from gearshift.worker.policies.tetris.group import TetrisGroup, pieces_of, start_tetris
 from gearshift.worker.sampling.params import SamplingParams
 
 ENGINE: dict[str, Any] = {

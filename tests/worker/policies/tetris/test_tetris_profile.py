@@ -12,7 +12,7 @@ from google.protobuf import json_format
 
 from gearshift.operator.planner.settings import PlannerSettings
 from gearshift.v1 import policy_pb2
-from gearshift.worker.policies.tetris.profile import ProfilePoints
+from gearshift.worker.launch.tetris.profile import ProfilePoints
 
 
 @pytest.mark.slow

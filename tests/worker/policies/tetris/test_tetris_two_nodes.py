@@ -26,9 +26,9 @@ from gearshift.v1 import policy_pb2
 from gearshift.worker.config import EngineConfig
 from gearshift.worker.errors import GroupFailure, InvalidRequestError
 from gearshift.worker.launch import GroupConfig
+from gearshift.worker.launch.tetris.start import start_tetris
 from gearshift.worker.policies.registry import make_policy
 from gearshift.worker.policies.support import check_runnable
-from gearshift.worker.policies.tetris.group import start_tetris
 from tests.worker.policies.tetris.test_tetris_group import (
     ENGINE,
     Outputs,

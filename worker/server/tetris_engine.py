@@ -1,4 +1,5 @@
-"""The worker endpoint of a Tetris group: the one EngineHandle the gRPC service sees.
+"""The worker endpoint of a Tetris group: the one EngineHandle the gRPC service sees (the
+Tetris group runtime's endpoint, ``runtimes.py``; the group itself is ``launch/tetris/``).
 
 A request carries the router's chunk plan (``WorkerGenerateRequest.tetris_plan``); without one
 the group plans one chunk over every live prefill instance. Stats are the decode instances'
@@ -12,20 +13,22 @@ import asyncio
 import logging
 import threading
 from dataclasses import replace
-from typing import Any
 
 from gearshift.v1 import policy_pb2, worker_pb2
 from gearshift.worker.engine.contract import LiveValue
 from gearshift.worker.engine.llm_engine import EngineStats
 from gearshift.worker.engine.outputs import RequestOutput
 from gearshift.worker.errors import GroupFailure
+from gearshift.worker.launch.tetris.controller import TetrisGroup
+from gearshift.worker.launch.tetris.start import start_tetris
 from gearshift.worker.policies.registry import make_policy
-from gearshift.worker.policies.tetris.group import TetrisGroup, start_tetris
 from gearshift.worker.policies.tetris.policy import TetrisPolicy
+from gearshift.worker.sampling.params import SamplingParams
 from gearshift.worker.server.engine_loop import EngineStopped, OutputSink
 from gearshift.worker.server.engine_process import EngineStartError
 from gearshift.worker.server.factory import engine_config, group_config
 from gearshift.worker.server.replica_engine import merge_stats
+from gearshift.worker.server.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +38,7 @@ class TetrisGroupEngine:
 
     takes_tetris_plans = True
 
-    def __init__(self, settings: Any) -> None:
+    def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         policy = make_policy(settings.policy, settings.ranks)
         assert isinstance(policy, TetrisPolicy)
@@ -76,7 +79,7 @@ class TetrisGroupEngine:
         group = self._group
         if group is None:
             return merge_stats([], {})
-        parts = [s[0] for s in group.snapshots if s is not None]
+        parts = [s.stats for s in group.snapshots if s is not None]
         return replace(
             merge_stats(parts, group.stats()), instances=group.instances(), gear="decode"
         )
@@ -93,7 +96,7 @@ class TetrisGroupEngine:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: Any,
+        params: SamplingParams,
         sink: OutputSink,
         arrival_time: float,
         replica: int | None = None,
