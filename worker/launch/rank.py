@@ -25,6 +25,7 @@ from gearshift.worker.kv.cache import KVCacheSpec, allocate_kv_cache
 from gearshift.worker.launch.group_config import GroupConfig
 from gearshift.worker.launch.host import bind_rank_cores, die_with_parent, set_threads
 from gearshift.worker.model.weights import open_weight_source
+from gearshift.worker.p2p import COMM_RULES_ENV, comm_rules, start_rules
 from gearshift.worker.parallel.groups import create_control_group
 from gearshift.worker.parallel.watchdog import EXIT_PEER_FAILED, Watchdog
 from gearshift.worker.policies.base import Policy, RankContext, RankModel
@@ -32,6 +33,9 @@ from gearshift.worker.policies.base import Policy, RankContext, RankModel
 log = logging.getLogger(__name__)
 
 STEP_TRACE_ENV = "GEARSHIFT_STEP_TRACE"  # a folder: every rank logs its step events there
+# 1: on an NCCL error or timeout, abort the communicators and end the process (torch's default,
+# 3, ends it without aborting them).
+NCCL_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 
 @dataclass
@@ -68,6 +72,37 @@ def group_backend(config: EngineConfig, device: torch.device) -> str:
     """NCCL for one GPU per rank; gloo on CPU and for ranks pinned to one shared GPU."""
     shared = torch.device(config.device).index is not None
     return "nccl" if device.type == "cuda" and not shared else "gloo"
+
+
+def check_comm_rules() -> None:
+    """GEARSHIFT_COMM_RULES must name a rule set before any rank starts (launchers call this)."""
+    try:
+        comm_rules()
+    except ValueError as exc:
+        raise InvalidRequestError(COMM_RULES_ENV, str(exc)) from exc
+
+
+def init_process_group(
+    backend: str,
+    store: dist.TCPStore,
+    rank: int,
+    world: int,
+    timeout: timedelta,
+    device: torch.device,
+) -> None:
+    """Join the group under the point-to-point rules (GEARSHIFT_COMM_RULES, refused at start
+    when unknown). On NCCL a dead peer must end the group within ``timeout``: the watchdog
+    aborts the communicators and the process (``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``, unless the
+    pod sets it), and ``device_id`` forms the communicators now, so a batch of point-to-point
+    operations never is a group's first operation."""
+    start_rules()
+    if backend == "nccl":
+        os.environ.setdefault(NCCL_ERROR_HANDLING_ENV, "1")
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=device
+        )
+        return
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def setup_rank(
@@ -130,7 +165,7 @@ def join_group(
     device = device_for(config, rank % group.local_ranks(world))
     backend = group_backend(config, device)
     timeout = timedelta(seconds=group.timeout_s)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    init_process_group(backend, store, rank, world, timeout, device)
     control = create_control_group(world, rank, timeout)
     watchdog = Watchdog(
         group.group_addr,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -39,9 +40,10 @@ from gearshift.worker.p2p.rules import COMM_RULES_ENV, CommRules, RuleViolation,
 # Hidden tags of the NCCL-rules mode on gloo: headers and payloads in FIFOs of their own.
 HEADER_TAG, PAYLOAD_TAG = 0x4753, 0x4754
 
-# NCCL keeps one FIFO per pair and communicator: one channel per process group (by its unique
-# name), process-wide. Closed channels leave it.
-_open_groups: set[str] = set()
+# NCCL keeps one FIFO per pair and communicator: one channel per process group, process-wide.
+# Closed channels leave it; a destroyed group's name may come back (the default group is always
+# "0"), so the entry holds the group weakly and a new group of that name replaces a dead one.
+_open_groups: dict[str, weakref.ref[Any]] = {}
 _open_lock = threading.Lock()
 
 
@@ -132,12 +134,13 @@ class P2P:
         self._pg = pg
         self._key = pg.group_name
         with _open_lock:
-            if self._key in _open_groups:
+            held = _open_groups.get(self._key)
+            if held is not None and held() is pg:
                 raise ValueError(
                     f"p2p channel {name!r}: process group {self._key} has a channel already "
                     "(NCCL orders each pair's messages per communicator: one channel per group)"
                 )
-            _open_groups.add(self._key)
+            _open_groups[self._key] = weakref.ref(pg)
         self.backend = c10d.get_backend(pg)
         self.staged = via_host(device, pg)
         # Headers need a receive that can wait for them first: gloo only. On NCCL the rules
@@ -173,7 +176,9 @@ class P2P:
 
     def close(self) -> None:
         with _open_lock:
-            _open_groups.discard(self._key)
+            held = _open_groups.get(self._key)
+            if held is not None and held() is self._pg:
+                del _open_groups[self._key]
 
     # ---- posting ---------------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ from gearshift.worker.engine.contract import (
 )
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.model.config import ModelConfig
+from gearshift.worker.p2p import P2P
 
 if TYPE_CHECKING:
     from gearshift.worker.engine.loading import ModelSpec
@@ -81,7 +82,7 @@ class RankModel:
     kv_layers: int  # decoder layers whose KV this rank holds
     kv_heads: int  # KV heads per layer on this rank
     logits_rank: int = 0  # global rank where the full logits appear (a pipeline's last stage)
-    p2p_group: Any = None  # the group the leader receives those logits over, if elsewhere
+    logits_channel: P2P | None = None  # what the leader receives those logits over, if elsewhere
     extra: dict[str, Any] = field(default_factory=dict)
     # Weight bytes the policy freed on this rank (e.g. FFN layers held by another rank); the KV
     # cache gets them on top of its budget.

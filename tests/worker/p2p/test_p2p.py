@@ -14,6 +14,7 @@ import torch
 from gearshift.worker.launch.processes import run_ranks
 from gearshift.worker.p2p import COMM_RULES_ENV, CommRules, comm_rules
 from gearshift.worker.p2p.header import Header
+from gearshift.worker.sampling.params import SamplingParams
 from tests.worker.p2p import p2p_driver
 
 BOUND_S = 120  # every scenario's ranks end within this, or are killed and the test fails
@@ -107,3 +108,15 @@ def test_a_header_round_trips_and_names_what_differs():
     assert back.mismatch(0, 3, (2, 5), torch.bfloat16, "kv layer 4") is None
     why = back.mismatch(0, 3, (2, 5), torch.bfloat16, "kv layer 5")
     assert why is not None and "'kv layer 4' bfloat16[2, 5]" in why and "'kv layer 5'" in why
+
+
+def test_groups_the_suite_starts_check_their_traffic(tiny_checkpoint, group_factory):
+    # tests/conftest.py sets GEARSHIFT_COMM_RULES=nccl: a pipeline's two channels carry headers.
+    folder = tiny_checkpoint("llama2-bias", num_heads=4, num_kv_heads=2, layers=2)
+    engine = group_factory(
+        folder, {"static": {"pp": 2}}, record=False, skip_tokenizer_init=True, block_size=4
+    )
+    stage = engine.executor.runner.gears[0].stage
+    assert stage.activations.headers and engine.executor.logits_channel.headers
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert len(engine.generate([[1, 2, 3]], params)[0].token_ids) == 4

@@ -22,6 +22,7 @@ from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.model.config import ModelConfig
 from gearshift.worker.parallel.groups import create_groups
 from gearshift.worker.parallel.layout import Layout
+from gearshift.worker.parallel.pipeline import logits_channel
 from gearshift.worker.policies.base import Policy, RankContext, RankModel
 from gearshift.worker.policies.gears import build_gear, pipeline_stage
 from gearshift.worker.policies.seesaw.host_kv import (
@@ -122,13 +123,17 @@ class SeesawPolicy(Policy):
         cfg = ctx.spec.config
         self.check_model(cfg)
         gears, gear_kv = [], []
-        p2p = None
+        # One logits channel for both gears: the leader receives from the one last stage.
+        logits = None
+        if any(layout.pp > 1 for layout in self.layouts):
+            logits = logits_channel(self.world_size, ctx.rank, ctx.device, ctx.timeout)
+        closers = [logits.close] if logits is not None else []
         for name, layout in zip(GEARS, self.layouts, strict=True):
             groups = create_groups(layout, ctx.rank, cfg.num_kv_heads, ctx.timeout)
-            stage = pipeline_stage(layout, ctx.rank, cfg.num_layers, groups.pp)
+            stage = pipeline_stage(layout, ctx, cfg.num_layers, groups.pp, logits)
             gears.append(build_gear(name, ctx, groups, groups.tp, False, stage))
-            if layout.pp > 1:
-                p2p = groups.pp.group
+            if stage is not None:
+                closers.append(stage.close)
             n = layout.kv_heads_per_rank(cfg.num_kv_heads)
             h0 = layout.kv_head_start(ctx.rank, cfg.num_kv_heads)
             replicas = max(1, layout.stage_size // cfg.num_kv_heads)
@@ -157,7 +162,8 @@ class SeesawPolicy(Policy):
             kv_layers=len(biggest.layers),
             kv_heads=len(biggest.heads),
             logits_rank=self.logits_rank,
-            p2p_group=p2p,
+            logits_channel=logits,
+            closers=closers,
         )
 
         def allocate(num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -194,6 +194,7 @@ class SidpPolicy(Policy):
                 owned,
                 tp_rank=tp_rank,
                 device=ctx.device,
+                timeout=ctx.timeout,
             )
             service = FfnService(owned, housekeeper, cas, self.initial_mode, tp_group)
             model = load_model(
