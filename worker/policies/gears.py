@@ -29,6 +29,8 @@ def pipeline_stage(
     last = index == layout.pp - 1
     sends_logits = last and local == 0  # it holds the full logits; the leader (rank 0) samples
     name = f"pipeline activations (pp {layout.pp} x {size})"
+    # GroupSet.pp numbers stages; the channel's peers are ranks of the group (here: global).
+    everyone = CommGroup(len(p2p.ranks), p2p.ranks.index(rank), p2p.ranks, p2p.group)
     return PipelineStage(
         index=index,
         count=layout.pp,
@@ -36,7 +38,7 @@ def pipeline_stage(
         prev_rank=rank - size if index > 0 else None,
         next_rank=rank + size if not last else None,
         logits_to=0 if sends_logits else None,
-        activations=P2P(p2p, name, ctx.device, ctx.timeout),
+        activations=P2P(everyone, name, ctx.device, ctx.timeout),
         logits=logits if sends_logits else None,
         depth=layout.pp,
     )
