@@ -17,6 +17,7 @@ import torch.distributed as dist
 from gearshift.worker.attention.select import make_attention
 from gearshift.worker.config import EngineConfig
 from gearshift.worker.engine.control import ControlChannel
+from gearshift.worker.engine.device_memory import DeviceLedger
 from gearshift.worker.engine.executor import follow
 from gearshift.worker.engine.loading import ModelSpec, inspect_model, kv_cache_blocks
 from gearshift.worker.engine.model_runner import ModelRunner, StepThreads
@@ -126,8 +127,13 @@ def setup_rank(
         timeout=timeout,
         show_progress=config.show_progress and rank == 0,
         block_size=config.block_size,
+        ledger=DeviceLedger(device),
     )
     held = policy.build_rank(ctx)
+    if device.type == "cuda":
+        # What the build freed (e.g. Seesaw's stashed gears) goes back before the KV cache is
+        # sized from the device's free memory.
+        torch.cuda.empty_cache()
     kv_spec = KVCacheSpec(
         held.kv_layers, held.kv_heads, cfg.head_dim, config.block_size, spec.dtype
     )
@@ -141,6 +147,7 @@ def setup_rank(
         kv = held.kv_allocator(blocks)
     else:
         kv = allocate_kv_cache(kv_spec, blocks, device)
+    ctx.ledger.hold("kv cache", (t for layer in kv for t in layer))
     threads = None
     if device.type == "cpu" and config.prefill_threads is not None:
         threads = StepThreads(config.prefill_threads)

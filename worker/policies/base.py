@@ -35,6 +35,7 @@ from gearshift.worker.engine.contract import (
     StepKind,
     StepRequest,
 )
+from gearshift.worker.engine.device_memory import DeviceLedger
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.model.config import ModelConfig
 from gearshift.worker.p2p import P2P
@@ -72,6 +73,8 @@ class RankContext:
     timeout: timedelta = timedelta(seconds=120)
     show_progress: bool = False
     block_size: int = 16  # tokens per KV block (EngineConfig.block_size)
+    # The rank's count of device memory: a policy records what it allocates on the device.
+    ledger: DeviceLedger = field(default_factory=DeviceLedger)
 
 
 @dataclass

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from gearshift.v1 import policy_pb2
 from gearshift.worker.engine.contract import QueueView, StepRequest
+from gearshift.worker.engine.device_memory import DeviceLedger
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.model.config import ModelConfig
 from gearshift.worker.parallel.groups import create_groups
@@ -90,6 +91,7 @@ class SeesawPolicy(Policy):
         self.leader: SeesawLeader | None = None
         self.hook: SeesawRankHook | None = None
         self.weights: WeightSet | None = None
+        self.ledger: DeviceLedger | None = None  # rank 0's (the process the leader runs in)
 
     def _thresholds(self) -> Thresholds:
         m = self.message
@@ -128,10 +130,18 @@ class SeesawPolicy(Policy):
         if any(layout.pp > 1 for layout in self.layouts):
             logits = logits_channel(self.world_size, ctx.rank, ctx.device, ctx.timeout)
         closers = [logits.close] if logits is not None else []
+        # Each gear goes to host memory as soon as it is built: the device holds one shard at a
+        # time, then the working set (weights.py), then the KV cache (sized after it).
+        weights = WeightSet([], ctx.device, ctx.spec.packing)
+        ledger = ctx.ledger
         for name, layout in zip(GEARS, self.layouts, strict=True):
             groups = create_groups(layout, ctx.rank, cfg.num_kv_heads, ctx.timeout)
             stage = pipeline_stage(layout, ctx, cfg.num_layers, groups.pp, logits)
-            gears.append(build_gear(name, ctx, groups, groups.tp, False, stage))
+            gear = build_gear(name, ctx, groups, groups.tp, False, stage)
+            ledger.hold(f"{name} gear", [*gear.model.parameters(), *gear.model.buffers()])
+            weights.add(gear.model)
+            ledger.hold(f"{name} gear", gear.model.buffers())  # its rotary tables stay
+            gears.append(gear)
             if stage is not None:
                 closers.append(stage.close)
             n = layout.kv_heads_per_rank(cfg.num_kv_heads)
@@ -144,9 +154,9 @@ class SeesawPolicy(Policy):
                     layout.head_block(ctx.rank) % replicas == 0,
                 )
             )
-        weights = WeightSet([g.model for g in gears], ctx.device, ctx.spec.packing)
+        ledger.hold("seesaw working set", [weights.allocate()])
         weights.activate(PREFILL_GEAR)
-        self.weights = weights
+        self.weights, self.ledger = weights, ledger
         page = PageShape(cfg.num_layers, cfg.num_kv_heads, ctx.block_size, cfg.head_dim,
                          ctx.spec.dtype)  # fmt: skip
         store = self._open_store(ctx, page)
