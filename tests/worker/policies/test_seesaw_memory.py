@@ -1,7 +1,8 @@
-"""Seesaw's device memory at start (issue 32, item 4): each gear goes to host memory as soon as
-it is built, so the rank's peak, counted by the engine's own ledger (engine/device_memory.py),
-is one gear's shard plus the KV cache (plus each gear's rotary tables), not two shards; and the
-group still gives one process's greedy tokens."""
+"""Seesaw's GPU-minded paths on CPU (issue 32, item 4): each gear goes to host memory as soon as
+it is built, so the rank's start-up peak, counted by the engine's own ledger
+(engine/device_memory.py), is one gear's shard plus the KV cache (plus each gear's rotary
+tables), not two shards; swap-ins wait on the readiness board for the swap-outs before them,
+not on a barrier of the group; and the group still gives one process's greedy tokens."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from gearshift.worker.engine.device_memory import storage_bytes
 from gearshift.worker.policies.seesaw.policy import SeesawPolicy
+from gearshift.worker.policies.seesaw.rank_hook import SWAP_IN, SWAP_OUT
 from gearshift.worker.sampling.params import SamplingParams
 from tests.worker.policies.test_seesaw import (
     DEVICE_KV,
@@ -62,3 +64,39 @@ def test_the_start_up_peak_is_one_shard_plus_the_kv_cache(
     prompts = _prompts(4)
     want = _reference(engine_factory, folder, prompts, params)
     assert [o.token_ids for o in engine.generate(prompts, params)] == want
+
+
+@pytest.mark.parametrize("async_swap", [True, False], ids=["async", "sync"])
+def test_swap_ins_wait_on_the_board_not_on_a_group_barrier(
+    tiny_checkpoint, group_factory, engine_factory, async_swap
+):
+    folder = _model(tiny_checkpoint)
+    engine = group_factory(
+        folder,
+        _seesaw({"tp": 1, "pp": 2}, {"tp": 2, "pp": 1}, asyncSwap=async_swap),
+        kv_cache_bytes=DEVICE_KV,
+        **ENGINE,
+    )
+    hook = engine.policy.hook
+    barriers = []
+    group_barrier = hook.barrier
+
+    def counted() -> None:
+        barriers.append(hook.plans_begun)
+        group_barrier()
+
+    hook.barrier = counted  # rank 0's: every rank calls it at the same plans
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = _prompts(10)
+    want = _reference(engine_factory, folder, prompts, params)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == want
+    plans = engine.executor.submitted
+    outs = [k + 1 for k, p in enumerate(plans) if p.section(SWAP_OUT) is not None]
+    ins = [k + 1 for k, p in enumerate(plans) if p.section(SWAP_IN) is not None]
+    assert outs and ins, "the workload went through the host store"
+    # Synchronous swap-outs still meet (a page may be rewritten once its reader is done);
+    # no swap-in does: each waited on the board for the swap-outs before it.
+    assert barriers == ([] if async_swap else outs)
+    board = engine.policy.hook.board
+    assert board.wait_written(len(outs), timeout=30)  # every rank reports every swap-out
+    assert int(board.out_slots.max()) == len(outs)

@@ -224,9 +224,11 @@ class SeesawPolicy(Policy):
             info = [store.name, pages]
         if self.world_size > 1:
             dist.broadcast_object_list(info, src=0)
-        if ctx.rank == 0:
-            return store
-        return HostKVStore(str(info[0]), page, int(str(info[1])), False, self.world_size)
+        if ctx.rank != 0:
+            store = HostKVStore(str(info[0]), page, int(str(info[1])), False, self.world_size)
+        if ctx.device.type == "cuda":
+            store.pin()  # each rank its own mapping
+        return store
 
     # ---- the leader ------------------------------------------------------------------------
 
