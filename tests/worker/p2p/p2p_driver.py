@@ -159,14 +159,32 @@ SCENARIOS = {
 }
 
 
-def run_rank(rank: int, world: int, store_path: str, out: str, scenario: str, rules: str) -> None:
+def run_rank(
+    rank: int, world: int, store_path: str, out: str, scenario: str, rules: str, nccl: bool = False
+) -> None:
+    """``nccl``: one GPU per rank, device tensors over NCCL (its rules: ``rules`` only refuses
+    tags and ungrouped opposite directions there)."""
     os.environ["GEARSHIFT_COMM_RULES"] = rules
     start_rules()
     store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
+    device = torch.device("cpu")
+    if nccl:
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        dist.init_process_group(
+            "nccl", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=20),
+            device_id=device,
+        )  # fmt: skip
+        torch.set_default_device(device)  # the scenarios' tensors are device tensors
+    else:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
     comm = CommGroup(world, rank, tuple(range(world)), dist.group.WORLD)
-    chan = P2P(comm, scenario, torch.device("cpu"), TIMEOUT, CommRules(rules))
+    chan = P2P(comm, scenario, device, TIMEOUT, CommRules(rules))
     result = SCENARIOS[scenario](rank, chan)
+    if nccl:
+        torch.cuda.synchronize(device)
+        result["device"] = str(device)
     Path(out, f"rank-{rank}.json").write_text(json.dumps(result))
     if scenario != "dead_peer":
         store.set(f"done-{rank}", "1")
