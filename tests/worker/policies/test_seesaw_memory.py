@@ -12,29 +12,24 @@ from gearshift.worker.engine.device_memory import storage_bytes
 from gearshift.worker.policies.seesaw.policy import SeesawPolicy
 from gearshift.worker.policies.seesaw.rank_hook import SWAP_IN, SWAP_OUT
 from gearshift.worker.sampling.params import SamplingParams
-from tests.worker.policies.test_seesaw import (
-    DEVICE_KV,
-    ENGINE,
-    _model,
-    _prompts,
-    _reference,
-    _seesaw,
-)
+from tests.worker.policies import test_seesaw as base
 
 
 @pytest.mark.parametrize(
     ("prefill", "decode", "kv_bytes"),
     [
-        ({"tp": 1, "pp": 2}, {"tp": 2, "pp": 1}, DEVICE_KV),
-        ({"tp": 1, "pp": 1}, {"tp": 1, "pp": 1}, 2 * DEVICE_KV),  # every head on the one rank
+        ({"tp": 1, "pp": 2}, {"tp": 2, "pp": 1}, base.DEVICE_KV),
+        ({"tp": 1, "pp": 1}, {"tp": 1, "pp": 1}, 2 * base.DEVICE_KV),  # every head on the one rank
     ],
     ids=["P2-to-T2", "one-rank"],
 )
 def test_the_start_up_peak_is_one_shard_plus_the_kv_cache(
     tiny_checkpoint, group_factory, engine_factory, prefill, decode, kv_bytes
 ):
-    folder = _model(tiny_checkpoint)
-    engine = group_factory(folder, _seesaw(prefill, decode), kv_cache_bytes=kv_bytes, **ENGINE)
+    folder = base._model(tiny_checkpoint)
+    engine = group_factory(
+        folder, base._seesaw(prefill, decode), kv_cache_bytes=kv_bytes, **base.ENGINE
+    )
     policy = engine.policy
     assert isinstance(policy, SeesawPolicy) and policy.ledger is not None
     assert policy.weights is not None and policy.hook is not None
@@ -61,8 +56,8 @@ def test_the_start_up_peak_is_one_shard_plus_the_kv_cache(
         "kv cache",
     ]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    prompts = _prompts(4)
-    want = _reference(engine_factory, folder, prompts, params)
+    prompts = base._prompts(4)
+    want = base._reference(engine_factory, folder, prompts, params)
     assert [o.token_ids for o in engine.generate(prompts, params)] == want
 
 
@@ -70,12 +65,12 @@ def test_the_start_up_peak_is_one_shard_plus_the_kv_cache(
 def test_swap_ins_wait_on_the_board_not_on_a_group_barrier(
     tiny_checkpoint, group_factory, engine_factory, async_swap
 ):
-    folder = _model(tiny_checkpoint)
+    folder = base._model(tiny_checkpoint)
     engine = group_factory(
         folder,
-        _seesaw({"tp": 1, "pp": 2}, {"tp": 2, "pp": 1}, asyncSwap=async_swap),
-        kv_cache_bytes=DEVICE_KV,
-        **ENGINE,
+        base._seesaw({"tp": 1, "pp": 2}, {"tp": 2, "pp": 1}, asyncSwap=async_swap),
+        kv_cache_bytes=base.DEVICE_KV,
+        **base.ENGINE,
     )
     hook = engine.policy.hook
     barriers = []
@@ -87,8 +82,8 @@ def test_swap_ins_wait_on_the_board_not_on_a_group_barrier(
 
     hook.barrier = counted  # rank 0's: every rank calls it at the same plans
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    prompts = _prompts(10)
-    want = _reference(engine_factory, folder, prompts, params)
+    prompts = base._prompts(10)
+    want = base._reference(engine_factory, folder, prompts, params)
     assert [o.token_ids for o in engine.generate(prompts, params)] == want
     plans = engine.executor.submitted
     outs = [k + 1 for k, p in enumerate(plans) if p.section(SWAP_OUT) is not None]

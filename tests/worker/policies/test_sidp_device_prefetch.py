@@ -6,13 +6,12 @@ The CUDA streams and events it queues run only on a GPU (tests/worker/policies/t
 from __future__ import annotations
 
 import pytest
-import torch
 
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.policies.sidp.device_prefetch import DEVICE_PREFETCH_ENV, DevicePrefetch
 from gearshift.worker.policies.sidp.gpu_topology import check_peer_access
 from gearshift.worker.policies.sidp.ownership import Ownership
-from gearshift.worker.policies.sidp.shared_weights import FfnLayout
+from tests.worker.policies.test_sidp_housekeeper import LAYOUT, _housekeeper
 from tests.worker.policies.test_sidp_replicas import (  # noqa: F401 - the fixture
     _assert_all_equal,
     _prompts,
@@ -21,23 +20,10 @@ from tests.worker.policies.test_sidp_replicas import (  # noqa: F401 - the fixtu
     replica_factory,
 )
 
-LAYOUT = FfnLayout(hidden=4, inter=8, bias=False)
-
 
 def _prefetch(dp: int, layers: int, rank: int, slots: int, depth: int, shift: bool):
-    own = Ownership(dp, layers)
-    sources = {layer: torch.full((LAYOUT.numel,), float(layer)) for layer in own.remote(rank)}
-    prefetch = DevicePrefetch(
-        layout=LAYOUT,
-        num_layers=layers,
-        order=own.fetch_order(rank, shift),
-        cycle_start={layer: c.start for c in own.cycles() for layer in c},
-        sources=sources,
-        slots=slots,
-        prefetch_depth=depth,
-        peak_shifting=shift,
-    )
-    return own, prefetch.start()
+    prefetch = _housekeeper(dp, layers, rank, slots, depth, shift, cls=DevicePrefetch)
+    return Ownership(dp, layers), prefetch.start()
 
 
 def _pass(prefetch: DevicePrefetch, own: Ownership, rank: int) -> list[float]:
@@ -47,7 +33,7 @@ def _pass(prefetch: DevicePrefetch, own: Ownership, rank: int) -> list[float]:
         if own.owner(layer) == rank:
             continue
         seen.append(float(prefetch.acquire(layer).gate_up[0, 0]))
-        assert len(prefetch._ready) <= prefetch.slots
+        assert len(prefetch._filled) <= prefetch.slots
         prefetch.release(layer)
     return seen
 
@@ -65,7 +51,7 @@ def test_every_pass_gets_its_layers_and_queues_the_same_copies(dp, rank, slots, 
         assert _pass(prefetch, own, rank) == [float(layer) for layer in own.remote(rank)]
         per_pass.append(prefetch.log[start:])
         # Nothing of the next pass is queued: every copy a step forks is joined in that step.
-        assert prefetch._ready == {}
+        assert prefetch._filled == {}
     assert per_pass[0] == per_pass[1] == per_pass[2]
     remote = len(own.remote(rank))
     assert prefetch.stats.fetches == 3 * remote
@@ -77,10 +63,10 @@ def test_the_window_queues_ahead_of_compute_but_no_further_than_its_depth():
     _, prefetch = _prefetch(4, 8, rank=1, slots=3, depth=3, shift=True)
     prefetch.begin_layer(0)
     # Rank 1's first cycle in its shifted order (2, 3, 0): queued at once, the slots now full.
-    assert sorted(prefetch._ready) == [0, 2, 3] and prefetch.stats.slot_waits == 0
+    assert sorted(prefetch._filled) == [0, 2, 3] and prefetch.stats.slot_waits == 0
     _, shallow = _prefetch(4, 8, rank=1, slots=3, depth=0, shift=False)
     shallow.begin_layer(0)
-    assert sorted(shallow._ready) == [0]  # depth 0: only the layer compute is at
+    assert sorted(shallow._filled) == [0]  # depth 0: only the layer compute is at
 
 
 def test_a_gpu_without_peer_access_to_an_owner_refuses_was_naming_the_topology():

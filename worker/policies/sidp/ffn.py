@@ -25,7 +25,6 @@ from torch import nn
 from gearshift.worker.comm import CommGroup
 from gearshift.worker.model.layers.activation import silu_and_mul
 from gearshift.worker.model.weights import LazyWeight
-from gearshift.worker.policies.sidp.device_prefetch import DevicePrefetch
 from gearshift.worker.policies.sidp.housekeeper import Housekeeper
 from gearshift.worker.policies.sidp.shared_weights import FfnWeights
 
@@ -110,7 +109,7 @@ class FfnService:
     """One rank's way to a layer's FFN in the current step's mode."""
 
     owned: dict[int, FfnWeights]
-    housekeeper: Housekeeper | DevicePrefetch  # fills WaS's slots (policy.prefetcher)
+    housekeeper: Housekeeper  # fills WaS's slots (or its DevicePrefetch: policy.prefetcher)
     cas: CasRunner | None = None
     mode: Mode = Mode.WAS
     tp: CommGroup = field(default_factory=CommGroup.single)  # this replica's TP ranks

@@ -48,7 +48,7 @@ from gearshift.worker.policies.sidp.source import HideRemoteFfn
 log = logging.getLogger(__name__)
 
 
-def prefetcher(on_gpu: bool) -> type[Housekeeper] | type[DevicePrefetch]:
+def prefetcher(on_gpu: bool) -> type[Housekeeper]:
     """WaS's slot filler: on a GPU the device-side one (its waits on the device, so decode steps
     can be captured as graphs); on CPU the housekeeper thread, unless the environment asks for
     the device-side schedule (tests run it on CPU)."""
