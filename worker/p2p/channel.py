@@ -49,6 +49,8 @@ _open_lock = threading.Lock()
 
 @dataclass(frozen=True)
 class Send:
+    """One send of an exchange: ``tensor`` to group rank ``peer``, labelled with what it is."""
+
     peer: int  # group rank
     tensor: torch.Tensor
     label: str
@@ -56,6 +58,8 @@ class Send:
 
 @dataclass(frozen=True)
 class Recv:
+    """One receive of an exchange: into ``buffer`` from group rank ``peer``, expecting ``label``."""
+
     peer: int  # group rank
     buffer: torch.Tensor  # filled in place
     label: str
