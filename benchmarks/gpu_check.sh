@@ -25,7 +25,8 @@ export PYTHONPATH="/tmp/gs-path:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 rc=0
 timeout "${GPU_TEST_S:-300}" python3 -m pytest -m gpu -p no:cacheprovider --timeout 150 -q -rA \
     tests/worker/test_gpu.py tests/worker/parallel/test_layouts_gpu.py \
-    tests/worker/policies/test_sidp_gpu.py tests/worker/attention/test_triton_gpu.py 2>&1 \
+    tests/worker/policies/test_sidp_gpu.py tests/worker/attention/test_triton_gpu.py \
+    tests/worker/policies/test_gpu_issue32.py tests/worker/p2p/test_p2p_nccl.py 2>&1 \
     | tee "$OUT/pytest.log"
 rc=${PIPESTATUS[0]}
 # The CPU kernels on that machine's compiler and torch (2.11 builds extensions as C++17).

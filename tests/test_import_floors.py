@@ -29,6 +29,7 @@ FLOORS: list[tuple[str, ...]] = [
         "errors",
         "config",
         "wire",
+        "p2p",
         "shm_segments",
         "kv",
         "attention.core",

@@ -16,6 +16,19 @@ from gearshift.operator.reconcile import render_security as security
 from gearshift.operator.reconcile.render_meta import child_metadata
 from gearshift.operator.reconcile.spec import DeploymentSpec
 
+# NCCL in a GPU group's pods (worker/p2p): an error or a timeout (the group's, set when the
+# engine creates its NCCL groups) aborts the communicators and ends the process, so the group
+# restarts as a whole; NCCL bootstraps over the pod's network interface. spec.group.env
+# overrides either.
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "NCCL_SOCKET_IFNAME": "eth0"}
+
+
+def _nccl_env(spec: DeploymentSpec) -> list[dict[str, Any]]:
+    if not spec.group.gpu_resource:
+        return []
+    given = {e.get("name") for e in spec.group.env}
+    return [{"name": k, "value": v} for k, v in NCCL_ENV.items() if k not in given]
+
 
 def _env(spec: DeploymentSpec, index: int, cluster_domain: str) -> list[dict[str, Any]]:
     # What the multi-rank launcher reads; global rank = node rank × ranks per node + local rank.
@@ -41,7 +54,7 @@ def _env(spec: DeploymentSpec, index: int, cluster_domain: str) -> list[dict[str
         },
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
     ]
-    return env + [copy.deepcopy(e) for e in spec.group.env]
+    return env + _nccl_env(spec) + [copy.deepcopy(e) for e in spec.group.env]
 
 
 def vllm_args(spec: DeploymentSpec) -> list[str]:
@@ -121,6 +134,8 @@ def _container(spec: DeploymentSpec, index: int, cluster_domain: str) -> dict[st
                 names.ENGINE_CONFIG,
                 "--drain-timeout",
                 str(spec.router.drain_timeout_seconds),
+                # A rank per requested GPU (local rank i on GPU i); no GPU resource: the CPU.
+                *(["--device", "cuda"] if spec.group.gpu_resource else []),
             ],
             "ports": [
                 {"name": "grpc", "containerPort": names.WORKER_GRPC_PORT},

@@ -97,6 +97,7 @@ def test_the_rendered_sidp_worker_hosts_two_tp_replicas(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "gearshift.operator.cli", *args]
     cmd += ["--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready)]
     cmd += ["--kv-cache-bytes", str(16 << 20), "--dtype", "float32"]
+    cmd += ["--device", "cpu"]  # this CPU stands in for the pod's GPUs (rendered: --device cuda)
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 300

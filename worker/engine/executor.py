@@ -22,6 +22,7 @@ from gearshift.worker.engine.control import KEEPALIVE, SHUTDOWN, STEP, ControlCh
 from gearshift.worker.engine.model_runner import Done, ModelRunner, StepHandle
 from gearshift.worker.engine.plan import StepPlan
 from gearshift.worker.errors import GroupFailure
+from gearshift.worker.p2p import P2P
 from gearshift.worker.parallel.pipeline import recv_logits
 from gearshift.worker.parallel.watchdog import Watchdog
 
@@ -56,10 +57,10 @@ class _RemoteLogits:
         vocab = model.config.vocab_size
         if self.rows == 0:
             return torch.empty((0, vocab), dtype=dtype, device=ex.runner.device)
+        channel = ex.logits_channel
+        assert channel is not None, "a pipelined leader has the logits channel"
         return ex.guard(
-            lambda: recv_logits(
-                ex.logits_rank, self.rows, vocab, dtype, ex.runner.device, ex.p2p_group
-            )
+            lambda: recv_logits(channel, ex.logits_rank, self.rows, vocab, dtype, ex.runner.device)
         )
 
 
@@ -75,7 +76,7 @@ class GroupExecutor:
         store: Any = None,
         on_shutdown: Callable[[], None] | None = None,
         logits_rank: int = 0,
-        p2p_group: Any = None,
+        logits_channel: P2P | None = None,
         stop_children: Callable[[list[Any]], None] | None = None,
     ) -> None:
         self.runner = runner
@@ -87,7 +88,7 @@ class GroupExecutor:
         self._closed = False
         self._on_shutdown = on_shutdown  # undoes what the leader changed in its own process
         self.logits_rank = logits_rank  # where the logits appear (a pipeline's last stage)
-        self.p2p_group = p2p_group
+        self.logits_channel = logits_channel
         self._stop_children = stop_children
 
     def guard(self, fn: Callable[[], Any]) -> Any:

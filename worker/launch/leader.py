@@ -33,7 +33,13 @@ from gearshift.worker.launch.host import (
     usable_cores,
 )
 from gearshift.worker.launch.processes import spawn_followers, stop_processes
-from gearshift.worker.launch.rank import RankState, device_for, join_group, setup_rank
+from gearshift.worker.launch.rank import (
+    RankState,
+    check_comm_rules,
+    device_for,
+    join_group,
+    setup_rank,
+)
 from gearshift.worker.policies.base import ENGINE_RUNTIME, Policy
 from gearshift.worker.policies.registry import make_policy
 from gearshift.worker.tokenizer.tokenizer import Tokenizer
@@ -98,6 +104,7 @@ def start_engine(
     """The leader's engine for ``policy`` (a Policy, the proto, or the CRD's ``spec.policy``
     object; default static on one rank); spawns this host's other ranks."""
     policy = _policy(policy)
+    check_comm_rules()
     if policy.engine_replicas() > 1:
         raise InvalidRequestError(
             f"policy.{policy.kind}",
@@ -161,7 +168,7 @@ def start_engine(
         store,
         on_shutdown=restore,
         logits_rank=state.model.logits_rank,
-        p2p_group=state.model.p2p_group,
+        logits_channel=state.model.logits_channel,
         stop_children=stop_processes,
     )
     return leader_engine(config, policy, state, executor)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from gearshift.worker.attention.select import make_attention
 from gearshift.worker.config import EngineConfig
 from gearshift.worker.engine.control import ControlChannel
+from gearshift.worker.engine.device_memory import DeviceLedger
 from gearshift.worker.engine.executor import follow
 from gearshift.worker.engine.loading import ModelSpec, inspect_model, kv_cache_blocks
 from gearshift.worker.engine.model_runner import ModelRunner, StepThreads
@@ -25,6 +26,7 @@ from gearshift.worker.kv.cache import KVCacheSpec, allocate_kv_cache
 from gearshift.worker.launch.group_config import GroupConfig
 from gearshift.worker.launch.host import bind_rank_cores, die_with_parent, set_threads
 from gearshift.worker.model.weights import open_weight_source
+from gearshift.worker.p2p import COMM_RULES_ENV, comm_rules, start_rules
 from gearshift.worker.parallel.groups import create_control_group
 from gearshift.worker.parallel.watchdog import EXIT_PEER_FAILED, Watchdog
 from gearshift.worker.policies.base import Policy, RankContext, RankModel
@@ -32,6 +34,9 @@ from gearshift.worker.policies.base import Policy, RankContext, RankModel
 log = logging.getLogger(__name__)
 
 STEP_TRACE_ENV = "GEARSHIFT_STEP_TRACE"  # a folder: every rank logs its step events there
+# 1: on an NCCL error or timeout, abort the communicators and end the process (torch's default,
+# 3, ends it without aborting them).
+NCCL_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 
 @dataclass
@@ -70,6 +75,37 @@ def group_backend(config: EngineConfig, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" and not shared else "gloo"
 
 
+def check_comm_rules() -> None:
+    """GEARSHIFT_COMM_RULES must name a rule set before any rank starts (launchers call this)."""
+    try:
+        comm_rules()
+    except ValueError as exc:
+        raise InvalidRequestError(COMM_RULES_ENV, str(exc)) from exc
+
+
+def init_process_group(
+    backend: str,
+    store: dist.TCPStore,
+    rank: int,
+    world: int,
+    timeout: timedelta,
+    device: torch.device,
+) -> None:
+    """Join the group under the point-to-point rules (GEARSHIFT_COMM_RULES, refused at start
+    when unknown). On NCCL a dead peer must end the group within ``timeout``: the watchdog
+    aborts the communicators and the process (``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``, unless the
+    pod sets it), and ``device_id`` forms the communicators now, so a batch of point-to-point
+    operations never is a group's first operation."""
+    start_rules()
+    if backend == "nccl":
+        os.environ.setdefault(NCCL_ERROR_HANDLING_ENV, "1")
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=device
+        )
+        return
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
 def setup_rank(
     config: EngineConfig,
     policy: Policy,
@@ -91,8 +127,13 @@ def setup_rank(
         timeout=timeout,
         show_progress=config.show_progress and rank == 0,
         block_size=config.block_size,
+        ledger=DeviceLedger(device),
     )
     held = policy.build_rank(ctx)
+    if device.type == "cuda":
+        # What the build freed (e.g. Seesaw's stashed gears) goes back before the KV cache is
+        # sized from the device's free memory.
+        torch.cuda.empty_cache()
     kv_spec = KVCacheSpec(
         held.kv_layers, held.kv_heads, cfg.head_dim, config.block_size, spec.dtype
     )
@@ -106,6 +147,7 @@ def setup_rank(
         kv = held.kv_allocator(blocks)
     else:
         kv = allocate_kv_cache(kv_spec, blocks, device)
+    ctx.ledger.hold("kv cache", (t for layer in kv for t in layer))
     threads = None
     if device.type == "cpu" and config.prefill_threads is not None:
         threads = StepThreads(config.prefill_threads)
@@ -130,7 +172,7 @@ def join_group(
     device = device_for(config, rank % group.local_ranks(world))
     backend = group_backend(config, device)
     timeout = timedelta(seconds=group.timeout_s)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    init_process_group(backend, store, rank, world, timeout, device)
     control = create_control_group(world, rank, timeout)
     watchdog = Watchdog(
         group.group_addr,

@@ -25,6 +25,7 @@ from gearshift.worker.launch import replica_messages as msg
 from gearshift.worker.launch.group_config import GroupConfig
 from gearshift.worker.launch.host import usable_cores
 from gearshift.worker.launch.processes import rank_context, start_rank, stop_processes
+from gearshift.worker.launch.rank import check_comm_rules
 from gearshift.worker.launch.replica_rank import replica_main
 from gearshift.worker.parallel.watchdog import EXIT_PEER_FAILED
 from gearshift.worker.policies.base import Policy
@@ -208,6 +209,7 @@ def start_replicas(
 ) -> ReplicaGroup:
     """Spawn the group's replicas on this host and wait until each has loaded; ``stream``: they
     send every step's outputs (a server's replicas, see worker/server/replica_engine.py)."""
+    check_comm_rules()
     group = group or GroupConfig()
     world = policy.world_size
     replicas = policy.engine_replicas()

@@ -37,8 +37,10 @@ from gearshift.worker.engine.contract import (
     StepKind,
     StepRequest,
 )
+from gearshift.worker.engine.device_memory import DeviceLedger
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.model.config import ModelConfig
+from gearshift.worker.p2p import P2P
 
 if TYPE_CHECKING:
     from gearshift.worker.engine.loading import ModelSpec
@@ -80,6 +82,8 @@ class RankContext:
     timeout: timedelta = timedelta(seconds=120)
     show_progress: bool = False
     block_size: int = 16  # tokens per KV block (EngineConfig.block_size)
+    # The rank's count of device memory: a policy records what it allocates on the device.
+    ledger: DeviceLedger = field(default_factory=DeviceLedger)
 
 
 @dataclass
@@ -90,7 +94,7 @@ class RankModel:
     kv_layers: int  # decoder layers whose KV this rank holds
     kv_heads: int  # KV heads per layer on this rank
     logits_rank: int = 0  # global rank where the full logits appear (a pipeline's last stage)
-    p2p_group: Any = None  # the group the leader receives those logits over, if elsewhere
+    logits_channel: P2P | None = None  # what the leader receives those logits over, if elsewhere
     extra: dict[str, Any] = field(default_factory=dict)
     # Weight bytes the policy freed on this rank (e.g. FFN layers held by another rank); the KV
     # cache gets them on top of its budget.

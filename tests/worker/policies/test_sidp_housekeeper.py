@@ -18,10 +18,12 @@ from gearshift.worker.policies.sidp.shared_weights import FfnLayout
 LAYOUT = FfnLayout(hidden=4, inter=8, bias=False)
 
 
-def _housekeeper(dp: int, layers: int, rank: int, slots: int, depth: int, shift: bool):
+def _housekeeper(
+    dp: int, layers: int, rank: int, slots: int, depth: int, shift: bool, cls=Housekeeper
+):
     own = Ownership(dp, layers)
     sources = {layer: torch.full((LAYOUT.numel,), float(layer)) for layer in own.remote(rank)}
-    return Housekeeper(
+    return cls(
         layout=LAYOUT,
         num_layers=layers,
         order=own.fetch_order(rank, shift),

@@ -2,9 +2,11 @@
 staging buffer into the shared host store while the next prefill steps compute, and a prefetcher
 thread that reads swapped-in KV from the store into device blocks while the current step runs.
 
-Shared memory cannot be pinned, so a device → host copy goes device → staging (pinned when CUDA
-is present) → shared; the staging buffer is ``pinned_staging_bytes`` and a swap-out that does
-not fit waits for the writer to empty it (one larger than the whole buffer is written directly).
+A swap-out's rows are gathered on the device and copied in one piece into a staging buffer
+(pinned when CUDA is present; on a copy stream, rank_hook.py), and the writer thread scatters
+them into the store's pages (which are not contiguous); the staging buffer is
+``pinned_staging_bytes`` and a swap-out that does not fit waits for the writer to empty it (one
+larger than the whole buffer is written directly).
 """
 
 from __future__ import annotations

@@ -96,6 +96,8 @@ class HostKVStore:
             num_pages, shape.num_layers, 2, shape.num_kv_heads, shape.block_size, shape.head_dim
         )
         self.board = ReadinessBoard(whole[board_at:].view(torch.int64))
+        self._whole = whole
+        self.pinned = False
 
     @staticmethod
     def create(tag: str, shape: PageShape, num_pages: int, world_size: int = 1) -> HostKVStore:
@@ -145,11 +147,29 @@ class HostKVStore:
                 moved += src.numel() * src.element_size()
         return moved
 
+    def pin(self) -> None:
+        """Page-lock this process's mapping for the GPU (cudaHostRegister, §4.2: the host tier
+        is pinned memory), so copies between it and the device run asynchronously by DMA.
+        Every page of the segment becomes resident now. CUDA only."""
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(self._whole.data_ptr(), self._whole.numel(), 0)
+        if int(getattr(err, "value", err)) != 0:
+            raise RuntimeError(
+                f"cudaHostRegister of the host KV store {self.name} "
+                f"({self._whole.numel() / 2**30:.1f} GiB) failed: {err}"
+            )
+        self.pinned = True
+
     def close(self) -> None:
         """Unmap; the creator also unlinks the segment (the group is over)."""
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self._whole.data_ptr())
+            self.pinned = False
+        self._whole = torch.empty(0, dtype=torch.uint8)
         self.pages = torch.empty(0)
         # In place: the leader's queue holds the board, and a live view would keep the mapping.
         self.board.slots = torch.zeros_like(self.board.slots)
+        self.board.out_slots = torch.zeros_like(self.board.out_slots)
         if self._mmap is not None:
             # A tensor view still alive keeps the mapping; it goes with the process then.
             with contextlib.suppress(BufferError):

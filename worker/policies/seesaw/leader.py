@@ -39,7 +39,7 @@ import torch
 from gearshift.worker.engine.contract import QueueView, StepKind, StepRequest
 from gearshift.worker.engine.sequence import Sequence, SequenceStatus
 from gearshift.worker.policies.seesaw.host_kv import PageAllocator
-from gearshift.worker.policies.seesaw.rank_hook import AWAIT, SWAP_IN, SWAP_OUT
+from gearshift.worker.policies.seesaw.rank_hook import AWAIT, OUT_NUMBER, SWAP_IN, SWAP_OUT
 from gearshift.worker.policies.seesaw.readiness import ReadinessBoard, SwapInQueue
 
 if TYPE_CHECKING:
@@ -98,6 +98,7 @@ class SeesawLeader:
         self.async_swap = async_swap
         self.queue = SwapInQueue(board, self._release_blocks, pages.give_back)
         self.plans = 0  # plans submitted (the index of the next one)
+        self.outs = 0  # plans submitted with swap-outs (the board numbers them from 1)
         self._stuck_at = -1  # the board's value when an abort's wait last timed out
         self.stall_seconds = 0.0  # the engine had nothing to run but sequences being copied in
         self._ticket = 0  # of this plan's swap-ins
@@ -173,6 +174,11 @@ class SeesawLeader:
             out[SWAP_OUT] = torch.tensor(self._out, dtype=torch.int64)
         if self._in:
             out[SWAP_IN] = torch.tensor([self._ticket, *self._in], dtype=torch.int64)
+        if self._out or self._in:
+            # Swap-outs are numbered (this plan's is outs + 1): ranks report theirs written on
+            # the board, and a swap-in waits there for every swap-out up to this number.
+            number = self.outs + (1 if self._out else 0)
+            out[OUT_NUMBER] = torch.tensor([number], dtype=torch.int64)
         if self._await:
             out[AWAIT] = torch.zeros(0, dtype=torch.int64)
         return out
@@ -180,6 +186,7 @@ class SeesawLeader:
     def step_submitted(self) -> None:
         assert self.blocks is not None
         self.swap_out_bytes += len(self._out) // 2 * self.page_bytes
+        self.outs += 1 if self._out else 0
         self.swap_in_bytes += len(self._in) // 2 * self.page_bytes
         if self._in and self.async_swap:
             self.queue.sent(self._ticket, self.plans)

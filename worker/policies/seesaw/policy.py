@@ -18,10 +18,12 @@ import torch.distributed as dist
 
 from gearshift.v1 import policy_pb2
 from gearshift.worker.engine.contract import QueueView, StepRequest
+from gearshift.worker.engine.device_memory import DeviceLedger
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.model.config import ModelConfig
 from gearshift.worker.parallel.groups import create_groups
 from gearshift.worker.parallel.layout import Layout
+from gearshift.worker.parallel.pipeline import logits_channel
 from gearshift.worker.policies.base import Policy, RankContext, RankModel
 from gearshift.worker.policies.gears import build_gear, pipeline_stage
 from gearshift.worker.policies.seesaw.host_kv import (
@@ -89,6 +91,7 @@ class SeesawPolicy(Policy):
         self.leader: SeesawLeader | None = None
         self.hook: SeesawRankHook | None = None
         self.weights: WeightSet | None = None
+        self.ledger: DeviceLedger | None = None  # rank 0's (the process the leader runs in)
 
     def _thresholds(self) -> Thresholds:
         m = self.message
@@ -122,13 +125,25 @@ class SeesawPolicy(Policy):
         cfg = ctx.spec.config
         self.check_model(cfg)
         gears, gear_kv = [], []
-        p2p = None
+        # One logits channel for both gears: the leader receives from the one last stage.
+        logits = None
+        if any(layout.pp > 1 for layout in self.layouts):
+            logits = logits_channel(self.world_size, ctx.rank, ctx.device, ctx.timeout)
+        closers = [logits.close] if logits is not None else []
+        # Each gear goes to host memory as soon as it is built: the device holds one shard at a
+        # time, then the working set (weights.py), then the KV cache (sized after it).
+        weights = WeightSet([], ctx.device, ctx.spec.packing)
+        ledger = ctx.ledger
         for name, layout in zip(GEARS, self.layouts, strict=True):
             groups = create_groups(layout, ctx.rank, cfg.num_kv_heads, ctx.timeout)
-            stage = pipeline_stage(layout, ctx.rank, cfg.num_layers, groups.pp)
-            gears.append(build_gear(name, ctx, groups, groups.tp, False, stage))
-            if layout.pp > 1:
-                p2p = groups.pp.group
+            stage = pipeline_stage(layout, ctx, cfg.num_layers, groups.pp, logits)
+            gear = build_gear(name, ctx, groups, groups.tp, False, stage)
+            ledger.hold(f"{name} gear", [*gear.model.parameters(), *gear.model.buffers()])
+            weights.add(gear.model)
+            ledger.hold(f"{name} gear", gear.model.buffers())  # its rotary tables stay
+            gears.append(gear)
+            if stage is not None:
+                closers.append(stage.close)
             n = layout.kv_heads_per_rank(cfg.num_kv_heads)
             h0 = layout.kv_head_start(ctx.rank, cfg.num_kv_heads)
             replicas = max(1, layout.stage_size // cfg.num_kv_heads)
@@ -139,9 +154,9 @@ class SeesawPolicy(Policy):
                     layout.head_block(ctx.rank) % replicas == 0,
                 )
             )
-        weights = WeightSet([g.model for g in gears], ctx.device, ctx.spec.packing)
+        ledger.hold("seesaw working set", [weights.allocate()])
         weights.activate(PREFILL_GEAR)
-        self.weights = weights
+        self.weights, self.ledger = weights, ledger
         page = PageShape(cfg.num_layers, cfg.num_kv_heads, ctx.block_size, cfg.head_dim,
                          ctx.spec.dtype)  # fmt: skip
         store = self._open_store(ctx, page)
@@ -157,7 +172,8 @@ class SeesawPolicy(Policy):
             kv_layers=len(biggest.layers),
             kv_heads=len(biggest.heads),
             logits_rank=self.logits_rank,
-            p2p_group=p2p,
+            logits_channel=logits,
+            closers=closers,
         )
 
         def allocate(num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -208,9 +224,11 @@ class SeesawPolicy(Policy):
             info = [store.name, pages]
         if self.world_size > 1:
             dist.broadcast_object_list(info, src=0)
-        if ctx.rank == 0:
-            return store
-        return HostKVStore(str(info[0]), page, int(str(info[1])), False, self.world_size)
+        if ctx.rank != 0:
+            store = HostKVStore(str(info[0]), page, int(str(info[1])), False, self.world_size)
+        if ctx.device.type == "cuda":
+            store.pin()  # each rank its own mapping
+        return store
 
     # ---- the leader ------------------------------------------------------------------------
 

@@ -10,7 +10,11 @@ plan: swap-outs (written by the gear that ran the previous plan), the switch, th
 With ``async_swap`` a swap-in is not waited for: the prefetcher thread copies this rank's shard
 while the main thread runs the plans that follow (decode steps of resident sequences), then
 reports the plan's ticket on the readiness board; the leader schedules those sequences only
-once every rank has (readiness.py, §5.2).
+once every rank has (readiness.py, §5.2). A swap-in reads pages other ranks wrote: it waits on
+the board until every rank has written the swap-outs before it (no barrier of the group).
+
+On a GPU, device -> pinned staging copies run on a copy stream of their own, and the writer
+thread waits for each one's event before it moves the rows on into the shared store.
 """
 
 from __future__ import annotations
@@ -37,7 +41,11 @@ log = logging.getLogger(__name__)
 SWAP_OUT = "seesaw.swap_out"  # pairs (host page, device block), gear of the previous plan
 SWAP_IN = "seesaw.swap_in"  # the ticket, then pairs (host page, device block), gear of this plan
 AWAIT = "seesaw.await"  # no values: the leader waits for swap-ins (the plan proves ranks live)
+# The number of the swap-outs up to this plan's (readiness.py): reported once written, waited
+# for before a swap-in reads pages.
+OUT_NUMBER = "seesaw.out_number"
 HOLD_LIMIT_S = 5.0  # the longest a report waits for ``hold_plans`` (tests only)
+WRITTEN_WAIT_S = 60.0  # a swap-in waits this long at most for other ranks' swap-outs
 
 
 @dataclass(frozen=True)
@@ -111,6 +119,7 @@ class SeesawRankHook:
         self.async_swap = async_swap
         self.writer: CopyWorker | None = None
         self.prefetcher: CopyWorker | None = None
+        self.copy_stream: torch.cuda.Stream | None = None  # GPU: device -> staging copies
         if async_swap:
             pin = weights.device.type == "cuda"
             self.staging = Staging(staging_bytes, pin)
@@ -135,6 +144,8 @@ class SeesawRankHook:
         with self._begun:
             self.plans_begun += 1
             self._begun.notify_all()
+        numbered = plan.section(OUT_NUMBER)
+        number = int(numbered[0]) if numbered is not None else 0
         out = self._pairs(plan.section(SWAP_OUT))
         if out is not None:
             if self.prefetcher is None:
@@ -146,6 +157,7 @@ class SeesawRankHook:
                 self.counters.out_barrier_seconds += time.perf_counter() - waited
             if self.gears[self.active].writer:
                 self._swap_out(out[0], out[1])
+            self._written(number)
         if plan.gear != self.active:
             if self.prefetcher is not None:
                 # The leader switches gears only once every swap-in was reported: this returns
@@ -158,9 +170,49 @@ class SeesawRankHook:
         section = plan.section(SWAP_IN)
         swap_in = self._pairs(section[1:]) if section is not None else None
         if section is not None and swap_in is not None:
-            self._swap_in(int(section[0]), swap_in[0], swap_in[1])
+            self._swap_in(int(section[0]), number, swap_in[0], swap_in[1])
         if out is not None or swap_in is not None:
             self.counters.seconds += time.perf_counter() - start
+
+    def _written(self, number: int) -> None:
+        """Report swap-out ``number`` written (after this rank's writes of it, if any)."""
+        report = partial(self.board.wrote_out, self.rank, number)
+        if self.writer is None:
+            report()
+        else:
+            self.writer.submit(report)
+
+    def _await_written(self, number: int) -> None:
+        if not self.board.wait_written(number, WRITTEN_WAIT_S):
+            raise RuntimeError(
+                f"seesaw rank {self.rank}: a rank never wrote swap-out {number} within "
+                f"{WRITTEN_WAIT_S:.0f} s (board {self.board.out_slots.tolist()})"
+            )
+
+    def _stage(self, staged: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
+        """Copy ``src`` into pinned ``staged``; on a GPU asynchronously, on the copy stream
+        (after what compute's stream queued for ``src``), returning the copy's event."""
+        if src.device.type != "cuda":
+            staged.copy_(src)
+            return None
+        if self.copy_stream is None:
+            self.copy_stream = torch.cuda.Stream(src.device)
+        stream = self.copy_stream
+        stream.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(stream):
+            staged.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        src.record_stream(stream)  # its memory is not reused before the copy has read it
+        return done
+
+    def _write_staged(
+        self, done: torch.cuda.Event | None, pages: torch.Tensor, layer: int, kv: int,
+        heads: range, staged: torch.Tensor,
+    ) -> None:  # fmt: skip
+        if done is not None:
+            done.synchronize()  # the writer thread waits, not compute
+        self.store.write_part(pages, layer, kv, heads, staged)
 
     def _swap_out(self, pages: torch.Tensor, blocks: torch.Tensor) -> None:
         g, views = self.gears[self.active], self.kv.views[self.active]
@@ -181,25 +233,21 @@ class SeesawRankHook:
                 if staged is None:  # larger than the whole staging buffer: straight through
                     self.store.write_part(pages, layer, kv, g.heads, src)
                     continue
-                staged.copy_(src, non_blocking=True)
-                if src.device.type == "cuda":
-                    torch.cuda.current_stream(src.device).synchronize()
+                done = self._stage(staged, src)
                 self.writer.submit(
-                    partial(self.store.write_part, pages, layer, kv, g.heads, staged)
+                    partial(self._write_staged, done, pages, layer, kv, g.heads, staged)
                 )
                 self.counters.bytes_out += src.numel() * src.element_size()
 
-    def _swap_in(self, ticket: int, pages: torch.Tensor, blocks: torch.Tensor) -> None:
+    def _swap_in(self, ticket: int, number: int, pages: torch.Tensor, blocks: torch.Tensor) -> None:
         if self.writer is not None:
             self.writer.join()  # this rank's own swap-outs are in the store
             self.staging.reset()
-        # Pages written by other ranks' swap-outs of earlier plans must be complete: every rank
-        # reaches this barrier only after its hooks of all earlier plans ran.
-        self.barrier()
         g, views = self.gears[self.active], self.kv.views[self.active]
         read = partial(self.store.read_shard, pages, blocks, views, g.layers, g.heads)
         if self.prefetcher is None:
             start = time.perf_counter()
+            self._await_written(number)  # pages other ranks' swap-outs wrote
             self.counters.bytes_in += read()
             self.counters.sync_in_seconds += time.perf_counter() - start
             self.board.report(self.rank, ticket)
@@ -212,6 +260,7 @@ class SeesawRankHook:
         until = self.plans_begun + self.hold_plans
 
         def prefetch() -> None:
+            self._await_written(number)  # pages other ranks' swap-outs wrote
             if device.type == "cuda":
                 # A stream of its own: the copies overlap the main thread's kernels, and are
                 # complete (synchronize) before the report lets the leader schedule them.

@@ -8,6 +8,12 @@ prefetcher copies its shard in ticket order and then writes the ticket into its 
 leader's scheduler lets a sequence decode once every rank's slot has reached its ticket. One
 writer per slot and monotonic values: no lock, and a reader never sees a ticket whose copies
 are not done (the slot is written after the copies, on the same thread).
+
+The board also orders swap-outs before the swap-ins that read their pages, in place of a
+barrier of the whole group per swap-in: plans that carry swap-outs are numbered too, each rank
+writes the last one whose pages it has written into a slot of its own, and a rank's swap-in
+waits (on this shared memory, only when a writer is behind) until every rank has written the
+swap-outs that came before it.
 """
 
 from __future__ import annotations
@@ -22,19 +28,36 @@ SLOT_BYTES = 8
 
 
 def board_bytes(world_size: int) -> int:
-    """Slot 0: the last ticket the leader sent; slot 1 + r: the last one rank r finished."""
-    return SLOT_BYTES * (world_size + 1)
+    """Slots 0..world-1: the last swap-out rank r wrote; then the last swap-in ticket the
+    leader sent, then (slot world + 1 + r) the last one rank r finished."""
+    return SLOT_BYTES * (2 * world_size + 1)
 
 
 class ReadinessBoard:
     """The shared slots, as an int64 tensor view of the segment's tail."""
 
-    def __init__(self, slots: torch.Tensor) -> None:
-        self.slots = slots
+    def __init__(self, tail: torch.Tensor) -> None:
+        world = (int(tail.numel()) - 1) // 2
+        self.out_slots = tail[:world]
+        self.slots = tail[world:]  # the swap-in board: sent, then one slot per rank
 
     @property
     def world_size(self) -> int:
         return int(self.slots.numel()) - 1
+
+    def wrote_out(self, rank: int, number: int) -> None:
+        """Rank ``rank`` has written the pages of every swap-out up to plan-number ``number``."""
+        self.out_slots[rank] = number
+
+    def wait_written(self, number: int, timeout: float, poll: float = 0.0005) -> bool:
+        """Until every rank has written swap-out ``number`` (and the ones before); False when
+        ``timeout`` seconds pass first (a writer is gone)."""
+        deadline = time.monotonic() + timeout
+        while int(self.out_slots.min()) < number:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll)
+        return True
 
     def sent(self, ticket: int) -> None:
         """Leader: a plan with swap-ins of ``ticket`` went out (for operators and tests)."""

@@ -3,6 +3,10 @@ CUDA is present), the shards both gears need, read once from the checkpoint; one
 set the size of the larger gear holds the active gear's weights. A switch copies the next gear's
 shards into the working set; the other gear's parameters point at nothing meanwhile.
 
+At start each gear is stashed (``add``) as soon as it is built, before the next one is: the
+device never holds two shards, and the working set comes after the last (``allocate``), so the
+start-up peak is one shard (then one shard plus the KV cache, which is sized after it).
+
 On CPU the same code runs with the device being the CPU: the working set is still a separate
 buffer, so a re-shard costs what it would cost over PCIe minus the bus.
 """
@@ -47,29 +51,42 @@ class WeightSet:
     """Host copies of every gear's shard on this rank and the one device working set."""
 
     def __init__(self, models: list[LlamaForCausalLM], device: torch.device, packing: str) -> None:
-        self.models = models
+        """``models``: gears built already (stashed and the working set allocated now); none:
+        ``add`` each as it is built, then ``allocate``."""
+        self.models: list[LlamaForCausalLM] = []
         self.device = device
         self.packing = packing
-        pin = device.type == "cuda"
         self.host: list[list[tuple[nn.Parameter, torch.Tensor]]] = []
-        for model in models:
-            entries = []
-            for p in _unique_parameters(model):
-                host = p.data if p.device.type == "cpu" else p.data.cpu()
-                if pin:
-                    host = host.pin_memory()
-                entries.append((p, host))
-                p.data = torch.empty(0, dtype=p.dtype, device=device)  # not resident yet
-            self.host.append(entries)
-        self.gear_bytes = [
-            sum(self._aligned(h.numel() * h.element_size()) for _, h in entries)
-            for entries in self.host
-        ]
-        self.working = torch.empty(
-            max(self.gear_bytes, default=0), dtype=torch.uint8, device=device
-        )
+        self.gear_bytes: list[int] = []
+        self.working = torch.empty(0, dtype=torch.uint8, device=device)
         self.active: int | None = None
         self.history: list[Reshard] = []
+        for model in models:
+            self.add(model)
+        if models:
+            self.allocate()
+
+    def add(self, model: LlamaForCausalLM) -> None:
+        """Move a just-built gear's parameters to host memory (pinned on CUDA); its device
+        copies are released (on CUDA the caching allocator keeps them until empty_cache)."""
+        pin = self.device.type == "cuda"
+        entries = []
+        for p in _unique_parameters(model):
+            host = p.data if p.device.type == "cpu" else p.data.cpu()
+            if pin:
+                host = host.pin_memory()
+            entries.append((p, host))
+            p.data = torch.empty(0, dtype=p.dtype, device=self.device)  # not resident yet
+        self.models.append(model)
+        self.host.append(entries)
+        self.gear_bytes.append(sum(self._aligned(h.numel() * h.element_size()) for _, h in entries))
+
+    def allocate(self) -> torch.Tensor:
+        """The device working set: the larger gear's shard."""
+        self.working = torch.empty(
+            max(self.gear_bytes, default=0), dtype=torch.uint8, device=self.device
+        )
+        return self.working
 
     @staticmethod
     def _aligned(n: int) -> int:

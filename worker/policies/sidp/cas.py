@@ -17,14 +17,13 @@ dp ranks each.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
-from gearshift.worker.comm import CommGroup, via_host
+from gearshift.worker.comm import CommGroup
+from gearshift.worker.p2p import P2P
 from gearshift.worker.policies.sidp.ffn import run_ffn
 from gearshift.worker.policies.sidp.ownership import Ownership
 from gearshift.worker.policies.sidp.shared_weights import FfnLayout, FfnWeights
@@ -52,34 +51,26 @@ class CasExchange:
     stats: CasStats = field(default_factory=CasStats)
     tp_rank: int = 0  # TP rank 0's partial sums carry down's bias
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    timeout: timedelta = timedelta(seconds=120)
 
     def __post_init__(self) -> None:
         # Staging buffers, used in turn, so a layer's buffer is not reused while an earlier
         # layer's slices may still be in flight (§4.4 CaS slots).
         self._staging = [self._empty(0)] * self.cas_slots
         self._next = 0
-        # gloo moves CPU tensors only (ranks sharing one GPU run gloo): device rows go through
-        # host memory there; NCCL sends them as they are.
-        self._via_host = self.world.group is not None and via_host(self.device, self.world.group)
+        # Device rows as they are over NCCL (one GPU per replica); through host memory where
+        # gloo carries them (ranks sharing one GPU). Every rank of ``world`` builds it together.
+        self.channel: P2P | None = None
+        if self.world.size > 1:
+            name = f"sidp cas (tp rank {self.tp_rank})"
+            self.channel = P2P(self.world, name, self.device, self.timeout)
 
     def _empty(self, n: int) -> torch.Tensor:
         return torch.empty(n, self.layout.hidden, dtype=self.dtype, device=self.device)
 
-    def _send(self, t: torch.Tensor, peer: int) -> Any:
-        return dist.isend(t.cpu() if self._via_host else t.contiguous(), peer)
-
-    def _recv(self, t: torch.Tensor, peer: int) -> Callable[[], None]:
-        """Post a receive into ``t``; the returned call waits for it."""
-        buf = torch.empty(t.shape, dtype=t.dtype) if self._via_host else t
-        work = dist.irecv(buf, peer)
-
-        def wait() -> None:
-            if work is not None:
-                work.wait()
-            if buf is not t:
-                t.copy_(buf)
-
-        return wait
+    def _link(self) -> P2P:
+        assert self.channel is not None, "a replica exchanges rows only with peers"
+        return self.channel
 
     def begin_step(self, rows: list[int]) -> None:
         self.rows = list(rows)
@@ -108,19 +99,19 @@ class CasExchange:
         owner = self.own.owner(layer)
         if owner == self.rank:
             assert owned is not None
-            return self._serve(x, owned)
+            return self._serve(layer, x, owned)
         if x.shape[0] == 0 and self.dummy_skipping:
             return x  # a dummy step sends nothing (§4.3 dummy skipping)
         payload = x if x.shape[0] else torch.zeros(1, x.shape[1], dtype=x.dtype, device=x.device)
-        peer = self.world.ranks[owner]
-        sent = self._send(payload, peer)
-        if sent is not None:
-            sent.wait()
+        # Rows to the owner, then its answer: sequential opposite directions (the owner needs
+        # every replica's rows before it answers any), so the send is waited for first.
+        link = self._link()
+        link.send(payload, owner, f"cas rows of layer {layer}").wait()
         out = torch.empty_like(payload)
-        self._recv(out, peer)()
+        link.recv(out, owner, f"cas answer of layer {layer}").wait()
         return out[: x.shape[0]]
 
-    def _serve(self, x: torch.Tensor, owned: FfnWeights) -> torch.Tensor:
+    def _serve(self, layer: int, x: torch.Tensor, owned: FfnWeights) -> torch.Tensor:
         senders = self._senders(self.rank)
         if self.dummy_skipping:
             self.stats.skipped_dummies += sum(
@@ -130,21 +121,24 @@ class CasExchange:
         staging = self._stage(sum(sizes))
         parts = list(staging.split(sizes))
         parts[0].copy_(x)
+        link = self._link() if senders else None
         recvs = [
-            self._recv(part, self.world.ranks[r])
+            link.recv(part, r, f"cas rows of layer {layer}")
             for part, r in zip(parts[1:], senders, strict=True)
+            if link is not None
         ]
-        for wait in recvs:
-            wait()
+        for pending in recvs:
+            pending.wait()
         fused = run_ffn(staging, owned, self.tp_rank == 0)
         self.stats.fused_rows += fused.shape[0]
         out = list(fused.split(sizes))
         sends = [
-            self._send(part, self.world.ranks[r]) for part, r in zip(out[1:], senders, strict=True)
+            link.send(part, r, f"cas answer of layer {layer}")
+            for part, r in zip(out[1:], senders, strict=True)
+            if link is not None
         ]
-        for work in sends:
-            if work is not None:
-                work.wait()
+        for pending in sends:
+            pending.wait()
         return out[0]
 
     @torch.inference_mode()
@@ -155,9 +149,11 @@ class CasExchange:
             owner = self.own.owner(layer)
             if owner == self.rank:
                 if self._senders(owner):
-                    self._serve(empty, self.owned_weights[layer])
+                    self._serve(layer, empty, self.owned_weights[layer])
             elif not self.dummy_skipping:
                 self.run(layer, empty, None)
 
     def close(self) -> None:
         self._staging = []
+        if self.channel is not None:
+            self.channel.close()

@@ -109,7 +109,7 @@ class FfnService:
     """One rank's way to a layer's FFN in the current step's mode."""
 
     owned: dict[int, FfnWeights]
-    housekeeper: Housekeeper
+    housekeeper: Housekeeper  # fills WaS's slots (or its DevicePrefetch: policy.prefetcher)
     cas: CasRunner | None = None
     mode: Mode = Mode.WAS
     tp: CommGroup = field(default_factory=CommGroup.single)  # this replica's TP ranks

@@ -12,6 +12,7 @@ owner, §4.3); ``mode`` pins one, AUTO leaves it to the router's controller.
 from __future__ import annotations
 
 import logging
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -28,8 +29,10 @@ from gearshift.worker.model.config import ModelConfig
 from gearshift.worker.parallel.layout import Layout
 from gearshift.worker.policies.base import Policy, RankContext, RankModel
 from gearshift.worker.policies.sidp.cas import CasExchange
+from gearshift.worker.policies.sidp.device_prefetch import DEVICE_PREFETCH_ENV, DevicePrefetch
 from gearshift.worker.policies.sidp.ffn import FfnService, Mode, SidpFFN
 from gearshift.worker.policies.sidp.followers import FollowerHook, SendToFollowers
+from gearshift.worker.policies.sidp.gpu_topology import check_peer_access
 from gearshift.worker.policies.sidp.group_step import GroupStep, request_mode
 from gearshift.worker.policies.sidp.housekeeper import Housekeeper
 from gearshift.worker.policies.sidp.ownership import Ownership, WeightBytes, weight_bytes
@@ -43,6 +46,18 @@ from gearshift.worker.policies.sidp.shared_weights import (
 from gearshift.worker.policies.sidp.source import HideRemoteFfn
 
 log = logging.getLogger(__name__)
+
+
+def prefetcher(on_gpu: bool) -> type[Housekeeper]:
+    """WaS's slot filler: on a GPU the device-side one (its waits on the device, so decode steps
+    can be captured as graphs); on CPU the housekeeper thread, unless the environment asks for
+    the device-side schedule (tests run it on CPU)."""
+    raw = os.environ.get(DEVICE_PREFETCH_ENV, "")
+    if raw not in ("", "0", "1"):
+        raise InvalidRequestError(
+            DEVICE_PREFETCH_ENV, f"{DEVICE_PREFETCH_ENV} must be 0 or 1, not {raw!r}"
+        )
+    return DevicePrefetch if on_gpu or raw == "1" else Housekeeper
 
 
 class SidpPolicy(Policy):
@@ -73,6 +88,8 @@ class SidpPolicy(Policy):
         self._sync: GroupStep | None = None
         self.bytes: WeightBytes | None = None
         self.resident_bytes = 0
+        self.peer_context_bytes = 0  # other ranks' CUDA contexts on this rank's GPU
+        self.was_refused: str | None = None  # why WaS cannot run on these GPUs
 
     @property
     def initial_mode(self) -> Mode:
@@ -155,11 +172,29 @@ class SidpPolicy(Policy):
                 (layer, tp_rank): seg.address() if isinstance(seg, DeviceSegment) else seg.name
                 for layer, seg in mine.items()
             }
+            devices: dict[int, int] = {ctx.rank: ctx.device.index or 0} if on_gpu else {}
             if self.world_size > 1:
                 everyone: list[Any] = [None] * self.world_size
-                dist.all_gather_object(everyone, addresses)
-                for part in everyone:
+                dist.all_gather_object(everyone, (addresses, devices))
+                for part, device_of in everyone:
                     addresses.update(part)
+                    devices.update(device_of)
+            if on_gpu:
+                owners = {
+                    devices[own.owner(layer) * self.tp + tp_rank] for layer in own.remote(replica)
+                }
+                try:
+                    check_peer_access(
+                        ctx.device.index or 0,
+                        owners,
+                        list(devices.values()),
+                        torch.cuda.can_device_access_peer,
+                    )
+                except InvalidRequestError as exc:
+                    if msg.mode != policy_pb2.SidpPolicy.CAS:
+                        raise
+                    self.was_refused = exc.message  # pinned CaS: WaS may not be asked for live
+            free_before = torch.cuda.mem_get_info(ctx.device)[0] if on_gpu else 0
             # TP rank t reads TP rank t's shard of each owner (§4.2 per TP rank).
             remote: dict[int, Segment | DeviceSegment] = {
                 layer: (
@@ -170,8 +205,16 @@ class SidpPolicy(Policy):
                 for layer in own.remote(replica)
             }
             segments += list(remote.values())
+            if on_gpu and self.world_size > 1:
+                # Every rank has mapped its owners' memory (one CUDA context per other GPU it
+                # touches) before any rank sizes its KV cache: what they took is gone from
+                # the free memory the sizing reads. Measured here for the stats.
+                dist.barrier()
+                self.peer_context_bytes = max(
+                    0, free_before - torch.cuda.mem_get_info(ctx.device)[0]
+                )
             owned = {layer: layout.views(seg.tensor(dtype)) for layer, seg in mine.items()}
-            housekeeper = Housekeeper(
+            housekeeper = prefetcher(on_gpu)(
                 layout=layout,
                 num_layers=cfg.num_layers,
                 order=own.fetch_order(replica, msg.peak_shifting),
@@ -194,6 +237,7 @@ class SidpPolicy(Policy):
                 owned,
                 tp_rank=tp_rank,
                 device=ctx.device,
+                timeout=ctx.timeout,
             )
             service = FfnService(owned, housekeeper, cas, self.initial_mode, tp_group)
             model = load_model(
@@ -270,6 +314,7 @@ class SidpPolicy(Policy):
             "sidp_resident_weight_bytes": float(self.resident_bytes),
             "sidp_fetched_weight_bytes": float(was.fetched_bytes),
             "sidp_slot_waits": float(was.slot_waits),
+            "sidp_peer_context_bytes": float(self.peer_context_bytes),
         }
         if isinstance(cas, CasExchange):
             out["sidp_cas_fused_rows"] = float(cas.stats.fused_rows)
@@ -305,6 +350,8 @@ class SidpPolicy(Policy):
                     f"sidp.{name} cannot be changed while a replica group runs (restart it)",
                 )
         mode = values.get("mode")
+        if mode in ("WAS", "AUTO") and self.was_refused is not None:
+            raise InvalidRequestError("sidp.mode", self.was_refused)
         if mode in ("WAS", "CAS"):
             request_mode(store, Mode.WAS if mode == "WAS" else Mode.CAS)
 

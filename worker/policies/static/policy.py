@@ -14,6 +14,7 @@ from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.model.config import ModelConfig
 from gearshift.worker.parallel.groups import create_groups
 from gearshift.worker.parallel.layout import Layout
+from gearshift.worker.parallel.pipeline import logits_channel
 from gearshift.worker.policies.base import Policy, QueueView, RankContext, RankModel, StepRequest
 from gearshift.worker.policies.gears import build_gear, pipeline_stage
 
@@ -42,7 +43,10 @@ class StaticPolicy(Policy):
         self.check_model(cfg)
         layout = self.layout
         groups = create_groups(layout, ctx.rank, cfg.num_kv_heads, ctx.timeout)
-        stage = pipeline_stage(layout, ctx.rank, cfg.num_layers, groups.pp)
+        logits = None
+        if layout.pp > 1:
+            logits = logits_channel(layout.world_size, ctx.rank, ctx.device, ctx.timeout)
+        stage = pipeline_stage(layout, ctx, cfg.num_layers, groups.pp, logits)
         gear = build_gear("static", ctx, groups, groups.tp, layout.sp > 1, stage)
         last_stage_first_rank = (layout.pp - 1) * layout.stage_size
         return RankModel(
@@ -50,7 +54,8 @@ class StaticPolicy(Policy):
             kv_layers=len(stage.layers) if stage is not None else cfg.num_layers,
             kv_heads=layout.kv_heads_per_rank(cfg.num_kv_heads),
             logits_rank=last_stage_first_rank,
-            p2p_group=groups.pp.group,
+            logits_channel=logits,
+            closers=[c.close for c in (stage, logits) if c is not None],
         )
 
     def micro_batches(self) -> int:
