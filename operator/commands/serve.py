@@ -147,12 +147,11 @@ def _worker_args(args: argparse.Namespace, engine_json: Path, ranks: int) -> lis
 
 
 async def _serve(args: argparse.Namespace, workdir: Path) -> int:
-    from google.protobuf import json_format
-
     from gearshift.operator.router import config as config_mod
     from gearshift.operator.router.server import RouterServer
     from gearshift.worker.errors import GearshiftError, InvalidRequestError
     from gearshift.worker.model.registry import default_served_name
+    from gearshift.worker.policies import policy_json
     from gearshift.worker.policies.flags import policy_from_args
     from gearshift.worker.policies.support import check_runnable
     from gearshift.worker.tokenizer.errors import TokenizerError
@@ -211,7 +210,7 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
                     "maxModelLen": args.max_model_len,
                 },
                 "group": {"nodes": 1, "gpusPerNode": ranks, "ranks": ranks},
-                "policy": json_format.MessageToDict(policy),
+                "policy": policy_json.to_dict(policy),
             }
         )
     )

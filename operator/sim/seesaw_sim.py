@@ -32,10 +32,11 @@ from gearshift.operator.sim.cost_model import StepCost
 from gearshift.operator.sim.hardware import Hardware, with_count
 from gearshift.operator.sim.model_desc import ModelDesc
 from gearshift.operator.sim.roofline import Layout, RooflineCost
-from gearshift.v1 import policy_fields, policy_pb2
+from gearshift.v1 import policy_pb2
 from gearshift.worker.engine.contract import QueueView, StepRequest
 from gearshift.worker.engine.scheduler import ScheduledBatch, Scheduler
 from gearshift.worker.kv.block_manager import BlockManager
+from gearshift.worker.policies import checks
 from gearshift.worker.policies.seesaw.host_kv import PageAllocator
 from gearshift.worker.policies.seesaw.leader import Phase, SeesawLeader, Thresholds
 from gearshift.worker.policies.seesaw.readiness import ReadinessBoard
@@ -49,7 +50,7 @@ def policy(gpus: int) -> dict[str, dict[str, dict[str, int]]]:
 
 def _thresholds(gpus: int) -> Thresholds:
     """The policy's default switch points and prefetch limit."""
-    msg = policy_fields.with_defaults(_proto(gpus), gpus).seesaw
+    msg = checks.with_defaults(_proto(gpus), gpus).seesaw
     return Thresholds(
         msg.switch_to_decode_at_host_usage,
         msg.switch_to_prefill_at_host_usage,

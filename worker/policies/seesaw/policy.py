@@ -68,7 +68,6 @@ class SeesawPolicy(Policy):
     """Prefill gear c_p = (tp, pp) and decode gear c_d = (tp, pp) over the same ranks."""
 
     kind = "seesaw"
-    single_node = True  # the host KV tier is one node's shared memory (§4.2)
 
     def __init__(self, policy: policy_pb2.Policy, world_size: int) -> None:
         super().__init__(policy, world_size)
@@ -78,13 +77,8 @@ class SeesawPolicy(Policy):
             Layout(tp=m.decode.tp, pp=m.decode.pp),
         )
         self.gear_names = GEARS
+        # One rank for both gears: seesaw.spec refuses pipelines whose last stages differ.
         lasts = {(lay.pp - 1) * lay.stage_size for lay in self.layouts if lay.pp > 1}
-        if len(lasts) > 1:
-            raise InvalidRequestError(
-                "policy.seesaw.decode",
-                "policy.seesaw.decode: when both gears are pipelined their last stages must start "
-                "at the same rank ((pp - 1) x tp equal for prefill and decode)",
-            )
         self.logits_rank = lasts.pop() if lasts else 0
         self.leader: SeesawLeader | None = None
         self.hook: SeesawRankHook | None = None

@@ -100,28 +100,6 @@ class TetrisPolicy(Policy):
 
         return lambda config, group: run_tetris_node(config, self, group)
 
-    def check_nodes(self, nodes: int) -> None:
-        """Across nodes (§3.2): a ring of instances may cross nodes (point-to-point in the one
-        group), but each instance's TP ranks, prefill or decode, share a node."""
-        if nodes <= 1:
-            return
-        field = "spec.group.nodes"
-        if self.world_size % nodes:
-            raise InvalidRequestError(
-                field, f"{field}: {self.world_size} ranks do not split over {nodes} nodes"
-            )
-        per = self.world_size // nodes
-        instances = [("prefill", m, self.prefill_ranks(m)) for m in range(self.prefill)]
-        instances += [("decode", d, self.decode_ranks(d)) for d in range(self.decode)]
-        for role, i, ranks in instances:
-            if ranks[0] // per != ranks[-1] // per:
-                raise InvalidRequestError(
-                    field,
-                    f"{field}: with {nodes} nodes of {per} ranks, {role} instance {i} (ranks "
-                    f"{ranks[0]}-{ranks[-1]}) would span two nodes; an instance's TP ranks "
-                    "must share one (change nodes, the instance counts or their TP)",
-                )
-
     # ---- every rank ------------------------------------------------------------------------
 
     def check_model(self, cfg: ModelConfig) -> None:
