@@ -95,12 +95,13 @@ def _fill_world(kind: str, fields: dict[str, Any], world: int) -> None:
     if world < 1:
         raise InvalidRequestError("world_size", f"--world-size must be >= 1, got {world}")
     tp, sp, pp = fields.get("tp"), fields.get("sp"), fields.get("pp", 1)
+    spec = kinds.spec_of(kind)
+    names = spec.message.DESCRIPTOR.fields_by_name if spec is not None else {}
     if tp is None and sp is None:
-        spec = kinds.spec_of(kind)
         fields[spec.world_field if spec is not None else "tp"] = world // pp
-    elif tp is None:
+    elif tp is None and "tp" in names:
         fields["tp"] = max(1, world // (sp * pp))
-    elif sp is None:
+    elif sp is None and "sp" in names:
         fields["sp"] = max(1, world // (tp * pp))
     product = fields.get("tp", 1) * fields.get("sp", 1) * pp
     if product != world:

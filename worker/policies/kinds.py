@@ -4,7 +4,7 @@ worker-side class that runs it.
 A process-wide table on purpose: every process (operator, router, worker) must read a policy the
 same way, so its kinds are found once: the built-in packages listed here (when this module is
 imported), then, at the first lookup, the packages installed with a ``gearshift.policies`` entry
-point (``toy = my_pkg.toy.spec:SPEC``) and those named in ``GEARSHIFT_POLICY_PACKAGES``
+point (``mine = my_policy.spec:SPEC``) and those named in ``GEARSHIFT_POLICY_PACKAGES``
 (comma-separated packages, each with a ``spec.py`` holding ``SPEC``), and ``register_spec`` (a
 test's). Adding a technique is adding its package and one line (here, or its entry point).
 

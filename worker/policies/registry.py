@@ -45,6 +45,7 @@ def make_policy(
     Imports the kind's worker-side class, and with it torch."""
     proto = parse_policy(policy)
     kind = policy_fields.kind_of(proto)
+    kinds.specs()  # the policy packages are known before their classes are looked up
     if kinds.planned(kind):
         raise InvalidRequestError(
             f"policy.{kind}",
