@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from google.protobuf import json_format
 
 from gearshift.operator.sim.cost_model import StepCost
@@ -37,8 +36,8 @@ from gearshift.worker.engine.contract import QueueView, StepRequest
 from gearshift.worker.engine.scheduler import ScheduledBatch, Scheduler
 from gearshift.worker.kv.block_manager import BlockManager
 from gearshift.worker.policies import checks
-from gearshift.worker.policies.seesaw.host_kv import PageAllocator
 from gearshift.worker.policies.seesaw.leader import Phase, SeesawLeader, Thresholds
+from gearshift.worker.policies.seesaw.pages import PageAllocator
 from gearshift.worker.policies.seesaw.readiness import ReadinessBoard
 
 HOST_BYTES_PER_GPU = 80 * (1 << 30)
@@ -102,7 +101,7 @@ class SeesawHooks:
             (self.gpus, 1),
             lambda: thresholds,
             block_bytes,
-            ReadinessBoard(torch.zeros(self.gpus + 1, dtype=torch.int64)),
+            ReadinessBoard([0] * (self.gpus + 1)),
             async_swap=False,
         )
         if m is not None:

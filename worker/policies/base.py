@@ -18,7 +18,7 @@ Each kind has a torch-free spec (``spec.py``: layout, defaults, rules), register
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -33,6 +33,7 @@ from gearshift.worker.engine.contract import (
     LiveValue,
     QueueView,
     ReplicaSync,
+    SectionValues,
     StepKind,
     StepRequest,
 )
@@ -218,7 +219,7 @@ class Policy(ABC):
         """Requests the scheduler must leave alone this step (none by default)."""
         return frozenset()
 
-    def plan_sections(self, batch: ScheduledBatch) -> dict[str, torch.Tensor]:
+    def plan_sections(self, batch: ScheduledBatch) -> Mapping[str, SectionValues]:
         """Sections for the next plan (none by default)."""
         del batch
         return {}

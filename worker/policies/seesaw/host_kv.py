@@ -149,7 +149,7 @@ class HostKVStore:
         """Unmap; the creator also unlinks the segment (the group is over)."""
         self.pages = torch.empty(0)
         # In place: the leader's queue holds the board, and a live view would keep the mapping.
-        self.board.slots = torch.zeros_like(self.board.slots)
+        self.board.slots = [0] * len(self.board.slots)
         if self._mmap is not None:
             # A tensor view still alive keeps the mapping; it goes with the process then.
             with contextlib.suppress(BufferError):
@@ -158,38 +158,3 @@ class HostKVStore:
         if self.owner:
             with contextlib.suppress(FileNotFoundError):
                 (SHM_DIR / self.name).unlink()
-
-
-class PageAllocator:
-    """The leader's bookkeeping of host pages: a free list and the pages each sequence holds."""
-
-    def __init__(self, num_pages: int) -> None:
-        self.num_pages = num_pages
-        self.free = list(range(num_pages - 1, -1, -1))
-        self.held: dict[str, list[int]] = {}
-
-    @property
-    def used(self) -> int:
-        return self.num_pages - len(self.free)
-
-    @property
-    def usage(self) -> float:
-        return self.used / self.num_pages if self.num_pages else 1.0
-
-    def allocate(self, request_id: str, count: int) -> list[int] | None:
-        if count > len(self.free) or request_id in self.held:
-            return None
-        pages = [self.free.pop() for _ in range(count)]
-        self.held[request_id] = pages
-        return pages
-
-    def release(self, request_id: str) -> int:
-        return self.give_back(self.detach(request_id))
-
-    def detach(self, request_id: str) -> list[int]:
-        """The pages ``request_id`` holds, no longer under its name (still not free)."""
-        return self.held.pop(request_id, [])
-
-    def give_back(self, pages: list[int]) -> int:
-        self.free.extend(reversed(pages))
-        return len(pages)

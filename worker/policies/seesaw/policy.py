@@ -11,26 +11,21 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from gearshift.v1 import policy_pb2
-from gearshift.worker.engine.contract import QueueView, StepRequest
+from gearshift.worker.engine.contract import QueueView, SectionValues, StepRequest
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.model.config import ModelConfig
 from gearshift.worker.parallel.groups import create_groups
 from gearshift.worker.parallel.layout import Layout
 from gearshift.worker.policies.base import Policy, RankContext, RankModel
 from gearshift.worker.policies.gears import build_gear, pipeline_stage
-from gearshift.worker.policies.seesaw.host_kv import (
-    SHM_DIR,
-    HostKVStore,
-    PageAllocator,
-    PageShape,
-    group_tag,
-)
+from gearshift.worker.policies.seesaw.host_kv import SHM_DIR, HostKVStore, PageShape, group_tag
 from gearshift.worker.policies.seesaw.leader import (
     DECODE_GEAR,
     PREFILL_GEAR,
@@ -38,6 +33,7 @@ from gearshift.worker.policies.seesaw.leader import (
     SeesawLeader,
     Thresholds,
 )
+from gearshift.worker.policies.seesaw.pages import PageAllocator
 from gearshift.worker.policies.seesaw.rank_hook import DeviceKV, GearKV, SeesawRankHook
 from gearshift.worker.policies.seesaw.weights import WeightSet
 
@@ -225,7 +221,7 @@ class SeesawPolicy(Policy):
     def held(self) -> frozenset[str]:
         return self._lead().held()
 
-    def plan_sections(self, batch: ScheduledBatch) -> dict[str, torch.Tensor]:
+    def plan_sections(self, batch: ScheduledBatch) -> Mapping[str, SectionValues]:
         del batch
         return self._lead().plan_sections()
 

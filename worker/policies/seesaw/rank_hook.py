@@ -29,14 +29,12 @@ from gearshift.worker.engine.plan import StepPlan
 from gearshift.worker.kv.cache import LayerKV, zeroed
 from gearshift.worker.policies.seesaw.async_copy import CopyWorker, Staging
 from gearshift.worker.policies.seesaw.host_kv import HostKVStore
+from gearshift.worker.policies.seesaw.leader import SWAP_IN, SWAP_OUT
 from gearshift.worker.policies.seesaw.readiness import ReadinessBoard
 from gearshift.worker.policies.seesaw.weights import WeightSet
 
 log = logging.getLogger(__name__)
 
-SWAP_OUT = "seesaw.swap_out"  # pairs (host page, device block), gear of the previous plan
-SWAP_IN = "seesaw.swap_in"  # the ticket, then pairs (host page, device block), gear of this plan
-AWAIT = "seesaw.await"  # no values: the leader waits for swap-ins (the plan proves ranks live)
 HOLD_LIMIT_S = 5.0  # the longest a report waits for ``hold_plans`` (tests only)
 
 

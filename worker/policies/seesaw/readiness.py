@@ -15,8 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
+from typing import Any, Protocol
 
 SLOT_BYTES = 8
 
@@ -26,15 +25,26 @@ def board_bytes(world_size: int) -> int:
     return SLOT_BYTES * (world_size + 1)
 
 
-class ReadinessBoard:
-    """The shared slots, as an int64 tensor view of the segment's tail."""
+class Slots(Protocol):
+    """int64 slots: an int64 tensor view of the host KV segment's tail on a node, a plain list in
+    the simulator (which runs this board without torch)."""
 
-    def __init__(self, slots: torch.Tensor) -> None:
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
+
+    def __setitem__(self, index: int, value: int) -> None: ...
+
+
+class ReadinessBoard:
+    """The shared slots."""
+
+    def __init__(self, slots: Slots) -> None:
         self.slots = slots
 
     @property
     def world_size(self) -> int:
-        return int(self.slots.numel()) - 1
+        return len(self.slots) - 1
 
     def sent(self, ticket: int) -> None:
         """Leader: a plan with swap-ins of ``ticket`` went out (for operators and tests)."""
@@ -46,11 +56,11 @@ class ReadinessBoard:
 
     def finished(self) -> int:
         """The last ticket every rank has finished."""
-        return int(self.slots[1:].min())
+        return min(int(self.slots[r]) for r in range(1, len(self.slots)))
 
     def snapshot(self) -> tuple[int, ...]:
         """(sent, rank 0's, rank 1's, ...) at one moment."""
-        return tuple(int(v) for v in self.slots.tolist())
+        return tuple(int(self.slots[r]) for r in range(len(self.slots)))
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ of its last chunk's group hand their KV to the chosen decode instance piece by p
 after a transfer-slot handshake (``transfer.ReceiveManager``; with ``layerwise_transfer`` the
 handshake runs during the prefill and each layer's rows leave as soon as they are computed);
 the decode instance admits it into continuous batching once every piece has landed
-(``decode.DecodeAdmission``).
+(``admission.DecodeAdmission``).
 
 The group is served by its own endpoint (``group.py``, ``endpoint.py``): requests go to the pool,
 not to one engine. Across nodes, the endpoint runs on node 0 and the other nodes' instances dial
@@ -35,7 +35,8 @@ from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.model.config import ModelConfig
 from gearshift.worker.parallel.layout import Layout
 from gearshift.worker.policies.base import Policy, RankContext, RankModel
-from gearshift.worker.policies.tetris.decode import DecodeAdmission, ReceiveHook
+from gearshift.worker.policies.tetris.admission import DecodeAdmission
+from gearshift.worker.policies.tetris.decode import ReceiveHook
 from gearshift.worker.policies.tetris.handoff import (
     check_stream_layers,
     head_route,
