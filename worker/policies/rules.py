@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
@@ -28,8 +28,7 @@ _FLOATS = (FieldDescriptor.CPPTYPE_FLOAT, FieldDescriptor.CPPTYPE_DOUBLE)
 _UNSIGNED = (FieldDescriptor.CPPTYPE_UINT32, FieldDescriptor.CPPTYPE_UINT64)
 
 
-@dataclass(frozen=True)
-class PyEnv:
+class PyEnv(NamedTuple):
     """What a rule reads in Python: a defaults-filled message and the group's GPUs."""
 
     message: Message
@@ -47,8 +46,29 @@ class CelEnv:
     derived: Mapping[str, Expr]
 
 
+def _operator(symbol: str) -> Callable[[Expr, Expr | Number], Expr]:
+    """``a + b``, ``a < b``, ``a & b`` ... build rules (``same(a, b)`` is ``==``: Python's ``==``
+    stays the rules' own equality)."""
+
+    def build(self: Expr, other: Expr | Number) -> Expr:
+        return Binary(symbol, self, lift(other))
+
+    return build
+
+
 class Expr:
     """A rule or one of its terms."""
+
+    __add__ = _operator("+")
+    __sub__ = _operator("-")
+    __mul__ = _operator("*")
+    __truediv__ = _operator("/")
+    __lt__ = _operator("<")
+    __le__ = _operator("<=")
+    __gt__ = _operator(">")
+    __ge__ = _operator(">=")
+    __and__ = _operator("&&")
+    __or__ = _operator("||")
 
     def value(self, env: PyEnv) -> Number:
         raise NotImplementedError
@@ -64,36 +84,6 @@ class Expr:
         """Whether it is never below 0 in a message of ``desc`` (then a stored default needs
         no clamp, and the CEL stays short)."""
         return False
-
-    def __add__(self, other: Expr | Number) -> Expr:
-        return Binary("+", self, lift(other))
-
-    def __sub__(self, other: Expr | Number) -> Expr:
-        return Binary("-", self, lift(other))
-
-    def __mul__(self, other: Expr | Number) -> Expr:
-        return Binary("*", self, lift(other))
-
-    def __truediv__(self, other: Expr | Number) -> Expr:
-        return Binary("/", self, lift(other))
-
-    def __lt__(self, other: Expr | Number) -> Expr:
-        return Binary("<", self, lift(other))
-
-    def __le__(self, other: Expr | Number) -> Expr:
-        return Binary("<=", self, lift(other))
-
-    def __gt__(self, other: Expr | Number) -> Expr:
-        return Binary(">", self, lift(other))
-
-    def __ge__(self, other: Expr | Number) -> Expr:
-        return Binary(">=", self, lift(other))
-
-    def __and__(self, other: Expr) -> Expr:
-        return Binary("&&", self, other)
-
-    def __or__(self, other: Expr) -> Expr:
-        return Binary("||", self, other)
 
     def __invert__(self) -> Expr:
         return Not(self)
