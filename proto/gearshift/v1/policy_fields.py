@@ -249,6 +249,8 @@ def bound_errors(msg: Message, prefix: str) -> list[str]:
             continue
         lo, hi = bounds(field)
         value = getattr(found[0], field.name)
-        if (lo is not None and value < lo) or (hi is not None and value > hi):
-            errors.append(f"{prefix}.{path}: must be in [{lo}, {hi}], got {value}")
+        if lo is not None and value < lo:
+            errors.append(f"{prefix}.{path}: must be at least {lo:g}, got {value:g}")
+        elif hi is not None and value > hi:
+            errors.append(f"{prefix}.{path}: must be at most {hi:g}, got {value:g}")
     return errors
