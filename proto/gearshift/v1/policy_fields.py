@@ -22,7 +22,7 @@ from gearshift.v1 import options_pb2, policy_pb2
 PLUGIN_FIELD = "plugin"
 PLUGIN_URL_PREFIX = "gearshift.dev/policy/"
 
-# gearshift.v1's own kinds, in the oneof's order (a package's kinds: worker/policies/registry.py).
+# gearshift.v1's own kinds, in the oneof's order (a package's kinds: worker/policies/kinds.py).
 POLICY_KINDS: tuple[str, ...] = tuple(
     f.name
     for f in policy_pb2.Policy.DESCRIPTOR.oneofs_by_name["kind"].fields
