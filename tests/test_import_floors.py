@@ -48,7 +48,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("server",),
 ]
 # What a policy package may import of policies/ besides itself.
-POLICY_SHARED = ("policies.base", "policies.gears")
+POLICY_SHARED = ("policies.base", "policies.gears", "policies.rules", "policies.spec")
 
 
 @dataclass(frozen=True)

@@ -121,7 +121,7 @@ def local_engine_json(
     args: argparse.Namespace, model: str, served: str, policy: policy_pb2.Policy, ranks: int
 ) -> EngineJson:
     """The engine.json every local group reads: one node of ``ranks`` ranks."""
-    from google.protobuf import json_format
+    from gearshift.worker.policies import policy_json
 
     return EngineJson(
         deployment=args.name,
@@ -129,7 +129,7 @@ def local_engine_json(
             path=model, name=served, dtype=args.dtype, max_model_len=args.max_model_len
         ),
         group=GroupJson(nodes=1, gpus_per_node=ranks, ranks=ranks),
-        policy=json_format.MessageToDict(policy),
+        policy=policy_json.to_dict(policy),
     )
 
 

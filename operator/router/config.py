@@ -14,9 +14,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from google.protobuf import json_format
-
 from gearshift.v1 import policy_pb2
+from gearshift.worker.errors import InvalidRequestError
+from gearshift.worker.policies import policy_json
 from gearshift.worker.server import auth
 
 # How the router reaches its groups: gearshift.v1.Worker over gRPC, or OpenAI HTTP (vLLM pods).
@@ -117,9 +117,9 @@ def from_file(path: Path, env: Mapping[str, str] | None = None) -> RouterConfig:
     policy = None
     if data.get("policy"):
         try:
-            policy = json_format.ParseDict(data["policy"], policy_pb2.Policy())
-        except json_format.ParseError as exc:
-            raise ConfigError(f"{path}: invalid policy: {exc}") from exc
+            policy = policy_json.parse_policy(data["policy"])
+        except InvalidRequestError as exc:
+            raise ConfigError(f"{path}: {exc.message}") from exc
     ports = data.get("ports") or {}
     backend = str(data.get("backend") or "worker-grpc")
     if backend not in BACKENDS:

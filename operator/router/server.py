@@ -30,6 +30,7 @@ from gearshift.operator.router.rejections import RejectionCounter
 from gearshift.operator.router.trace_recorder import TraceRecorder
 from gearshift.v1 import router_pb2_grpc
 from gearshift.worker.model.registry import resolve_model_path
+from gearshift.worker.policies import kinds
 from gearshift.worker.server import auth
 from gearshift.worker.tokenizer import Tokenizer
 
@@ -89,6 +90,9 @@ class RouterServer:
 
     async def start(self) -> BoundPorts:
         cfg = self.config
+        # The policy packages (entry points, GEARSHIFT_POLICY_PACKAGES), before any group's
+        # stats or an Admin call carries one of their policies.
+        kinds.specs()
         if cfg.backend not in GROUP_KINDS:
             raise config_mod.ConfigError(
                 f"backend {cfg.backend!r} is not one of {', '.join(GROUP_KINDS)}"

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from gearshift.worker.attention.metadata import AttentionMetadata
+from gearshift.worker.engine.contract import SectionValues
 from gearshift.worker.engine.scheduler import ScheduledBatch
 from gearshift.worker.kv.block_manager import BlockManager
 
@@ -53,11 +54,11 @@ class StepPlan:
         """An optional section a policy added (``with_section``), or None."""
         return self.sections.get(section_id(name))
 
-    def with_section(self, name: str, values: torch.Tensor) -> StepPlan:
+    def with_section(self, name: str, values: SectionValues) -> StepPlan:
         if len(self.sections) >= MAX_SECTIONS and section_id(name) not in self.sections:
             raise ValueError(f"a plan holds at most {MAX_SECTIONS} sections")
         sections = dict(self.sections)
-        sections[section_id(name)] = values.to(torch.int64).reshape(-1)
+        sections[section_id(name)] = torch.as_tensor(values, dtype=torch.int64).reshape(-1)
         return replace(self, sections=sections)
 
     @property

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gearshift.v1 import policy_fields, policy_pb2
+from gearshift.v1 import policy_pb2
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.model.registry import default_served_name
-from gearshift.worker.policies.support import check_runnable
+from gearshift.worker.policies import checks
+from gearshift.worker.policies.support import check_supported
 from gearshift.worker.server import auth
 from gearshift.worker.server.engine_json import EngineJson
 
@@ -179,15 +180,14 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 
 def _policy(raw: Any, ranks: int) -> policy_pb2.Policy:
     from gearshift.worker.policies.flags import read_policy_text
-    from gearshift.worker.policies.registry import parse_policy
+    from gearshift.worker.policies.policy_json import parse_policy
 
     policy = parse_policy(read_policy_text(raw) if isinstance(raw, str) else raw)
-    errors = policy_fields.layout_errors(policy, ranks)
+    errors = checks.layout_errors(policy, ranks)
     if errors:
         raise InvalidRequestError("policy", "; ".join(errors))
     # Refused here, before any rank starts, with the operator's InvalidSpec message.
-    check_runnable(policy)
-    return policy_fields.with_defaults(policy, ranks)
+    return check_supported(policy, ranks)
 
 
 def load_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> WorkerSettings:

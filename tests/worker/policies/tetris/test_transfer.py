@@ -100,7 +100,7 @@ def _raises(call) -> BaseException | None:
 
 
 def test_stream_sections_round_trip_posts_and_completes() -> None:
-    from gearshift.worker.policies.tetris.decode import decode_stream, encode_stream
+    from gearshift.worker.policies.tetris.admission import decode_stream, encode_stream
     from gearshift.worker.policies.tetris.handoff import STREAM_TAG, TAG_STRIDE, stream_tag
 
     posts = [(0, 12, stream_tag(3)), (1, 5, stream_tag(4))]
