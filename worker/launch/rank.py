@@ -24,6 +24,7 @@ from gearshift.worker.errors import GroupFailure, InvalidRequestError
 from gearshift.worker.kv.cache import KVCacheSpec, allocate_kv_cache
 from gearshift.worker.launch.group_config import GroupConfig
 from gearshift.worker.launch.host import bind_rank_cores, die_with_parent, set_threads
+from gearshift.worker.launch.rank_graphs import capture_graphs, plan_graphs
 from gearshift.worker.model.weights import open_weight_source
 from gearshift.worker.parallel.groups import create_control_group
 from gearshift.worker.parallel.watchdog import EXIT_PEER_FAILED, Watchdog
@@ -93,24 +94,36 @@ def setup_rank(
         block_size=config.block_size,
     )
     held = policy.build_rank(ctx)
+    threads = None
+    if device.type == "cpu" and config.prefill_threads is not None:
+        threads = StepThreads(config.prefill_threads)
+    runner = ModelRunner(held.gears, [], device, threads, held.hook)
+    runner.closers = list(held.closers)
+    # Graphs' static inputs and pool come out of the memory before the KV cache is sized.
+    graphs = plan_graphs(config, policy, held, runner, spec.max_model_len, rank)
     kv_spec = KVCacheSpec(
         held.kv_layers, held.kv_heads, cfg.head_dim, config.block_size, spec.dtype
     )
-    blocks = kv_cache_blocks(config, kv_spec, device, spec.max_model_len, held.kv_extra_bytes)
+    blocks = kv_cache_blocks(
+        config,
+        kv_spec,
+        device,
+        spec.max_model_len,
+        held.kv_extra_bytes,
+        reserve_bytes=graphs.pool_estimate if graphs is not None else 0,
+    )
     if policy.world_size > 1:
         on = device if dist.get_backend() == "nccl" else "cpu"
         agreed = torch.tensor([blocks], dtype=torch.int64, device=on)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         blocks = int(agreed.item())
     if held.kv_allocator is not None:
-        kv = held.kv_allocator(blocks)
+        runner.kv_caches = held.kv_allocator(blocks)
     else:
-        kv = allocate_kv_cache(kv_spec, blocks, device)
-    threads = None
-    if device.type == "cpu" and config.prefill_threads is not None:
-        threads = StepThreads(config.prefill_threads)
-    runner = ModelRunner(held.gears, kv, device, threads, held.hook)
-    runner.closers = list(held.closers)
+        runner.kv_caches = allocate_kv_cache(kv_spec, blocks, device)
+    runner.hook = held.hook  # a policy's allocator may make its hook with the cache
+    if graphs is not None:
+        capture_graphs(graphs, held, runner, rank)
     trace_dir = os.environ.get(STEP_TRACE_ENV)
     if trace_dir:
         runner.trace = open(Path(trace_dir) / f"rank-{rank}.log", "a", buffering=1)  # noqa: SIM115

@@ -45,6 +45,16 @@ from gearshift.worker.policies.sidp.source import HideRemoteFfn
 log = logging.getLogger(__name__)
 
 
+# Why SiDP's decode steps are never replayed from CUDA graphs (issue 27).
+GRAPH_NOTE = (
+    "sidp decode steps run eagerly: each layer's FFN goes through the host every step. WaS: "
+    "Housekeeper.begin_layer moves the prefetch window and acquire() waits on the host for the "
+    "housekeeper thread's copy, then hands back whichever cache slot holds the layer (a weight "
+    "address that changes from step to step); CaS: the exchange with the layer's owner is "
+    "decided on the host each step (dummy skipping). A replayed graph would run none of that."
+)
+
+
 class SidpPolicy(Policy):
     """dp replicas of tp ranks each sharing FFN weights; ``mode`` and thresholds are live."""
 
@@ -246,6 +256,8 @@ class SidpPolicy(Policy):
             # A TP follower takes each step's mode from its replica's leader.
             hook=FollowerHook(service, cas) if tp_rank else None,
             extra={"service": service, "weight_bytes": self.bytes},
+            graph_gears=(),
+            graph_note=GRAPH_NOTE,
         )
 
     def replica_sync(
