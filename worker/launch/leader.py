@@ -60,7 +60,7 @@ def _engine(config: EngineConfig, policy: Policy, state: RankState, executor: An
     eos = frozenset(spec.config.eos_token_ids) | (
         tokenizer.eos_token_ids if tokenizer else frozenset()
     )
-    return LLMEngine(
+    engine = LLMEngine(
         config,
         executor,
         blocks,
@@ -70,6 +70,9 @@ def _engine(config: EngineConfig, policy: Policy, state: RankState, executor: An
         tokenizer,
         policy=policy,
     )
+    if isinstance(executor, GroupExecutor):
+        executor.phases = engine.phases  # the plan's broadcast is one of the step's phases
+    return engine
 
 
 def _check(config: EngineConfig, policy: Policy, group: GroupConfig) -> None:

@@ -44,6 +44,7 @@ class EngineKnobs:
     enable_prefix_caching: bool = True
     num_threads: int | None = None
     prefill_threads: int | None = None
+    enforce_eager: bool = False
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,11 @@ def add_engine_args(
     p.add_argument("--num-threads", type=int, default=None, help=threads_help)
     p.add_argument("--prefill-threads", type=int, default=None, help=prefill_threads_help)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="never replay decode steps from CUDA graphs (vLLM's flag; graphs run only on CUDA)",
+    )
 
 
 def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
@@ -124,6 +130,7 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         num_threads=args.num_threads,
         prefill_threads=args.prefill_threads,
+        enforce_eager=args.enforce_eager,
     )
     knobs.update(overrides)
     return EngineConfig(**knobs)
@@ -226,6 +233,7 @@ def load_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None
         enable_prefix_caching=args.enable_prefix_caching,
         num_threads=args.num_threads,
         prefill_threads=args.prefill_threads,
+        enforce_eager=args.enforce_eager,
     )
     return WorkerSettings(
         model=model,

@@ -120,6 +120,7 @@ def test_multi_rank_graphs_give_the_eager_logits(name, model, engine_factory, gr
     graphs = _graphs_of(engine)
     if name.startswith("shift"):
         assert {g for g, _ in graphs.replays} == {0 if name == "shift-base" else 1}
+    assert engine.stats().step_phases["broadcast"] > 0.0  # the leader sent every plan
     sp = next(iter(LAYOUTS[name].values())).get("sp", 1)
     if name != "shift-tp":
         # Every bucket of a gear that splits tokens over SP ranks is a multiple of SP.
