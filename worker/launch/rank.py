@@ -25,6 +25,7 @@ from gearshift.worker.kv.cache import KVCacheSpec, allocate_kv_cache
 from gearshift.worker.launch.group_config import GroupConfig
 from gearshift.worker.launch.host import bind_rank_cores, die_with_parent, set_threads
 from gearshift.worker.launch.rank_graphs import capture_graphs, plan_graphs
+from gearshift.worker.model import fused_ops
 from gearshift.worker.model.weights import open_weight_source
 from gearshift.worker.parallel.groups import create_control_group
 from gearshift.worker.parallel.watchdog import EXIT_PEER_FAILED, Watchdog
@@ -94,6 +95,7 @@ def setup_rank(
         block_size=config.block_size,
     )
     held = policy.build_rank(ctx)
+    choose_fused_ops(config, held, rank)
     threads = None
     if device.type == "cpu" and config.prefill_threads is not None:
         threads = StepThreads(config.prefill_threads)
@@ -128,6 +130,18 @@ def setup_rank(
     if trace_dir:
         runner.trace = open(Path(trace_dir) / f"rank-{rank}.log", "a", buffering=1)  # noqa: SIM115
     return RankState(spec, runner, held, blocks)
+
+
+def choose_fused_ops(config: EngineConfig, held: RankModel, rank: int) -> None:
+    """CUDA: pick the fused elementwise kernels (measured once, on the first gear's shapes) for
+    every gear, before graphs are captured with them; elsewhere nothing changes."""
+    tokens = (min(config.max_num_seqs, 256), config.max_num_batched_tokens)
+    choice = None
+    for gear in held.gears:
+        if choice is None:
+            choice = fused_ops.choose(config.fused_elementwise, gear.model, tokens, rank)
+        if choice is not None:
+            fused_ops.apply(gear.model, choice)
 
 
 def join_group(
