@@ -142,7 +142,8 @@ def _measure_pool(graphs: DecodeGraphs, held: RankModel, runner: ModelRunner) ->
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        step()
+        with torch.inference_mode():  # as steps run (ModelRunner.execute)
+            step()
         torch.cuda.synchronize(device)
         peak = max(peak, torch.cuda.max_memory_allocated(device) - before)
         del kv, step
