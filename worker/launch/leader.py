@@ -75,6 +75,11 @@ def _engine(config: EngineConfig, policy: Policy, state: RankState, executor: An
     return engine
 
 
+def one_rank_engine(config: EngineConfig, policy: Policy, state: RankState) -> LLMEngine:
+    """The engine over a one-rank group's state (``rank.finish_rank``'s): its runner executes."""
+    return _engine(config, policy, state, state.runner)
+
+
 def _check(config: EngineConfig, policy: Policy, group: GroupConfig) -> None:
     """Refuse a layout the model cannot take before any rank starts."""
     group.check(policy.world_size)

@@ -94,7 +94,20 @@ def setup_rank(
         show_progress=config.show_progress and rank == 0,
         block_size=config.block_size,
     )
-    held = policy.build_rank(ctx)
+    return finish_rank(config, policy, policy.build_rank(ctx), spec, device, rank)
+
+
+def finish_rank(
+    config: EngineConfig,
+    policy: Policy,
+    held: RankModel,
+    spec: ModelSpec,
+    device: torch.device,
+    rank: int,
+) -> RankState:
+    """What follows a rank's gears: fused kernels, graphs' memory, the KV cache (its block count
+    agreed over the group), the runner and its graphs. Benchmarks pass models they built."""
+    cfg = spec.config
     choose_fused_ops(config, held, rank)
     threads = None
     if device.type == "cpu" and config.prefill_threads is not None:

@@ -8,23 +8,42 @@ tolerance.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-pytest.importorskip("triton")
-
 from gearshift.worker.model.layers import fused_triton
 from gearshift.worker.model.layers.norm import RMSNorm
 from gearshift.worker.model.layers.rotary import rotate_reference
 
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    # triton wraps its own library (tl.sum, tl.sigmoid) for one mode when it is first imported:
+    # import it with the interpreter chosen, then put the variable back (tests set it each).
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FP32 = {"atol": 1e-6, "rtol": 1e-5}
+
+
+@pytest.fixture(autouse=True)
+def interpreter_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No GPU: every test runs the kernels in Triton's interpreter (set for this test only)."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def _norm(hidden: int, dtype: torch.dtype) -> RMSNorm:

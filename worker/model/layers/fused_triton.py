@@ -6,13 +6,15 @@ product before the add, silu before the product), so results match the unfused l
 order of a reduction. Whether they run is measured per model at start-up (``fused_ops.py``).
 
 Triton reads ``TRITON_INTERPRET`` when ``@triton.jit`` decorates a function, so the kernels are
-made on first use (``_kernels``), not at import: tests set the interpreter first and run these on
-CPU tensors. Only APIs of both triton 3.6 (the GPU machines' torch 2.11) and the current wheel.
+made on first use in each mode (``_kernels``), not at import: tests set the interpreter and run
+these on CPU tensors. Only APIs of both triton 3.6 (the GPU machines' torch 2.11) and the current
+wheel.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from types import SimpleNamespace
 from typing import Any
 
@@ -28,8 +30,19 @@ def available() -> bool:
     return True
 
 
-@functools.cache
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
 def _kernels() -> SimpleNamespace:
+    """The kernels for the current mode: compiled, or interpreted on CPU tensors."""
+    return _kernels_in(_interpreting())
+
+
+# Process-wide on purpose: the jitted kernels hold their compiled binaries, for every layer.
+@functools.cache
+def _kernels_in(interpreted: bool) -> SimpleNamespace:
+    del interpreted  # the cache key: triton.jit reads the mode from the environment
     import triton
     import triton.language as tl
 
