@@ -252,7 +252,8 @@ class DecodeGraphs:
         self.makes_logits[index] = step()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: a policy's copy threads (their own streams) may use CUDA meanwhile.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             step()
         if self.pool is None:
             self.pool = graph.pool()
