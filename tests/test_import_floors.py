@@ -29,6 +29,8 @@ FLOORS: list[tuple[str, ...]] = [
         "errors",
         "config",
         "wire",
+        "device_copy",
+        "step_phases",
         "p2p",
         "shm_segments",
         "kv",

@@ -163,6 +163,8 @@ def _worker_args(args: argparse.Namespace, engine_json: Path, ranks: int) -> lis
         out += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
     if not args.enable_prefix_caching:
         out.append("--no-enable-prefix-caching")
+    if args.enforce_eager:
+        out.append("--enforce-eager")
     if args.heartbeat_timeout is not None:
         out += ["--heartbeat-timeout", str(args.heartbeat_timeout)]
     return out

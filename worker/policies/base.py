@@ -108,6 +108,15 @@ class RankModel:
     # Allocates this rank's KV cache for a block count (default: kv/cache.allocate_kv_cache of
     # kv_layers x kv_heads); a policy whose gears view one buffer differently supplies its own.
     kv_allocator: Callable[[int], list[LayerKV]] | None = None
+    # Gears whose decode-only steps may replay captured graphs (launch/rank_graphs); None: every
+    # gear. A policy whose forward cannot be captured lists fewer and says why in graph_note.
+    graph_gears: tuple[int, ...] | None = None
+    graph_note: str = ""
+    # Gears that take turns holding the device (Seesaw): put gear i's weights there, so that its
+    # graphs can be captured at start-up; the rank's first gear is put back afterwards.
+    activate_gear: Callable[[int], None] | None = None
+    # The KV views gear i reads, when gears view the cache differently (default: the runner's).
+    gear_kv: Callable[[int], list[LayerKV]] | None = None
 
 
 class Policy(ABC):

@@ -46,6 +46,7 @@ class EngineKnobs:
     num_threads: int | None = None
     prefill_threads: int | None = None
     attention_backend: str = "auto"
+    enforce_eager: bool = False
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,11 @@ def add_engine_args(
         help="auto (the C++ kernels on CPU, Triton on CUDA), torch (the reference), cpu, or "
         "triton (CUDA; on a CPU only under TRITON_INTERPRET=1)",
     )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="never replay decode steps from CUDA graphs (vLLM's flag; graphs run only on CUDA)",
+    )
 
 
 def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
@@ -134,6 +140,7 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         num_threads=args.num_threads,
         prefill_threads=args.prefill_threads,
         attention_backend=args.attention_backend or "auto",
+        enforce_eager=args.enforce_eager,
     )
     knobs.update(overrides)
     return EngineConfig(**knobs)
@@ -231,6 +238,7 @@ def load_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None
         num_threads=args.num_threads,
         prefill_threads=args.prefill_threads,
         attention_backend=attention_backend,
+        enforce_eager=args.enforce_eager,
     )
     return WorkerSettings(
         model=model,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -60,6 +61,11 @@ def memory_limit() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _activate(weights: WeightSet, gear: int) -> None:
+    """A start-up switch of the working set (graph capture): no transition, not recorded."""
+    weights.activate(gear, record=False)
 
 
 class SeesawPolicy(Policy):
@@ -185,6 +191,11 @@ class SeesawPolicy(Policy):
             return kv.views[PREFILL_GEAR]
 
         held.kv_allocator = allocate
+        # Decode-only steps of the decode gear may replay CUDA graphs; each gear's weights land
+        # at the same addresses at every re-shard (WeightSet), and its KV views never move.
+        held.graph_gears = (DECODE_GEAR,)
+        held.activate_gear = partial(_activate, weights)
+        held.gear_kv = self._gear_kv
         if ctx.rank == 0:
             self.leader = SeesawLeader(
                 PageAllocator(store.num_pages),
@@ -196,6 +207,10 @@ class SeesawPolicy(Policy):
                 self.message.async_swap,
             )
         return held
+
+    def _gear_kv(self, gear: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        assert self.hook is not None, "the KV cache is allocated before graphs are captured"
+        return self.hook.kv.views[gear]
 
     def _open_store(self, ctx: RankContext, page: PageShape) -> HostKVStore:
         """Rank 0 creates the segment; the others open it by the name it broadcasts."""

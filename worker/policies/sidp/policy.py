@@ -60,6 +60,16 @@ def prefetcher(on_gpu: bool) -> type[Housekeeper]:
     return DevicePrefetch if on_gpu or raw == "1" else Housekeeper
 
 
+# Why SiDP's decode steps are not replayed from CUDA graphs (issue 27).
+GRAPH_NOTE = (
+    "sidp decode steps run eagerly. WaS: on CPU the housekeeper thread makes compute wait on the "
+    "host for each layer's copy; on a GPU the device-side prefetcher (device_prefetch.py) queues "
+    "the same copies every pass, which a graph could hold, but its capture has not run on a GPU, "
+    "so it stays eager until it has. CaS: the exchange with the layer's owner is decided on the "
+    "host each step (dummy skipping), which a replayed graph would not run."
+)
+
+
 class SidpPolicy(Policy):
     """dp replicas of tp ranks each sharing FFN weights; ``mode`` and thresholds are live."""
 
@@ -278,6 +288,8 @@ class SidpPolicy(Policy):
             # A TP follower takes each step's mode from its replica's leader.
             hook=FollowerHook(service, cas) if tp_rank else None,
             extra={"service": service, "weight_bytes": self.bytes},
+            graph_gears=(),
+            graph_note=GRAPH_NOTE,
         )
 
     def replica_sync(

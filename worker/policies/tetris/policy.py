@@ -158,6 +158,7 @@ class TetrisPolicy(Policy):
                 kv_heads=heads,
                 kv_allocator=lambda blocks: [],  # the pool keeps request KV in Holdings
                 extra={"world": world, "instance": index},
+                graph_gears=(),  # the pool only prefills (ring attention): no decode steps
             )
         members = self.decode_ranks(index)
         tp = CommGroup(len(members), t, members, tp_pg) if tp_pg is not None else CommGroup.single()
