@@ -145,6 +145,11 @@ def test_bodies_over_the_cap_are_413_with_or_without_content_length(
             assert error["code"] == "request_too_large" and str(limit) in error["message"]
             r = await s.http.post(route, content=_chunked(over), headers=headers)
             assert r.status_code == 413, (route, "chunked", r.text)
+        # Far over (more than socket buffers hold): the client still reads the 413.
+        far = b'{"prompt": "' + b"a" * (4 << 20) + b'"}'
+        for content in (far, _chunked(far)):
+            r = await s.http.post("/v1/completions", content=content, headers=headers)
+            assert r.status_code == 413, r.text
         r = await s.http.post("/v1/completions", content=at, headers=headers)
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
         r = await s.http.post("/v1/completions", content=_chunked(at), headers=headers)
