@@ -13,13 +13,16 @@ bytes; the work runs in one of two lanes, after admission control:
 
 Each lane bounds the requests it holds (queued and running); one more is refused with 429 and
 Retry-After, before its body is parsed. The processes start on the first large request, load
-the tokenizer from the model path themselves, and exit when the router stops or dies.
+the tokenizer from the model path themselves, run at a lower priority than the router (a busy
+preparation must not take the CPU the event loop needs), and exit when the router stops or
+dies.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import multiprocessing
@@ -56,10 +59,17 @@ class LaneConfig:
 _CHILD_TOKENIZER: Tokenizer | None = None
 
 
+# Niceness added to preparation processes: under load the event loop (and the small lane's
+# threads) must win the CPU from large preparations, or /health waits on a tokeniser.
+CHILD_NICE = 10
+
+
 def _start_child(model_path: str, parent: int) -> None:
     global _CHILD_TOKENIZER
     from gearshift.operator.router.server import load_tokenizer
 
+    with contextlib.suppress(OSError):
+        os.nice(CHILD_NICE)
     _CHILD_TOKENIZER = load_tokenizer(model_path)
 
     def watch_parent() -> None:

@@ -18,6 +18,7 @@ from enum import Enum
 from typing import Any
 
 from gearshift.operator.router import errors
+from gearshift.v1 import common_pb2
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,10 @@ class RequestLimits:
     max_choice_chars: int = 1024
     max_template_kwargs: int = 64
     max_unknown_fields: int = 64  # fields neither we nor vLLM know, accepted and ignored
+    # Token ids of stop_token_ids, allowed_token_ids, logit_bias and (tokenised) bad_words,
+    # times the request's sequences: each sequence is a worker call carrying all of them,
+    # serialised on the event loop.
+    max_sampling_token_ids: int = 64 << 10
 
 
 class Measure(Enum):
@@ -193,6 +198,26 @@ def check_generation(body: Mapping[str, Any], known: frozenset[str], limits: Req
     check_prompt_ids(body.get("prompt"), limits)
     check_tools(body.get("tools"), limits)
     check_unknown(body, known, limits)
+
+
+def check_sampling_total(
+    sampling: common_pb2.SamplingParams, sequences: int, limits: RequestLimits
+) -> None:
+    """The sampling lists of all the request's sequences, together, within their cap."""
+    ids = (
+        len(sampling.stop_token_ids)
+        + len(sampling.allowed_token_ids)
+        + len(sampling.logit_bias)
+        + sum(len(w.token_ids) for w in sampling.bad_words)
+    )
+    if ids * sequences > limits.max_sampling_token_ids:
+        raise errors.bad_request(
+            f"n: {sequences} sequences × {ids} token ids of stop_token_ids, allowed_token_ids, "
+            f"logit_bias and bad_words (tokenised) must be at most "
+            f"{limits.max_sampling_token_ids}, got {ids * sequences}",
+            "n",
+            "limit_exceeded",
+        )
 
 
 def table_rows(limits: RequestLimits | None = None) -> list[tuple[str, str]]:

@@ -160,6 +160,7 @@ def completion(tokenizer: Tokenizer, raw: bytes, ctx: PrepContext) -> PreparedGe
     sampling = request_params.plan_sampling(
         body, tokenizer, prompts, body.max_tokens, body.logprobs, "prompt", spec, ctx.max_model_len
     )
+    limits.check_sampling_total(sampling, body.num_sequences * len(prompts), ctx.limits)
     kept = body.model_copy(update={"prompt": ""})
     return PreparedGeneration(kept, prompts, sampling, echo, first)
 
@@ -187,6 +188,7 @@ def chat(tokenizer: Tokenizer, raw: bytes, ctx: PrepContext) -> PreparedGenerati
         spec,
         ctx.max_model_len,
     )
+    limits.check_sampling_total(sampling, body.num_sequences, ctx.limits)
     kept = body.model_copy(update={"messages": []})
     return PreparedGeneration(kept, [ids], sampling, tools=tools)
 
@@ -284,6 +286,7 @@ def generate(
     max_tokens = s.max_tokens if s.HasField("max_tokens") else None
     request_params.check_length(ids, max_tokens, "prompt", ctx.max_model_len)
     request_params.check_proto_sampling(s, tokenizer, len(ids), ctx.max_model_len)
+    limits.check_sampling_total(s, 1, ctx.limits)
     sampling = common_pb2.SamplingParams()
     sampling.CopyFrom(s)
     del sampling.stop[:]  # stop strings are checked here, on the detokenised text
