@@ -8,11 +8,12 @@ scripted fake workers (tests/router/fake_worker.py, in this process), so what is
 the router alone. The load is a separate process with `--senders` concurrent connections, each
 sending, back to back, in turn: a 4 MiB text prompt (the body cap), 1M prompt token ids (the
 token-id cap), a chat of 2,048 messages (the message cap), 128 tools of 16 KiB schemas (through
-the chat template), every sampling list at its cap at once with a 16 KiB regex, n = 128 with 32
+the chat template), every sampling list at its cap at once with a 16 KiB regex, n = 8 with 32
 stop strings of 256 characters (matched on every token of every sequence), a 4 MiB /tokenize,
-and a 4 MiB prompt over gRPC. Phases alternate idle and loaded (`--rounds` each); each records
-`--probes` of each probe, sequential on one keep-alive connection, after a warm-up. The figures
-are the p50 and p99 of all probes of a kind per phase, and the loaded/idle ratios of the p99s.
+and a 4 MiB prompt over gRPC (`--kinds` picks some; `n128` is n = 128 alone). Phases alternate
+idle and loaded (`--rounds` each); each records `--probes` of each probe, sequential on one
+keep-alive connection, after a warm-up. The figures are the p50 and p99 of all probes of a kind
+per phase, and the loaded/idle ratios of the p99s.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ ORDINARY = {"model": MODEL, "prompt": "Hello, how are you?", "max_tokens": 4}
 # ---- the load (run in its own process: `router_limits_load.py heavy ...`) -------------------
 
 
-def heavy_bodies() -> list[tuple[str, bytes]]:
-    """(route, body) of the most expensive requests the default limits allow."""
+def heavy_bodies() -> dict[str, tuple[str, bytes]]:
+    """Name -> (route, body) of the most expensive requests the default limits allow."""
     from gearshift.operator.router.limits import RequestLimits
 
     lim = RequestLimits()
@@ -61,12 +62,14 @@ def heavy_bodies() -> list[tuple[str, bytes]]:
         "stop_token_ids": list(range(1, lim.max_stop_token_ids + 1)),
         "guided_regex": regex,
     }
-    # The most sequences, each matching the most (and longest) stop strings on every token.
+    # Several sequences, each matching the most (and longest) stop strings on every token.
+    # (n = 128 alone, kind "n128", saturates the event loop with per-sequence work whatever the
+    # caps: a throughput load, bounded by --max-requests-per-group, not by these limits.)
     sequences = {
         "model": MODEL,
         "prompt": "hi",
         "max_tokens": 4,
-        "n": 128,
+        "n": 8,
         "stop": [f"{i:03d}" + "s" * (lim.max_stop_chars - 3) for i in range(lim.max_stop)],
         "guided_regex": regex,
     }
@@ -81,28 +84,34 @@ def heavy_bodies() -> list[tuple[str, bytes]]:
         for i in range(lim.max_tools)
     ]
     message = {"role": "user", "content": text * 40}
-    bodies: list[tuple[str, Any]] = [
-        ("/v1/completions", {"model": MODEL, "prompt": (text * (fill // len(text)))}),
-        ("/v1/completions", {"model": MODEL, "prompt": [1] * (lim.max_token_ids - 1)}),
-        ("/v1/chat/completions", {"model": MODEL, "messages": [message] * lim.max_messages}),
-        (
+    bodies: dict[str, tuple[str, Any]] = {
+        "text": ("/v1/completions", {"model": MODEL, "prompt": (text * (fill // len(text)))}),
+        "ids": ("/v1/completions", {"model": MODEL, "prompt": [1] * (lim.max_token_ids - 1)}),
+        "messages": (
             "/v1/chat/completions",
-            {"model": MODEL, "messages": [message], "tools": tools},
+            {"model": MODEL, "messages": [message] * lim.max_messages},
         ),
-        ("/v1/completions", lists),
-        ("/v1/completions", sequences),
-        ("/tokenize", {"model": MODEL, "prompt": text * (fill // len(text))}),
-    ]
-    out = []
-    for route, body in bodies:
+        "tools": ("/v1/chat/completions", {"model": MODEL, "messages": [message], "tools": tools}),
+        "lists": ("/v1/completions", lists),
+        "sequences": ("/v1/completions", sequences),
+        "n128": ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4, "n": 128}),
+        "n8": ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4, "n": 8}),
+        "tokenize": ("/tokenize", {"model": MODEL, "prompt": text * (fill // len(text))}),
+    }
+    out = {}
+    for name, (route, body) in bodies.items():
         raw = json.dumps(body).encode()
         assert len(raw) <= lim.max_body_bytes, (route, len(raw))
-        out.append((route, raw))
+        out[name] = (route, raw)
     return out
 
 
-def heavy(http: str, grpc_address: str, senders: int) -> None:
-    """Send the heavy bodies in turn from `senders` threads until killed."""
+KINDS = ("text", "ids", "messages", "tools", "lists", "sequences", "tokenize", "grpc")
+EXTRA_KINDS = ("n128", "n8")  # not in the default mix (see `sequences` above)
+
+
+def heavy(http: str, grpc_address: str, senders: int, kinds: list[str]) -> None:
+    """Send the heavy requests `kinds` in turn from `senders` threads until killed."""
     import threading
 
     import grpc
@@ -126,14 +135,15 @@ def heavy(http: str, grpc_address: str, senders: int) -> None:
             stub = router_pb2_grpc.GenerationStub(channel)
             print("sending", flush=True)
             while not stop.is_set():
-                if i % (len(bodies) + 1) == len(bodies):
+                kind = kinds[i % len(kinds)]
+                if kind == "grpc":
                     route, status = "grpc", "OK"
                     try:
                         list(stub.Generate(big, timeout=300))
                     except grpc.RpcError as exc:
                         status = exc.code().name  # type: ignore[attr-defined]
                 else:
-                    route, raw = bodies[i % (len(bodies) + 1)]
+                    route, raw = bodies[kind]
                     headers = {"content-type": "application/json"}
                     status = str(client.post(route, content=raw, headers=headers).status_code)
                 print("sent", route, status, flush=True)
@@ -161,7 +171,8 @@ def router(tmp: Path) -> Iterator[dict[str, Any]]:
     async def workers() -> Any:
         fakes = [await FakeWorker(f"g{i}", token=TOKEN).start() for i in range(2)]
         for f in fakes:
-            f.script = Script(tokens=[42, 43, 44, 45])
+            # A worker paces its tokens (a step every 10 ms: a fast GPU), as real ones do.
+            f.script = Script(tokens=[42, 43, 44, 45], delay_s=0.01)
         try:
             yield fakes
         finally:
@@ -234,12 +245,20 @@ def probe(http: str, probes: int, warmup: int = 20) -> dict[str, list[float]]:
 
 
 @contextlib.contextmanager
-def load(ready: dict[str, Any], senders: int, tmp: Path) -> Iterator[None]:
+def load(ready: dict[str, Any], senders: int, kinds: list[str], tmp: Path) -> Iterator[None]:
     """The heavy client, running (every sender's first body on its way) until the block ends."""
     http = f"http://127.0.0.1:{ready['http_port']}"
     out = (tmp / "heavy.log").open("w+")
     proc = subprocess.Popen(
-        [sys.executable, __file__, "heavy", http, f"127.0.0.1:{ready['grpc_port']}", str(senders)],
+        [
+            sys.executable,
+            __file__,
+            "heavy",
+            http,
+            f"127.0.0.1:{ready['grpc_port']}",
+            str(senders),
+            ",".join(kinds),
+        ],
         stdout=out,
         stderr=subprocess.STDOUT,
         cwd=ROOT,
@@ -262,7 +281,9 @@ def load(ready: dict[str, Any], senders: int, tmp: Path) -> Iterator[None]:
         out.close()
 
 
-def measure(probes: int, rounds: int, senders: int) -> dict[str, Any]:
+def measure(
+    probes: int, rounds: int, senders: int, kinds: list[str] | None = None
+) -> dict[str, Any]:
     """Idle and loaded phases, interleaved; p50/p99 per probe kind and the loaded/idle ratios."""
     phases: dict[str, dict[str, list[float]]] = {
         "idle": {"health": [], "completion": []},
@@ -274,7 +295,7 @@ def measure(probes: int, rounds: int, senders: int) -> dict[str, Any]:
         for _ in range(rounds):
             for kind, took in probe(http, probes).items():
                 phases["idle"][kind] += took
-            with load(ready, senders, Path(d)):
+            with load(ready, senders, kinds or list(KINDS), Path(d)):
                 for kind, took in probe(http, probes).items():
                     phases["loaded"][kind] += took
             answers += [
@@ -282,7 +303,12 @@ def measure(probes: int, rounds: int, senders: int) -> dict[str, Any]:
                 for line in (Path(d) / "heavy.log").read_text().splitlines()
                 if line.startswith("sent ")
             ]
-    result: dict[str, Any] = {"probes": probes, "rounds": rounds, "senders": senders}
+    result: dict[str, Any] = {
+        "probes": probes,
+        "rounds": rounds,
+        "senders": senders,
+        "kinds": kinds or list(KINDS),
+    }
     for phase, kinds in phases.items():
         for kind, took in kinds.items():
             result[f"{phase}_{kind}_p50_ms"] = round(1000 * _percentile(took, 0.5), 3)
@@ -299,14 +325,15 @@ def measure(probes: int, rounds: int, senders: int) -> dict[str, Any]:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "heavy":
-        heavy(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        heavy(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5].split(","))
         return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--probes", type=int, default=300)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--senders", type=int, default=4)
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"of {','.join(KINDS + EXTRA_KINDS)}")
     args = p.parse_args()
-    result = measure(args.probes, args.rounds, args.senders)
+    result = measure(args.probes, args.rounds, args.senders, args.kinds.split(","))
     result["command"] = " ".join(["benchmarks/router_limits_load.py", *sys.argv[1:]])
     print(json.dumps(result, indent=1))
     OUT.write_text(json.dumps(result, indent=1) + "\n")

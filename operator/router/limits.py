@@ -223,10 +223,12 @@ def check_sampling_total(
 def table_rows(limits: RequestLimits | None = None) -> list[tuple[str, str]]:
     """(field, cap) rows of the docs' table, from the caps above (a test compares the docs)."""
     limits = limits or RequestLimits()
+    caps = (*HTTP_CAPS, *DETOKENIZE_CAPS, *GRPC_CAPS)
+    counted = {cap.path for cap in caps if cap.measure is Measure.COUNT}
     rows: dict[str, list[str]] = {}
-    for cap in (*HTTP_CAPS, *DETOKENIZE_CAPS, *GRPC_CAPS):
+    for cap in caps:
         text = f"{getattr(limits, cap.limit):,} {cap.unit_name()}"
-        if cap.measure is Measure.EACH:
-            text = f"{getattr(limits, cap.limit):,} {cap.unit_name()} each"
+        if cap.measure is Measure.EACH and cap.path in counted:
+            text += " each"
         rows.setdefault(f"`{cap.path}`", []).append(text)
-    return [(field, ", ".join(caps)) for field, caps in rows.items()]
+    return [(field, ", ".join(texts)) for field, texts in rows.items()]

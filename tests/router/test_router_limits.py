@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -18,6 +19,7 @@ from gearshift.operator.router.limits import (
     GRPC_CAPS,
     HTTP_CAPS,
     RequestLimits,
+    table_rows,
 )
 from gearshift.operator.router.server import load_tokenizer
 from gearshift.v1 import router_pb2, router_pb2_grpc
@@ -35,6 +37,15 @@ THREADS = LaneConfig(processes=0)
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
     return load_tokenizer("smollm2")
+
+
+def test_docs_serving_lists_every_cap() -> None:
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    missing = [f"| {f} | {t} |" for f, t in table_rows() if f"| {f} | {t} |" not in docs]
+    assert not missing, "docs/serving.md's Limits tables lack:\n" + "\n".join(missing)
+    lim = RequestLimits()
+    for number in (lim.max_body_bytes, lim.max_json_depth, lim.max_sampling_token_ids):
+        assert f"{number:,}" in docs or str(number) in docs, number
 
 
 def test_every_cap_has_a_case() -> None:
@@ -213,6 +224,12 @@ def test_prompt_token_ids_and_tool_size_caps_are_400_naming_the_field(
     cases = [
         ("/v1/completions", {"prompt": [1] * (LIMITS.max_token_ids + 1)}, "prompt"),
         ("/v1/completions", {"prompt": [[1], [1] * (LIMITS.max_token_ids + 1)]}, "prompt[1]"),
+        # Sequences × sampling token ids: 128 × 513 > 65,536 (each list alone is far below).
+        (
+            "/v1/completions",
+            {"prompt": "hi", "n": 128, "allowed_token_ids": list(range(1, 514))},
+            "n:",
+        ),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "hi"}], "tools": [big_tool]},
@@ -226,7 +243,7 @@ def test_prompt_token_ids_and_tool_size_caps_are_400_naming_the_field(
             assert r.status_code == 400, r.text
             error = r.json()["error"]
             assert error["code"] == "limit_exceeded" and error["message"].startswith(where)
-            assert error["param"] == where.split("[")[0]
+            assert error["param"] == where.split("[")[0].rstrip(":")
 
     run(tokenizer, scenario, lanes=THREADS)
 
