@@ -294,7 +294,7 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
             control_token=token,
             protect_metrics=args.protect_metrics,
             record_trace=args.record_trace,
-        )
+        ).with_preparation(args.max_body_bytes, args.preparation_processes)
         server = RouterServer(cfg)
         if not stop.is_set():
             await serve_until_signal(server, args.ready_file, ready_extra(), stop)

@@ -120,6 +120,8 @@ class RouterSpec:
     allowed_clients: tuple[dict[str, Any], ...] = ()
     protect_metrics: bool = False
     drain_timeout_seconds: int = DEFAULT_DRAIN_TIMEOUT_SECONDS
+    # The router's request body cap (router.json maxBodyBytes); 0: the router's default.
+    max_body_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -262,6 +264,7 @@ def parse(body: dict[str, Any]) -> DeploymentSpec:
             allowed_clients=tuple(r.get("allowedClients", [])),
             protect_metrics=bool(r.get("protectMetrics", False)),
             drain_timeout_seconds=int(r.get("drainTimeoutSeconds", DEFAULT_DRAIN_TIMEOUT_SECONDS)),
+            max_body_bytes=int(r.get("maxBodyBytes", 0)),
         ),
         scheduling=Scheduling(
             node_selector=dict(s.get("nodeSelector", {})),
