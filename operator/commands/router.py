@@ -54,6 +54,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("router", help="run the OpenAI-compatible router (router.json)")
     p.add_argument("--config", default=None, help="router.json (default: $GEARSHIFT_CONFIG)")
+    p.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="run without control/admin tokens: worker and Admin calls are not authenticated "
+        "(development only; without tokens and without this flag the router refuses to start)",
+    )
     add_router_args(p)
     p.set_defaults(func=run)
 
@@ -114,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
             api_keys=(*cfg.api_keys, *keys) or None,
             protect_metrics=args.protect_metrics or None,
             record_trace=args.record_trace,
+            insecure_no_auth=args.insecure_no_auth or None,
         )
         if args.grpc_port is not None:
             cfg = dataclasses.replace(cfg, grpc_port=port_flag(args.grpc_port))
