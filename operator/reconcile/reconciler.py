@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,16 +26,15 @@ from gearshift.operator.reconcile import (
     rollout,
     status,
 )
-from gearshift.operator.reconcile import render_security as security
 from gearshift.operator.reconcile.admin_client import AdminClient, AdminUnavailable
 from gearshift.operator.reconcile.kube import Kube, KubeError, Snapshot
 from gearshift.operator.reconcile.render_meta import is_owned_by
 from gearshift.operator.reconcile.settings import OperatorSettings
 from gearshift.operator.reconcile.spec import DeploymentSpec, SpecError, parse
+from gearshift.operator.reconcile.tokens import TokenKeeper
 from gearshift.v1 import policy_fields, policy_pb2, router_pb2
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.policies.support import check_runnable
-from gearshift.worker.server import auth
 
 # Listed once per pass; every child of these kinds carries the deployment label.
 SNAPSHOT_KINDS = [
@@ -50,18 +48,14 @@ SNAPSHOT_KINDS = [
 ]
 
 
-# Seconds a control token read from its Secret is reused before the Secret is read again.
-TOKEN_CACHE_SECONDS = 60.0
-
-
 @dataclass
 class Reconciler:
     kube: Kube
     settings: OperatorSettings
     logger: logging.Logger | logging.LoggerAdapter[logging.Logger]
-    # (namespace, name, uid) → (token, monotonic time read); shared across passes (kopf memo)
-    # so a pass does not read the Secret each time.
-    tokens: dict[tuple[str, str, str], tuple[str, float]] = field(default_factory=dict)
+    # The deployments' tokens (tokens.py); shared across passes (kopf memo) so each Secret is
+    # written once per operator process and epoch.
+    tokens: TokenKeeper
     # (namespace, name, uid) → the last status.auto planned: a pass that started from a body read
     # before the previous pass wrote its status (a timer and a change handler fire together)
     # reuses it instead of planning again.
@@ -73,6 +67,7 @@ class Reconciler:
         meta = body.get("metadata", {})
         try:
             spec, chosen = await self._runnable(body, previous, now)
+            admin_token = await self.tokens.admin_token(spec)
         except SpecError as exc:
             result = status.PassResult(
                 replicas=0, max_unavailable=1, groups=[], spec_error=str(exc), spec_field=exc.field
@@ -89,7 +84,7 @@ class Reconciler:
         admin = AdminClient(
             self.settings.admin_address_for(spec.name, spec.namespace),
             self.settings.admin_timeout_seconds,
-            await self._control_token(spec),
+            admin_token,
         )
         router, router_error = await self._router_status(admin)
         result = await self._converge(spec, admin, router, router_error, previous, now)
@@ -134,26 +129,6 @@ class Reconciler:
             except KubeError as exc:  # an event is a courtesy; status.auto says the same
                 self.logger.warning("could not post the PolicyPlanned event: %s", exc)
         return spec, chosen
-
-    async def _control_token(self, spec: DeploymentSpec) -> str:
-        """The deployment's control token, from its Secret; created (random) when missing.
-
-        Never rotated by the operator: pods read it once at start. Delete the Secret to rotate;
-        the next pass makes a new one, and pods restarted after that pick it up.
-        """
-        key = (spec.namespace, spec.name, spec.uid)
-        cached = self.tokens.get(key)
-        if cached is not None and time.monotonic() - cached[1] < TOKEN_CACHE_SECONDS:
-            return cached[0]
-        name = names.control_secret(spec.name)
-        secret = await self.kube.get("v1", "Secret", spec.namespace, name)
-        token = security.token_from_secret(secret) if secret is not None else ""
-        if not token:
-            token = auth.generate_token()
-            await self.kube.apply(security.control_secret(spec, token))
-            self.logger.info("created the control token Secret %s", name)
-        self.tokens[key] = (token, time.monotonic())
-        return token
 
     async def _router_status(
         self, admin: AdminClient

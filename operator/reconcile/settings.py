@@ -23,6 +23,9 @@ class OperatorSettings:
     # Who may call each router's Admin API (its NetworkPolicy): the operator's namespace and
     # pod labels, from the chart.
     operator: OperatorPeer = field(default_factory=OperatorPeer)
+    # The file holding the key every deployment's tokens derive from (tokens.py; the chart
+    # mounts it from a Secret); "": a key of this process only.
+    key_file: str = ""
 
     def admin_address_for(self, name: str, namespace: str) -> str:
         return self.admin_address.format(
@@ -41,6 +44,7 @@ class OperatorSettings:
             admin_address=e.get("GEARSHIFT_ROUTER_ADMIN_ADDRESS", DEFAULT_ADMIN_ADDRESS),
             admin_timeout_seconds=float(e.get("GEARSHIFT_ADMIN_TIMEOUT_SECONDS", "3")),
             resync_seconds=float(e.get("GEARSHIFT_RESYNC_SECONDS", "10")),
+            key_file=e.get("GEARSHIFT_OPERATOR_KEY_FILE", ""),
             operator=OperatorPeer(
                 namespace=e.get("GEARSHIFT_OPERATOR_NAMESPACE", ""),
                 labels=parse_labels(e.get("GEARSHIFT_OPERATOR_LABELS", "")),

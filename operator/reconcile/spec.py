@@ -13,6 +13,7 @@ from typing import Any
 
 from google.protobuf import json_format
 
+from gearshift.operator.reconcile import names
 from gearshift.v1 import policy_fields, policy_pb2
 
 DEFAULT_NODES = 1
@@ -174,6 +175,8 @@ class DeploymentSpec:
     scheduling: Scheduling
     rollout: Rollout
     restart: RestartPolicy
+    # metadata.annotations["gearshift.dev/token-epoch"]: a new value rotates the tokens.
+    token_epoch: str = ""
 
     @property
     def full_policy(self) -> policy_pb2.Policy:
@@ -276,6 +279,7 @@ def parse(body: dict[str, Any]) -> DeploymentSpec:
             max_backoff_seconds=int(rp.get("maxBackoffSeconds", DEFAULT_MAX_BACKOFF_SECONDS)),
             max_restarts=int(rp.get("maxRestarts", DEFAULT_MAX_RESTARTS)),
         ),
+        token_epoch=str((meta.get("annotations") or {}).get(names.ANNOTATION_TOKEN_EPOCH, "")),
     )
     _check(parsed)
     return parsed
