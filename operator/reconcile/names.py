@@ -66,6 +66,26 @@ GRACE_MARGIN_SECONDS = 15
 
 WORKER_HEALTH_SERVICE = "gearshift.v1.Worker"
 
+# Environment the operator sets on worker containers, which spec.group.env may not override:
+# the group's identity and wiring, its tokens (an override could point the worker at a file
+# anyone can write, or vLLM at no key), its configuration. Refused by the CRD and the operator.
+RESERVED_ENV = (
+    "GEARSHIFT_CONFIG",
+    "GEARSHIFT_CONTROL_TOKEN_FILE",
+    "GEARSHIFT_ADMIN_TOKEN_FILE",
+    "GEARSHIFT_GROUP_NAME",
+    "GEARSHIFT_GROUP_ADDR",
+    "GEARSHIFT_GROUP_PORT",
+    "GEARSHIFT_GROUP_SIZE",
+    "GEARSHIFT_RANKS_PER_NODE",
+    "GEARSHIFT_NODE_RANK",
+    "GEARSHIFT_WORKER_PORT",
+    "GEARSHIFT_REVISION",
+    "GEARSHIFT_KERNEL_CACHE",
+    "GEARSHIFT_API_KEY",
+    "VLLM_API_KEY",
+)
+
 
 def config_map_name(name: str) -> str:
     return f"{name}-config"

@@ -17,6 +17,7 @@ from typing import Any
 
 from gearshift.operator.reconcile import (
     auto,
+    model_pin,
     names,
     render_config,
     render_network,
@@ -60,6 +61,8 @@ class Reconciler:
     # before the previous pass wrote its status (a timer and a change handler fire together)
     # reuses it instead of planning again.
     plans: dict[tuple[str, str, str], dict[str, Any]] = field(default_factory=dict)
+    # hf:// branch or tag → commit (model_pin.py); the Hub, or a fake in tests.
+    resolver: model_pin.Resolver = model_pin.hub_resolver
 
     async def reconcile(self, body: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
         """Converge the children of `body`; returns the status to write."""
@@ -67,6 +70,10 @@ class Reconciler:
         meta = body.get("metadata", {})
         try:
             spec, chosen = await self._runnable(body, previous, now)
+            # Off the event loop: it may ask the Hub (bounded by model_pin.RESOLVE_TIMEOUT_S).
+            spec, pinned = await asyncio.to_thread(
+                model_pin.pin, spec, previous.get("model"), self.resolver
+            )
             admin_token = await self.tokens.admin_token(spec)
         except SpecError as exc:
             result = status.PassResult(
@@ -80,6 +87,7 @@ class Reconciler:
                 generation=int(meta.get("generation", 0)),
                 previous=previous,
                 now=now,
+                model=previous.get("model"),  # a pin survives a pass that renders nothing
             )
         admin = AdminClient(
             self.settings.admin_address_for(spec.name, spec.namespace),
@@ -98,6 +106,7 @@ class Reconciler:
             previous=previous,
             now=now,
             auto=chosen.status if chosen is not None else None,
+            model=pinned,
         )
 
     async def _runnable(
@@ -194,7 +203,8 @@ class Reconciler:
         await self.kube.apply(render_router.deployment(spec), snap)
         await self.kube.apply(render_router.service(spec), snap)
         await self.kube.apply(render_router.admin_service(spec), snap)
-        await self.kube.apply(render_network.router_policy(spec, self.settings.operator), snap)
+        policy = render_network.router_policy(spec, self.settings.operator, self.settings.dns)
+        await self.kube.apply(policy, snap)
         await self.kube.apply(render_workers.disruption_budget(spec), snap)
 
         reports, gave_up, restarting = await self._restarts(
@@ -250,7 +260,7 @@ class Reconciler:
         self, spec: DeploymentSpec, snap: Snapshot, index: int, surge: bool
     ) -> None:
         await self.kube.apply(render_workers.headless_service(spec, index), snap)
-        await self.kube.apply(render_network.worker_policy(spec, index), snap)
+        await self.kube.apply(render_network.worker_policy(spec, index, self.settings.dns), snap)
         pod_group = render_workers.pod_group(spec, index)
         if pod_group is not None:
             await self.kube.apply(pod_group)

@@ -15,6 +15,7 @@ from google.protobuf import json_format
 
 from gearshift.operator.reconcile import names
 from gearshift.v1 import policy_fields, policy_pb2
+from gearshift.worker.model.source import revision_error
 
 DEFAULT_NODES = 1
 DEFAULT_GPUS_PER_NODE = 1
@@ -80,6 +81,8 @@ class ModelSpec:
     token_secret: str = ""
     token_key: str = "HF_TOKEN"
     cache_claim: str = ""  # a PVC kept across restarts; "" = an emptyDir per pod
+    # NetworkPolicy peers the download may reach (HTTPS); empty: any address.
+    egress: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -229,6 +232,7 @@ def parse(body: dict[str, Any]) -> DeploymentSpec:
             token_secret=m.get("hfTokenSecret", {}).get("name", ""),
             token_key=m.get("hfTokenSecret", {}).get("key", "HF_TOKEN"),
             cache_claim=m.get("cache", {}).get("claimName", ""),
+            egress=tuple(m.get("egress", [])),
         ),
         engine=spec.get("engine", "gearshift"),
         images=Images(
@@ -299,9 +303,22 @@ def _check(spec: DeploymentSpec) -> None:
             raise SpecError("spec.group.nodes: engine vllm runs single-node groups without sp")
         if not spec.images.vllm:
             raise SpecError("spec.images.vllm: required for engine vllm")
+    for i, var in enumerate(spec.group.env):
+        name = var.get("name") if isinstance(var, dict) else None
+        if not isinstance(name, str) or not name:
+            raise SpecError(f"spec.group.env[{i}]: needs a name", "spec.group.env")
+        if name in names.RESERVED_ENV:
+            raise SpecError(
+                f"spec.group.env: {name} is set by the operator and may not be overridden",
+                "spec.group.env",
+            )
+    if spec.model.revision and (error := revision_error(spec.model.revision)):
+        raise SpecError(f"spec.model.{error}", "spec.model.revision")
     hub_only = spec.model.revision or spec.model.token_secret or spec.model.cache_claim
     if hub_only and spec.model.source.scheme != "hf":
         raise SpecError("spec.model: revision, hfTokenSecret and cache apply to hf:// sources only")
+    if spec.model.egress and spec.model.source.scheme != "hf":
+        raise SpecError("spec.model.egress: applies to hf:// sources only", "spec.model.egress")
     if not spec.images.router or (spec.engine == "gearshift" and not spec.images.worker):
         raise SpecError("spec.images: worker and router images are required")
     if spec.router.protect_metrics and not spec.router.api_key_secret:

@@ -288,7 +288,12 @@ class OperatorProcess:
     """
 
     def __init__(
-        self, kubeconfig: Path, admin_address: str, log: Path, resync: float = 0.5
+        self,
+        kubeconfig: Path,
+        admin_address: str,
+        log: Path,
+        resync: float = 0.5,
+        env: dict[str, str] | None = None,
     ) -> None:
         self._cmd = [
             sys.executable,
@@ -303,6 +308,7 @@ class OperatorProcess:
             "GEARSHIFT_ROUTER_ADMIN_ADDRESS": admin_address,
             "GEARSHIFT_RESYNC_SECONDS": str(resync),
             "GEARSHIFT_ADMIN_TIMEOUT_SECONDS": "1",
+            **(env or {}),
         }
         self.log = log
         self._proc: subprocess.Popen[bytes] | None = None

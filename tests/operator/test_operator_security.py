@@ -206,7 +206,7 @@ def test_worker_ports_and_rendezvous_only_from_the_group_and_the_router() -> Non
     policy = render_network.worker_policy(spec, 1)
     group = names.group_selector(spec.name, 1)
     assert policy["spec"]["podSelector"] == {"matchLabels": group}
-    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]  # issue 31: egress too
     own, router = _rules(policy)
     # The group's own pods: every port (rendezvous 29500 and gloo/NCCL's own ports).
     assert own == {"from": [{"podSelector": {"matchLabels": group}}]}
@@ -265,3 +265,28 @@ def test_protect_metrics_needs_an_api_key_and_reaches_router_json() -> None:
         _spec(router={"protectMetrics": True})
     spec = _spec(router={"protectMetrics": True, "apiKeySecret": {"name": "keys"}})
     assert render_config.router_config(spec, [0], "cluster.local")["protectMetrics"] is True
+
+
+@pytest.mark.parametrize("name", names.RESERVED_ENV)
+def test_group_env_may_not_override_what_the_operator_sets(name: str) -> None:
+    with pytest.raises(SpecError, match=rf"spec\.group\.env: {name} is set by the operator") as e:
+        _spec(group={"nodes": 1, "gpusPerNode": 8, "env": [{"name": name, "value": "x"}]})
+    assert e.value.field == "spec.group.env"
+
+
+def test_every_gearshift_variable_the_operator_renders_is_reserved() -> None:
+    """So a new variable in the renderers cannot be overridden from group.env by accident."""
+    for example in ("shift", "static-vllm"):
+        spec = _spec(example)
+        containers = [_pod(spec)["containers"][0], _router_pod(spec)["containers"][0]]
+        rendered = {e["name"] for c in containers for e in c["env"]}
+        ours = {n for n in rendered if n.startswith("GEARSHIFT_") or n == "VLLM_API_KEY"}
+        assert ours <= set(names.RESERVED_ENV), ours - set(names.RESERVED_ENV)
+
+
+def test_group_env_keeps_tunables_and_other_names() -> None:
+    env = [{"name": "GEARSHIFT_HEARTBEAT_TIMEOUT", "value": "5"}, {"name": "NCCL_DEBUG"}]
+    spec = _spec(group={"nodes": 1, "gpusPerNode": 8, "env": env})
+    assert {"name": "NCCL_DEBUG"} in _pod(spec)["containers"][0]["env"]
+    with pytest.raises(SpecError, match=r"spec\.group\.env\[0\]: needs a name"):
+        _spec(group={"nodes": 1, "gpusPerNode": 8, "env": [{"value": "x"}]})

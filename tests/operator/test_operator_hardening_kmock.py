@@ -1,7 +1,8 @@
-"""The deployment's tokens under the real operator (kopf against kmock), issue 31 items 2 and 4:
-two Secrets (admin, control) written without any annotation, no Secret data in any annotation
-of anything the operator wrote, a Secret of someone else's never overwritten, a legacy Secret's
-leaked annotation removed, and a rotation through the token-epoch annotation."""
+"""Issue 31 under the real operator (kopf against kmock). Tokens (items 2, 4): two Secrets
+(admin, control) written without any annotation, no Secret data in any annotation of anything
+the operator wrote, a Secret of someone else's never overwritten, a legacy Secret's leaked
+annotation removed, a rotation through the token-epoch annotation. Inputs (items 3, 8): a
+reserved env name is InvalidSpec for clusters without CEL."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from kmock_harness import Api, OperatorProcess, StandInAdmin, condition, wait_fo
 from gearshift.operator.reconcile import names, tokens
 from gearshift.operator.reconcile.reconciler import SNAPSHOT_KINDS
 from gearshift.operator.reconcile.spec import parse
+from tests.worker.model.hub_server import HubServer, Repo
 
 NS = "tok"
 SECRETS = f"/api/v1/namespaces/{NS}/secrets"
@@ -182,3 +184,80 @@ def test_a_new_token_epoch_rotates_both_tokens_and_the_operator_presents_both_ad
     # Later passes change nothing: the tokens are derived from the epoch, not drawn anew.
     wait_for(lambda: len(admin.authorization) > 10, 30, "more passes")
     assert _token(_secret(api, names.admin_secret(name))) == new_admin
+
+
+def test_a_reserved_env_name_is_invalid_spec_and_renders_nothing(
+    api: Api, operator_process: OperatorProcess, repo: Path
+) -> None:
+    """What the CRD's CEL rule refuses, for an API server that runs no CEL (or a resource
+    stored before the rule existed)."""
+    name = "envy"
+    body = _resource(repo, name)
+    body["spec"]["group"]["env"] = [
+        {"name": "GEARSHIFT_HEARTBEAT_TIMEOUT", "value": "5"},  # a tunable: allowed
+        {"name": "GEARSHIFT_CONTROL_TOKEN_FILE", "value": "/dev/null"},
+    ]
+    api.create_cr(NS, body)
+    invalid = wait_for(
+        lambda: (c := condition(api.cr(NS, name), "InvalidSpec")).get("status") == "True" and c,
+        30,
+        "InvalidSpec",
+    )
+    assert (
+        "spec.group.env: GEARSHIFT_CONTROL_TOKEN_FILE is set by the operator"
+        in (invalid["message"])
+    )
+    assert not api.get(f"/apis/apps/v1/namespaces/{NS}/statefulsets/{name}-g0")
+    assert not _secret(api, names.admin_secret(name))  # refused before any token is written
+
+
+def _init_revisions(api: Api, name: str) -> set[str]:
+    """The --revision of every init container of the deployment's pod templates."""
+    templates = [
+        o["spec"]["template"]["spec"]
+        for o in api.items(f"/apis/apps/v1/namespaces/{NS}/statefulsets")
+        + api.items(f"/apis/apps/v1/namespaces/{NS}/deployments")
+        if o["metadata"]["labels"].get(names.LABEL_DEPLOYMENT) == name
+    ]
+    out = set()
+    for pod in templates:
+        (init,) = pod["initContainers"]
+        out.add(init["args"][init["args"].index("--revision") + 1])
+    return out
+
+
+def test_an_hf_branch_is_pinned_once_for_every_pod_and_moves_only_with_the_spec(
+    api: Api, admin: StandInAdmin, hub: HubServer, operator_process: OperatorProcess, repo: Path
+) -> None:
+    name = "pinned"
+    hub_repo = hub.repos.setdefault("org/pinme", Repo())
+    first = hub_repo.add_commit({"config.json": b"1"}, "main")
+    body = _resource(repo, name)
+    body["spec"]["model"] = {"source": "hf://org/pinme", "name": "pinme"}
+    api.create_cr(NS, body)
+    model = wait_for(lambda: (api.cr(NS, name) or {}).get("status", {}).get("model"), 30, "pin")
+    assert model == {"source": "hf://org/pinme", "revision": "main", "commit": first}
+    wait_for(lambda: len(api.names(f"/apis/apps/v1/namespaces/{NS}/statefulsets")) >= 3, 30, "")
+    assert _init_revisions(api, name) == {first}  # 3 groups and the router: one commit
+
+    # main moves on the Hub: the deployment stays on its commit (no pod is rolled).
+    second = hub_repo.add_commit({"config.json": b"2"}, "main", "v2")
+    calls = len(admin.authorization)  # one GetStatus per pass
+    wait_for(lambda: len(admin.authorization) >= calls + 5, 30, "more passes")
+    assert (api.cr(NS, name) or {})["status"]["model"]["commit"] == first
+    assert _init_revisions(api, name) == {first}
+
+    # The spec asks for another revision: pinned afresh, then every pod template follows.
+    api.patch_spec(NS, name, {"model": {"source": "hf://org/pinme", "revision": "v2"}})
+    wait_for(lambda: (api.cr(NS, name) or {})["status"]["model"]["commit"] == second, 30, "new pin")
+    assert (api.cr(NS, name) or {})["status"]["model"]["revision"] == "v2"
+
+    # A revision the Hub does not know: refused naming the field, the pin kept.
+    api.patch_spec(NS, name, {"model": {"source": "hf://org/pinme", "revision": "nope"}})
+    invalid = wait_for(
+        lambda: (c := condition(api.cr(NS, name), "InvalidSpec")).get("status") == "True" and c,
+        30,
+        "InvalidSpec",
+    )
+    assert invalid["reason"] == "SpecModelRevision" and "'nope'" in invalid["message"]
+    assert (api.cr(NS, name) or {})["status"]["model"]["commit"] == second
