@@ -41,6 +41,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="/metrics needs an API key too (default: open, as Prometheus expects)",
     )
+    p.add_argument(
+        "--cache-salt-by-api-key",
+        action="store_true",
+        help="give each API key its own prefix cache (requests are salted by their key, as "
+        "vLLM's cache_salt), so cached_tokens tells no client about another's prompts",
+    )
     p.add_argument("--ready-file", type=Path, default=None, help="write the bound ports (JSON)")
     p.add_argument(
         "--record-trace",
@@ -121,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
             protect_metrics=args.protect_metrics or None,
             record_trace=args.record_trace,
             insecure_no_auth=args.insecure_no_auth or None,
+            cache_salt_by_api_key=args.cache_salt_by_api_key or None,
         )
         if args.grpc_port is not None:
             cfg = dataclasses.replace(cfg, grpc_port=port_flag(args.grpc_port))

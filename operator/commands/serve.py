@@ -304,6 +304,7 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
             admin_token=admin_token,
             admin_token_file=admin_token_file,
             protect_metrics=args.protect_metrics,
+            cache_salt_by_api_key=args.cache_salt_by_api_key,
             record_trace=args.record_trace,
         )
         server = RouterServer(cfg)

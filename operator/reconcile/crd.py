@@ -230,6 +230,13 @@ def spec_schema(policy: dict[str, Any]) -> dict[str, Any]:
                         "description": "Require the API key on /metrics too (default: open, "
                         "as Prometheus expects). Needs apiKeySecret.",
                     },
+                    "cacheSaltByApiKey": {
+                        "type": "boolean",
+                        "default": False,
+                        "description": "Give each API key its own prefix cache: requests are "
+                        "salted by their key (vLLM's cache_salt), so cached_tokens tells no "
+                        "client about another's prompts. Needs apiKeySecret.",
+                    },
                     "drainTimeoutSeconds": _int(
                         "On shutdown, seconds in-flight requests may finish; streams still "
                         "running then end with an error event. Pods get this plus a margin as "
@@ -240,6 +247,14 @@ def spec_schema(policy: dict[str, Any]) -> dict[str, Any]:
                 },
                 "The request router (OpenAI HTTP, gRPC, admin API).",
                 default={},
+                **{
+                    "x-kubernetes-validations": [
+                        {
+                            "rule": "!self.cacheSaltByApiKey || has(self.apiKeySecret)",
+                            "message": "router.cacheSaltByApiKey: needs router.apiKeySecret",
+                        }
+                    ]
+                },
             ),
             "scheduling": _obj(
                 {

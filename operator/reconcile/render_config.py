@@ -85,6 +85,7 @@ def router_config(spec: DeploymentSpec, indices: list[int], cluster_domain: str)
         },
         "apiKeyEnv": "GEARSHIFT_API_KEY" if spec.router.api_key_secret else "",
         "protectMetrics": spec.router.protect_metrics,
+        "cacheSaltByApiKey": spec.router.cache_salt_by_api_key,
     }
 
 

@@ -121,6 +121,8 @@ class RouterSpec:
     allowed_clients: tuple[dict[str, Any], ...] = ()
     protect_metrics: bool = False
     drain_timeout_seconds: int = DEFAULT_DRAIN_TIMEOUT_SECONDS
+    # Each API key its own prefix cache (operator/router/cache_salt.py).
+    cache_salt_by_api_key: bool = False
 
 
 @dataclass(frozen=True)
@@ -263,6 +265,7 @@ def parse(body: dict[str, Any]) -> DeploymentSpec:
             allowed_clients=tuple(r.get("allowedClients", [])),
             protect_metrics=bool(r.get("protectMetrics", False)),
             drain_timeout_seconds=int(r.get("drainTimeoutSeconds", DEFAULT_DRAIN_TIMEOUT_SECONDS)),
+            cache_salt_by_api_key=bool(r.get("cacheSaltByApiKey", False)),
         ),
         scheduling=Scheduling(
             node_selector=dict(s.get("nodeSelector", {})),
@@ -321,6 +324,12 @@ def _check(spec: DeploymentSpec) -> None:
         raise SpecError("spec.model.egress: applies to hf:// sources only", "spec.model.egress")
     if not spec.images.router or (spec.engine == "gearshift" and not spec.images.worker):
         raise SpecError("spec.images: worker and router images are required")
+    if spec.router.cache_salt_by_api_key and not spec.router.api_key_secret:
+        raise SpecError(
+            "spec.router.cacheSaltByApiKey: salts by the API key, so spec.router.apiKeySecret "
+            "is required",
+            "spec.router.cacheSaltByApiKey",
+        )
     if spec.router.protect_metrics and not spec.router.api_key_secret:
         raise SpecError(
             "spec.router.protectMetrics: /metrics is protected by the API key, so "

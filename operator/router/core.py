@@ -9,7 +9,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from gearshift.operator.router import errors, request_params
+from gearshift.operator.router import cache_salt, errors, request_params
 from gearshift.operator.router.choices import Choices
 from gearshift.operator.router.config import RouterConfig
 from gearshift.operator.router.generate import PreparedRequest, RequestRun
@@ -141,12 +141,13 @@ class Router:
         logprobs: int | None,
         prompt_param: str,
         prefix: str,
+        key_salt: str = "",
     ) -> tuple[str, Choices]:
         """Validate against the context and vocabulary, then start the request's sequences.
 
         Returns the response id (the client's request_id when given, as vLLM does) and the
         running choices, `best_of` (or `n`) per prompt in prompt order; closing them frees
-        the id.
+        the id. `key_salt`: the API key's prefix-cache salt when salting by key (cache_salt.py).
         """
         self.check_accepting()
         self.check_model(body.model)
@@ -158,6 +159,7 @@ class Router:
         if body.best_of is not None and body.best_of > body.n and logprobs is None:
             logprobs = 0  # best_of ranks by cumulative logprob; the client does not see them
         sampling = request_params.sampling_proto(body, self.tokenizer, max_tokens, logprobs, spec)
+        sampling.cache_salt = cache_salt.combine(body.cache_salt, key_salt)
         rid = body.request_id or f"{prefix}-{uuid.uuid4().hex}"
         self.claim_id(rid)
         count = body.num_sequences

@@ -17,7 +17,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gearshift.operator.router import chat_render, completion_render, errors, openai_format
+from gearshift.operator.router import (
+    cache_salt,
+    chat_render,
+    completion_render,
+    errors,
+    openai_format,
+)
 from gearshift.operator.router.choices import Choices
 from gearshift.operator.router.core import Router
 from gearshift.operator.router.openapi import ERROR_RESPONSES, GENERATION_RESPONSES, openapi_400
@@ -47,22 +53,33 @@ class ApiKeyMiddleware:
     wrong key is always 401, never a 400 about the body.
     """
 
-    def __init__(self, app: ASGIApp, keys: tuple[str, ...], protect_metrics: bool = False) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: tuple[str, ...],
+        protect_metrics: bool = False,
+        salt_by_key: bool = False,
+    ) -> None:
         self.app = app
+        if any(not k.strip() for k in keys):
+            raise ValueError("an empty or blank API key would let anyone in")
         self.keys = [k.encode() for k in keys]
         self.prefixes = PROTECTED_PREFIXES + (("/metrics",) if protect_metrics else ())
+        # Each key's prefix-cache salt, left in request.state for the routes (cache_salt.py).
+        self.salts = [cache_salt.key_salt(k) if salt_by_key else "" for k in keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.keys and scope["path"].startswith(self.prefixes):
             header = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = header.partition(b" ")
             token = token.strip()
-            if scheme.lower() != b"bearer" or not any(
-                hmac.compare_digest(token, k) for k in self.keys
-            ):
+            # Every key is compared (no early exit): the time does not say which one matched.
+            matches = [hmac.compare_digest(token, k) for k in self.keys]
+            if scheme.lower() != b"bearer" or not token or not any(matches):
                 exc = errors.unauthorized()
                 await JSONResponse(exc.body(), exc.status)(scope, receive, send)
                 return
+            scope.setdefault("state", {})[cache_salt.STATE_KEY] = self.salts[matches.index(True)]
         await self.app(scope, receive, send)
 
 
@@ -252,7 +269,10 @@ def build_app(router: Router) -> FastAPI:
         if body.suffix:
             raise errors.bad_request("suffix is not supported", "suffix")
         prompts = router.completion_prompts(body)
-        rid, choices = router.start(body, prompts, body.max_tokens, body.logprobs, "prompt", "cmpl")
+        salt = getattr(request.state, cache_salt.STATE_KEY, "")
+        rid, choices = router.start(
+            body, prompts, body.max_tokens, body.logprobs, "prompt", "cmpl", salt
+        )
         view = completion_render.CompletionView(
             rid,
             int(time.time()),
@@ -284,8 +304,9 @@ def build_app(router: Router) -> FastAPI:
                 "prompt_logprobs",
             )
         ids = router.chat_prompt(body)
+        salt = getattr(request.state, cache_salt.STATE_KEY, "")
         rid, choices = router.start(
-            body, [ids], body.output_limit, body.num_logprobs, "messages", "chatcmpl"
+            body, [ids], body.output_limit, body.num_logprobs, "messages", "chatcmpl", salt
         )
         view = chat_render.ChatView(
             rid,

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gearshift.operator.router import errors
+from gearshift.operator.router import cache_salt, errors
 from gearshift.operator.router.core import Router
 from gearshift.operator.router.group import Lease
 from gearshift.operator.router.http_api import ClientDisconnected, until_disconnect
@@ -90,6 +90,12 @@ class ProxiedRequest:
             raise errors.bad_request("the body must be a JSON object")
         model = body.get("model")
         router.check_model(model if isinstance(model, str) else None)
+        # vLLM honours cache_salt itself; salting by key puts the key's salt in front.
+        key_salt = getattr(request.state, cache_salt.STATE_KEY, "")
+        if key_salt:
+            body["cache_salt"] = cache_salt.combine(
+                cache_salt.check(body.get("cache_salt")), key_salt
+            )
         return await cls(router, request.url.path, body).respond(request)
 
     # ---- sending --------------------------------------------------------------------------

@@ -125,7 +125,12 @@ class RouterServer:
         app = build_app(router)
         if cfg.backend == "openai-http":  # generation is the backend's; see openai_proxy.py
             app.add_middleware(OpenAIProxy, router=router)
-        app.add_middleware(ApiKeyMiddleware, keys=cfg.api_keys, protect_metrics=cfg.protect_metrics)
+        app.add_middleware(
+            ApiKeyMiddleware,
+            keys=cfg.api_keys,
+            protect_metrics=cfg.protect_metrics,
+            salt_by_key=cfg.cache_salt_by_api_key,
+        )
         # Added last, so outermost: it also sees the API-key middleware's 401s.
         app.add_middleware(RejectionCounter, metrics=metrics)
         sock = _listen(cfg.host, cfg.http_port)
