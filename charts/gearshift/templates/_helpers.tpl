@@ -92,3 +92,12 @@ app.kubernetes.io/name={{ .Chart.Name }},app.kubernetes.io/instance={{ .Release.
 {{- define "gearshift.keySecret" -}}
 {{- default (printf "%s-key" (include "gearshift.fullname" .)) .Values.operator.keySecret -}}
 {{- end -}}
+
+{{/* A label map as k=v,k=v (sorted keys). */}}
+{{- define "gearshift.labelString" -}}
+{{- $out := list -}}
+{{- range $k, $v := . -}}
+{{- $out = append $out (printf "%s=%s" $k $v) -}}
+{{- end -}}
+{{- join "," $out -}}
+{{- end -}}

@@ -1,6 +1,7 @@
-"""Least privilege for Secrets (issue 31, item 2): the rendered RBAC, the operator's key, and the
-ValidatingAdmissionPolicy that confines the operator's Secret writes to its own token Secrets,
-its CEL evaluated with cel-python for the requests that matter."""
+"""The chart's security (issue 31, items 2 and 5): the rendered RBAC, the operator's key, the
+ValidatingAdmissionPolicy that confines the operator's Secret writes to its own token Secrets
+(its CEL evaluated with cel-python for the requests that matter), the DNS pods of the
+NetworkPolicies."""
 
 from __future__ import annotations
 
@@ -138,3 +139,14 @@ def test_the_guard_admits_only_the_operators_own_labelled_token_secrets(
     assert matched
     verdicts = [holds(v["expression"]) for v in policy["spec"]["validations"]]
     assert all(verdicts) is allowed, verdicts
+
+
+def test_the_dns_pods_can_be_named_for_the_network_policies(helm: Path) -> None:  # noqa: F811
+    def env(*values: str) -> dict[str, str | None]:
+        docs = _render(helm, *values)
+        pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+        return {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+
+    assert "GEARSHIFT_DNS_LABELS" not in env()
+    named = env("dnsPodLabels.app=node-dns", "dnsPodLabels.tier=dns")
+    assert named["GEARSHIFT_DNS_LABELS"] == "app=node-dns,tier=dns"
