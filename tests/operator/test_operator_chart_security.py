@@ -5,6 +5,7 @@ NetworkPolicies."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -150,3 +151,38 @@ def test_the_dns_pods_can_be_named_for_the_network_policies(helm: Path) -> None:
     assert "GEARSHIFT_DNS_LABELS" not in env()
     named = env("dnsPodLabels.app=node-dns", "dnsPodLabels.tier=dns")
     assert named["GEARSHIFT_DNS_LABELS"] == "app=node-dns,tier=dns"
+
+
+def _documented_rbac() -> set[tuple[str, str, str]]:
+    """(API group, resource, verb) for every row of docs/operator.md's RBAC table."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "operator.md").read_text()
+    table = text.split("**RBAC, verb by verb.**", 1)[1].split("\n\n", 2)[1]
+    out = set()
+    for row in table.splitlines()[2:]:
+        what, verbs, why = (cell.strip() for cell in row.strip("|").split("|"))
+        assert why, f"the RBAC row {what} says why"
+        tokens = re.findall(r"`([^`]*)`", re.sub(r"\(.*?\)", "", what))
+        # API groups: the core group `""`, dotted names, and the two built-in plain ones.
+        groups = [t for t in tokens if t in ('""', "apps", "policy") or "." in t]
+        resources = [t for t in tokens if t not in groups]
+        assert groups and resources, row
+        out |= {
+            (g.strip('"'), r, v.strip())
+            for g in groups
+            for r in resources
+            for v in verbs.split(",")
+        }
+    return out
+
+
+def test_docs_rbac_table_lists_every_rendered_verb_and_nothing_else(helm: Path) -> None:  # noqa: F811
+    everything = ("clusterWide=true", "rbac.volcano=true", "rbac.coscheduling=true")
+    rendered = {
+        (group, resource, verb)
+        for rule in _rules(_render(helm, *everything), "ClusterRole")
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    assert ("", "secrets", "create") in rendered
+    assert _documented_rbac() == rendered
