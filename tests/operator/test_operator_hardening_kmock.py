@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
-from kmock_harness import Api, OperatorProcess, StandInAdmin, condition, wait_for
+from kmock_harness import Api, OperatorProcess, StandInAdmin, condition, cr_metadata, wait_for
 
 from gearshift.operator.reconcile import names, tokens
 from gearshift.operator.reconcile.reconciler import SNAPSHOT_KINDS
@@ -28,13 +28,7 @@ CR_PATH = f"/apis/{names.GROUP}/{names.VERSION}/namespaces/{NS}/{names.PLURAL}"
 
 def _resource(repo: Path, name: str) -> dict[str, Any]:
     body = yaml.safe_load((repo / "docs/examples/static.yaml").read_text())
-    body["metadata"] = {
-        "name": name,
-        "namespace": NS,
-        "uid": f"uid-{name}",
-        "generation": 1,
-        "resourceVersion": "1",
-    }
+    body["metadata"] = cr_metadata(name, NS)
     return dict(body)
 
 

@@ -45,6 +45,16 @@ def _router_json(tmp: Path, **extra: object) -> Path:
 _ROUTER_PORTS = ["--host", "127.0.0.1", "--port", "0", "--grpc-port", "0", "--admin-port", "0"]
 
 
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 30 s: nothing outlives the test."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
 def test_a_worker_without_a_control_token_refuses_to_start() -> None:
     done = _run(["worker", "--port", "0"])
     assert done.returncode == 2, done.stderr
@@ -88,12 +98,7 @@ def test_a_worker_with_insecure_no_auth_starts_and_warns(tmp_path: Path) -> None
                 health_pb2.HealthCheckResponse.NOT_SERVING,  # still loading the model
             )
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+            _stop(proc)
 
 
 def test_a_router_without_tokens_refuses_to_start(tmp_path: Path) -> None:
@@ -130,12 +135,7 @@ def test_a_router_with_insecure_no_auth_starts_and_warns(tmp_path: Path) -> None
             assert json.loads(ready.read_text())["admin_port"] > 0
             assert "NOT authenticated" in log.read_text()
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+            _stop(proc)
 
 
 @pytest.mark.parametrize(
