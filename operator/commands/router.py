@@ -55,6 +55,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="/metrics needs an API key too (default: open, as Prometheus expects)",
     )
+    p.add_argument(
+        "--cache-salt-by-api-key",
+        action="store_true",
+        help="give each API key its own prefix cache (requests are salted by their key, as "
+        "vLLM's cache_salt), so cached_tokens tells no client about another's prompts",
+    )
     p.add_argument("--ready-file", type=Path, default=None, help="write the bound ports (JSON)")
     p.add_argument(
         "--record-trace",
@@ -68,6 +74,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("router", help="run the OpenAI-compatible router (router.json)")
     p.add_argument("--config", default=None, help="router.json (default: $GEARSHIFT_CONFIG)")
+    p.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="run without control/admin tokens: worker and Admin calls are not authenticated "
+        "(development only; without tokens and without this flag the router refuses to start)",
+    )
     add_router_args(p)
     p.set_defaults(func=run)
 
@@ -128,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
             api_keys=(*cfg.api_keys, *keys) or None,
             protect_metrics=args.protect_metrics or None,
             record_trace=args.record_trace,
+            insecure_no_auth=args.insecure_no_auth or None,
+            cache_salt_by_api_key=args.cache_salt_by_api_key or None,
         ).with_preparation(args.max_body_bytes, args.preparation_processes)
         if args.grpc_port is not None:
             cfg = dataclasses.replace(cfg, grpc_port=port_flag(args.grpc_port))

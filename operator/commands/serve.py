@@ -66,8 +66,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--control-token-file",
         default=None,
-        help="the token internal calls carry (Admin, router → workers); default: a new random "
-        "one per run, named in the ready file",
+        help="the token router → worker calls carry; default: a new random one per run, named "
+        "in the ready file (control_token_file)",
+    )
+    p.add_argument(
+        "--admin-token-file",
+        default=None,
+        help="the token Admin calls must carry; default: a new random one per run, named in "
+        "the ready file (admin_token_file)",
     )
     p.add_argument(
         "--heartbeat-timeout",
@@ -170,6 +176,15 @@ def _worker_args(args: argparse.Namespace, engine_json: Path, ranks: int) -> lis
     return out
 
 
+def _token_file(given: str | None, generated: Path) -> tuple[Path, str]:
+    """The token file to use and its token: `given` (readable, not empty), or a new random
+    token written to `generated`."""
+    if given:
+        return Path(given), auth.read_token(given)
+    token = auth.generate_token()
+    return auth.write_token(generated, token), token
+
+
 async def _serve(args: argparse.Namespace, workdir: Path) -> int:
     from gearshift.operator.router import config as config_mod
     from gearshift.operator.router.server import RouterServer
@@ -227,24 +242,25 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
             return 2
     engine_json = workdir / "engine.json"
     engine_json.write_text(local_engine_json(args, model, served, policy, ranks).dumps())
-    keys = config_mod.read_api_keys(
-        args.api_key, args.api_key_file, "GEARSHIFT_API_KEY", os.environ
-    )
+    try:
+        keys = config_mod.read_api_keys(
+            args.api_key, args.api_key_file, "GEARSHIFT_API_KEY", os.environ, env_required=False
+        )
+    except config_mod.ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    # The control token: the router sends it to the workers, Admin requires it (auth.py).
+    # Two tokens (auth.py): the router sends the control token to the workers, Admin requires
+    # the admin token. Generated here unless given, so auth is on without any setup.
     try:
-        token = (
-            auth.read_token(args.control_token_file)
-            if args.control_token_file
-            else auth.generate_token()
-        )
+        token_file, token = _token_file(args.control_token_file, workdir / "control.token")
+        admin_token_file, admin_token = _token_file(args.admin_token_file, workdir / "admin.token")
     except auth.TokenError as exc:
-        print(f"error: --control-token-file: {exc}", file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
         return 2
-    token_file = auth.write_token(workdir / "control.token", token)
     worker_args = [*_worker_args(args, engine_json, ranks), "--control-token-file", str(token_file)]
     children = [
         kids.spawn_worker(f"{args.name}-g{i}", worker_args, workdir / f"g{i}.ready")
@@ -254,7 +270,11 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
 
     def ready_extra() -> dict[str, object]:
         groups = [{"name": c.name, "address": c.address, "pid": c.proc.pid} for c in children]
-        return {"groups": groups, "control_token_file": str(token_file)}
+        return {
+            "groups": groups,
+            "control_token_file": str(token_file),
+            "admin_token_file": str(admin_token_file),
+        }
 
     def respawn(old: kids.WorkerChild, restart: int) -> kids.WorkerChild:
         ready = workdir / f"{old.name}.r{restart}.ready"
@@ -292,7 +312,11 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
             max_requests_per_group=max_requests_per_group(args),
             drain_timeout_s=args.drain_timeout,
             control_token=token,
+            control_token_file=token_file,
+            admin_token=admin_token,
+            admin_token_file=admin_token_file,
             protect_metrics=args.protect_metrics,
+            cache_salt_by_api_key=args.cache_salt_by_api_key,
             record_trace=args.record_trace,
         ).with_preparation(args.max_body_bytes, args.preparation_processes)
         server = RouterServer(cfg)

@@ -24,7 +24,9 @@ class AdminClient:
 
     address: str
     timeout_seconds: float = 3.0
-    token: str | None = None  # the deployment's control token (worker/server/auth.py)
+    # The deployment's admin token (worker/server/auth.py), with the one it replaced in the
+    # grace window after a rotation (tokens.py).
+    token: str | auth.TokenSource | None = None
 
     @property
     def _metadata(self) -> auth.Metadata | None:

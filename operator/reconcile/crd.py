@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from gearshift.operator.reconcile import crd_rules, crd_schema, names, spec
+from gearshift.worker.model.source import MAX_REVISION_LENGTH, REVISION_PATTERN, REVISION_RULE
 
 
 def _obj(props: dict[str, Any], description: str = "", **extra: Any) -> dict[str, Any]:
@@ -37,6 +38,26 @@ def _int(
 
 def _str(description: str, **extra: Any) -> dict[str, Any]:
     return {"type": "string", "description": description, **extra}
+
+
+def _env_var() -> dict[str, Any]:
+    """A core/v1 EnvVar whose name is not one the operator sets (names.RESERVED_ENV)."""
+    reserved = ", ".join(f"'{n}'" for n in names.RESERVED_ENV)
+    return {
+        "type": "object",
+        "required": ["name"],
+        "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 256}},
+        "x-kubernetes-preserve-unknown-fields": True,
+        "x-kubernetes-validations": [
+            {
+                "rule": f"!(self.name in [{reserved}])",
+                "message": "group.env: names the operator sets (GEARSHIFT_CONTROL_TOKEN_FILE, "
+                "GEARSHIFT_CONFIG, the group's wiring, VLLM_API_KEY) are reserved",
+                "messageExpression": "'group.env: ' + self.name + ' is set by the operator "
+                "and may not be overridden'",
+            }
+        ],
+    }
 
 
 _FREE = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
@@ -70,9 +91,19 @@ def spec_schema(policy: dict[str, Any]) -> dict[str, Any]:
                         default="auto",
                     ),
                     "revision": _str(
-                        "hf:// only: the commit sha, tag or branch to download. Default: main.",
-                        pattern=r"^[\w.][\w./-]*$",
-                        maxLength=255,
+                        "hf:// only: the commit sha, tag or branch to download; the operator "
+                        "pins a tag or branch to its commit once (status.model.commit). "
+                        f"Default: main. Must be {REVISION_RULE}.",
+                        pattern=REVISION_PATTERN,
+                        maxLength=MAX_REVISION_LENGTH,
+                        **{
+                            "x-kubernetes-validations": [
+                                {
+                                    "rule": "!self.contains('..')",
+                                    "message": f"model.revision: must be {REVISION_RULE}",
+                                }
+                            ]
+                        },
                     ),
                     "hfTokenSecret": _obj(
                         {
@@ -82,6 +113,13 @@ def spec_schema(policy: dict[str, Any]) -> dict[str, Any]:
                         "hf:// only: Secret with the token (HF_TOKEN) for private or gated repos.",
                         required=["name"],
                     ),
+                    "egress": {
+                        "type": "array",
+                        "items": _FREE,
+                        "description": "hf:// only: NetworkPolicy peers (ipBlock, "
+                        "namespaceSelector, podSelector) the download may reach over HTTPS, "
+                        "e.g. your Hub mirror's or proxy's address. Empty: any address on 443.",
+                    },
                     "cache": _obj(
                         {"claimName": _str("PersistentVolumeClaim to download into.")},
                         "hf:// only: keep downloads in a PVC across pod restarts (by default each "
@@ -91,6 +129,14 @@ def spec_schema(policy: dict[str, Any]) -> dict[str, Any]:
                 },
                 "The model to serve.",
                 required=["source"],
+                **{
+                    "x-kubernetes-validations": [
+                        {
+                            "rule": "self.source.startsWith('hf://') || !has(self.egress)",
+                            "message": "model.egress applies to hf:// sources only",
+                        }
+                    ]
+                },
             ),
             "engine": _str(
                 "gearshift, or vllm for stock `vllm serve` pods (static policy only).",
@@ -141,8 +187,9 @@ def spec_schema(policy: dict[str, Any]) -> dict[str, Any]:
                     },
                     "env": {
                         "type": "array",
-                        "items": _FREE,
-                        "description": "Extra worker environment (core/v1 EnvVar).",
+                        "items": _env_var(),
+                        "description": "Extra worker environment (core/v1 EnvVar). Names the "
+                        f"operator sets are refused: {', '.join(names.RESERVED_ENV)}.",
                     },
                 },
                 "The shape of one worker group: nodes × gpusPerNode ranks run one engine.",
@@ -191,6 +238,13 @@ def spec_schema(policy: dict[str, Any]) -> dict[str, Any]:
                         "description": "Require the API key on /metrics too (default: open, "
                         "as Prometheus expects). Needs apiKeySecret.",
                     },
+                    "cacheSaltByApiKey": {
+                        "type": "boolean",
+                        "default": False,
+                        "description": "Give each API key its own prefix cache: requests are "
+                        "salted by their key (vLLM's cache_salt), so cached_tokens tells no "
+                        "client about another's prompts. Needs apiKeySecret.",
+                    },
                     "drainTimeoutSeconds": _int(
                         "On shutdown, seconds in-flight requests may finish; streams still "
                         "running then end with an error event. Pods get this plus a margin as "
@@ -206,6 +260,14 @@ def spec_schema(policy: dict[str, Any]) -> dict[str, Any]:
                 },
                 "The request router (OpenAI HTTP, gRPC, admin API).",
                 default={},
+                **{
+                    "x-kubernetes-validations": [
+                        {
+                            "rule": "!self.cacheSaltByApiKey || has(self.apiKeySecret)",
+                            "message": "router.cacheSaltByApiKey: needs router.apiKeySecret",
+                        }
+                    ]
+                },
             ),
             "scheduling": _obj(
                 {
@@ -338,6 +400,17 @@ def status_schema() -> dict[str, Any]:
             "policy": {"type": "string"},
             "gear": {"type": "string", "description": "Gear of the serving groups."},
             "endpoint": {"type": "string"},
+            "model": _obj(
+                {
+                    "source": {"type": "string"},
+                    "revision": {"type": "string", "description": "As the spec asks (main)."},
+                    "commit": {
+                        "type": "string",
+                        "description": "The commit every pod downloads; resolved once.",
+                    },
+                },
+                "hf:// sources: the pinned commit.",
+            ),
             "groups": {"type": "array", "items": group, "x-kubernetes-list-type": "atomic"},
             "conditions": {
                 "type": "array",

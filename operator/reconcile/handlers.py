@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+from pathlib import Path
 from typing import Any
 
 import kopf
@@ -20,6 +21,7 @@ from gearshift.operator.reconcile.reconciler import Reconciler
 from gearshift.operator.reconcile.render_meta import is_owned_by
 from gearshift.operator.reconcile.settings import OperatorSettings
 from gearshift.operator.reconcile.spec import SpecError, parse
+from gearshift.operator.reconcile.tokens import TokenKeeper
 
 # Read once at import: kopf needs the timer interval when the decorator runs. Frozen, not shared
 # mutable state.
@@ -56,6 +58,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     )
     settings.posting.level = logging.WARNING
     memo["kube"] = Kube(_api_client())
+    # One keeper for every resource (each resource's memo is a shallow copy of this one).
+    key_file = Path(SETTINGS.key_file) if SETTINGS.key_file else None
+    memo["tokens"] = TokenKeeper(memo["kube"], key_file)
 
 
 async def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any) -> None:
@@ -63,11 +68,7 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger
     lock = memo.setdefault("lock", asyncio.Lock())
     async with lock:
         reconciler = Reconciler(
-            memo["kube"],
-            SETTINGS,
-            logger,
-            memo.setdefault("tokens", {}),
-            memo.setdefault("plans", {}),
+            memo["kube"], SETTINGS, logger, memo["tokens"], memo.setdefault("plans", {})
         )
         new_status = await reconciler.reconcile(dict(body), dt.datetime.now(dt.UTC))
     old = dict(body.get("status") or {})
@@ -117,6 +118,7 @@ async def on_delete(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> 
         ):
             if is_owned_by(obj, spec) or kind == "Pod":
                 await kube.delete(api_version, kind, spec.namespace, obj["metadata"]["name"])
-    # By name: the operator may not list Secrets.
-    await kube.delete("v1", "Secret", spec.namespace, names.control_secret(spec.name))
+    # The token Secrets go with the owner reference (garbage collection): the operator may not
+    # delete Secrets at all, so it can never delete one it did not make.
+    memo["tokens"].forget(spec)
     logger.info("deleted the children of %s/%s", spec.namespace, spec.name)

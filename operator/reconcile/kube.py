@@ -89,13 +89,16 @@ class Kube:
     timeout_seconds: float = 10.0
 
     def _call(
-        self, method: str, path: str, body: Any = None, query: dict[str, str] | None = None
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: dict[str, str] | None = None,
+        patch_type: str = "application/merge-patch+json",
     ) -> Any:
         headers = {"Accept": "application/json"}
         if body is not None:
-            headers["Content-Type"] = (
-                "application/merge-patch+json" if method == "PATCH" else "application/json"
-            )
+            headers["Content-Type"] = patch_type if method == "PATCH" else "application/json"
         m, url, h, b, _ = self.api.param_serialize(
             method=method,
             resource_path=path,
@@ -114,9 +117,14 @@ class Kube:
         return data
 
     async def _acall(
-        self, method: str, path: str, body: Any = None, query: dict[str, str] | None = None
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: dict[str, str] | None = None,
+        patch_type: str = "application/merge-patch+json",
     ) -> Any:
-        return await asyncio.to_thread(self._call, method, path, body, query)
+        return await asyncio.to_thread(self._call, method, path, body, query, patch_type)
 
     async def get(
         self, api_version: str, kind: str, namespace: str, name: str
@@ -205,13 +213,37 @@ class Kube:
             raise
         return True
 
+    async def create(self, manifest: dict[str, Any]) -> bool:
+        """Create the object as given (no annotation added); False when it exists already."""
+        meta = manifest["metadata"]
+        path = _path(manifest["apiVersion"], manifest["kind"], meta["namespace"])
+        try:
+            await self._acall("POST", path, manifest)
+        except KubeError as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
+    async def json_patch(
+        self, api_version: str, kind: str, namespace: str, name: str, ops: list[dict[str, Any]]
+    ) -> None:
+        """An RFC 6902 patch: applied whole or not at all (its `test` ops guard the rest)."""
+        path = _path(api_version, kind, namespace, name)
+        await self._acall("PATCH", path, ops, patch_type="application/json-patch+json")
+
     async def apply(self, manifest: dict[str, Any], snapshot: Snapshot | None = None) -> str:
         """Create or converge one object; returns "created", "updated" or "unchanged".
 
         With a `snapshot` of this pass's listings the current object is taken from it instead of
-        being fetched (one list per kind per pass instead of one GET per child).
+        being fetched (one list per kind per pass instead of one GET per child). Never a Secret:
+        the last-applied annotation would hold a copy of its data (tokens.py writes Secrets).
         """
         api_version, kind = manifest["apiVersion"], manifest["kind"]
+        if kind == "Secret":
+            raise ValueError(
+                "Kube.apply never writes a Secret: its data would land in an annotation"
+            )
         meta = manifest["metadata"]
         desired = _strip_applied(manifest)
         applied_text = json.dumps(desired, sort_keys=True, separators=(",", ":"))

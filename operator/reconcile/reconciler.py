@@ -12,12 +12,12 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from gearshift.operator.reconcile import (
     auto,
+    model_pin,
     names,
     render_config,
     render_network,
@@ -27,17 +27,16 @@ from gearshift.operator.reconcile import (
     rollout,
     status,
 )
-from gearshift.operator.reconcile import render_security as security
 from gearshift.operator.reconcile.admin_client import AdminClient, AdminUnavailable
 from gearshift.operator.reconcile.kube import Kube, KubeError, Snapshot
 from gearshift.operator.reconcile.render_meta import is_owned_by
 from gearshift.operator.reconcile.settings import OperatorSettings
 from gearshift.operator.reconcile.spec import DeploymentSpec, SpecError, parse
+from gearshift.operator.reconcile.tokens import TokenKeeper
 from gearshift.v1 import policy_fields, policy_pb2, router_pb2
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.policies import checks
 from gearshift.worker.policies.support import check_supported
-from gearshift.worker.server import auth
 
 # Listed once per pass; every child of these kinds carries the deployment label.
 SNAPSHOT_KINDS = [
@@ -51,22 +50,20 @@ SNAPSHOT_KINDS = [
 ]
 
 
-# Seconds a control token read from its Secret is reused before the Secret is read again.
-TOKEN_CACHE_SECONDS = 60.0
-
-
 @dataclass
 class Reconciler:
     kube: Kube
     settings: OperatorSettings
     logger: logging.Logger | logging.LoggerAdapter[logging.Logger]
-    # (namespace, name, uid) → (token, monotonic time read); shared across passes (kopf memo)
-    # so a pass does not read the Secret each time.
-    tokens: dict[tuple[str, str, str], tuple[str, float]] = field(default_factory=dict)
+    # The deployments' tokens (tokens.py); shared across passes (kopf memo) so each Secret is
+    # written once per operator process and epoch.
+    tokens: TokenKeeper
     # (namespace, name, uid) → the last status.auto planned: a pass that started from a body read
     # before the previous pass wrote its status (a timer and a change handler fire together)
     # reuses it instead of planning again.
     plans: dict[tuple[str, str, str], dict[str, Any]] = field(default_factory=dict)
+    # hf:// branch or tag → commit (model_pin.py); the Hub, or a fake in tests.
+    resolver: model_pin.Resolver = model_pin.hub_resolver
 
     async def reconcile(self, body: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
         """Converge the children of `body`; returns the status to write."""
@@ -74,6 +71,11 @@ class Reconciler:
         meta = body.get("metadata", {})
         try:
             spec, chosen = await self._runnable(body, previous, now)
+            # Off the event loop: it may ask the Hub (bounded by model_pin.RESOLVE_TIMEOUT_S).
+            spec, pinned = await asyncio.to_thread(
+                model_pin.pin, spec, previous.get("model"), self.resolver
+            )
+            admin_token = await self.tokens.admin_token(spec)
         except SpecError as exc:
             result = status.PassResult(
                 replicas=0, max_unavailable=1, groups=[], spec_error=str(exc), spec_field=exc.field
@@ -86,11 +88,12 @@ class Reconciler:
                 generation=int(meta.get("generation", 0)),
                 previous=previous,
                 now=now,
+                model=previous.get("model"),  # a pin survives a pass that renders nothing
             )
         admin = AdminClient(
             self.settings.admin_address_for(spec.name, spec.namespace),
             self.settings.admin_timeout_seconds,
-            await self._control_token(spec),
+            admin_token,
         )
         router, router_error = await self._router_status(admin)
         result = await self._converge(spec, admin, router, router_error, previous, now)
@@ -104,6 +107,7 @@ class Reconciler:
             previous=previous,
             now=now,
             auto=chosen.status if chosen is not None else None,
+            model=pinned,
         )
 
     async def _runnable(
@@ -135,26 +139,6 @@ class Reconciler:
             except KubeError as exc:  # an event is a courtesy; status.auto says the same
                 self.logger.warning("could not post the PolicyPlanned event: %s", exc)
         return spec, chosen
-
-    async def _control_token(self, spec: DeploymentSpec) -> str:
-        """The deployment's control token, from its Secret; created (random) when missing.
-
-        Never rotated by the operator: pods read it once at start. Delete the Secret to rotate;
-        the next pass makes a new one, and pods restarted after that pick it up.
-        """
-        key = (spec.namespace, spec.name, spec.uid)
-        cached = self.tokens.get(key)
-        if cached is not None and time.monotonic() - cached[1] < TOKEN_CACHE_SECONDS:
-            return cached[0]
-        name = names.control_secret(spec.name)
-        secret = await self.kube.get("v1", "Secret", spec.namespace, name)
-        token = security.token_from_secret(secret) if secret is not None else ""
-        if not token:
-            token = auth.generate_token()
-            await self.kube.apply(security.control_secret(spec, token))
-            self.logger.info("created the control token Secret %s", name)
-        self.tokens[key] = (token, time.monotonic())
-        return token
 
     async def _router_status(
         self, admin: AdminClient
@@ -220,7 +204,8 @@ class Reconciler:
         await self.kube.apply(render_router.deployment(spec), snap)
         await self.kube.apply(render_router.service(spec), snap)
         await self.kube.apply(render_router.admin_service(spec), snap)
-        await self.kube.apply(render_network.router_policy(spec, self.settings.operator), snap)
+        policy = render_network.router_policy(spec, self.settings.operator, self.settings.dns)
+        await self.kube.apply(policy, snap)
         await self.kube.apply(render_workers.disruption_budget(spec), snap)
 
         reports, gave_up, restarting = await self._restarts(
@@ -276,7 +261,7 @@ class Reconciler:
         self, spec: DeploymentSpec, snap: Snapshot, index: int, surge: bool
     ) -> None:
         await self.kube.apply(render_workers.headless_service(spec, index), snap)
-        await self.kube.apply(render_network.worker_policy(spec, index), snap)
+        await self.kube.apply(render_network.worker_policy(spec, index, self.settings.dns), snap)
         pod_group = render_workers.pod_group(spec, index)
         if pod_group is not None:
             await self.kube.apply(pod_group)

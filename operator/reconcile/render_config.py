@@ -87,6 +87,7 @@ def router_config(spec: DeploymentSpec, indices: list[int], cluster_domain: str)
         },
         "apiKeyEnv": "GEARSHIFT_API_KEY" if spec.router.api_key_secret else "",
         "protectMetrics": spec.router.protect_metrics,
+        "cacheSaltByApiKey": spec.router.cache_salt_by_api_key,
         # Absent: the router's default (docs/serving.md, Limits).
         **({"maxBodyBytes": spec.router.max_body_bytes} if spec.router.max_body_bytes else {}),
     }

@@ -22,7 +22,9 @@ def _router_labels(spec: DeploymentSpec) -> dict[str, str]:
 def deployment(spec: DeploymentSpec) -> dict[str, Any]:
     env: list[dict[str, Any]] = [
         {"name": "GEARSHIFT_CONFIG", "value": names.ROUTER_CONFIG},
+        # Both tokens: the control token for its worker calls, the admin token for Admin.
         security.token_env(),
+        security.token_env("admin"),
         # The tokenizer cache must be writable under a read-only root filesystem.
         {"name": "HF_HOME", "value": "/tmp/hf"},
     ]
@@ -42,11 +44,13 @@ def deployment(spec: DeploymentSpec) -> dict[str, Any]:
         {"name": "config", "mountPath": names.CONFIG_DIR, "readOnly": True},
         {"name": "tmp", "mountPath": names.TMP_DIR},
         security.token_mount(),
+        security.token_mount("admin"),
     ]
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": names.config_map_name(spec.name)}},
         {"name": "tmp", "emptyDir": {}},
         security.token_volume(spec),
+        security.token_volume(spec, "admin"),
     ]
     # The router loads the tokenizer from the same folder as the weights (hf://: its own
     # tokenizer-only download).

@@ -1,5 +1,6 @@
-"""Pod hardening and the control token, as manifest fragments: the deployment's token Secret,
-security contexts, writable mounts under a read-only root, preStop and grace period.
+"""Pod hardening and the tokens, as manifest fragments: the token Secrets' volumes, security
+contexts, writable mounts under a read-only root, preStop and grace period (the Secrets
+themselves are tokens.py's).
 
 The trust model (docs/operator.md, "Security"): whoever may create an InferenceDeployment may run
 its images with its Secrets, as with a Deployment; the pods themselves get no Kubernetes API
@@ -9,39 +10,21 @@ image allows it.
 
 from __future__ import annotations
 
-import base64
 from typing import Any
 
 from gearshift.operator.reconcile import names
-from gearshift.operator.reconcile.render_meta import child_metadata
 from gearshift.operator.reconcile.spec import DeploymentSpec
+from gearshift.worker.server import auth
 
 
-def control_secret(spec: DeploymentSpec, token: str) -> dict[str, Any]:
-    """The Secret with the deployment's control token; garbage-collected with its owner."""
+def token_volume(spec: DeploymentSpec, purpose: str = "control") -> dict[str, Any]:
+    """The volume of one of the deployment's token Secrets (tokens.py). A whole-Secret volume
+    (no subPath), so the kubelet updates the file when the Secret is rotated."""
+    secret = names.admin_secret if purpose == "admin" else names.control_secret
     return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": child_metadata(spec, names.control_secret(spec.name), "control"),
-        "type": "Opaque",
-        "data": {names.CONTROL_TOKEN_KEY: base64.b64encode(token.encode()).decode()},
-    }
-
-
-def token_from_secret(secret: dict[str, Any]) -> str:
-    """The token in a Secret as the API returns it (base64 `data`); "" when absent."""
-    raw = (secret.get("data") or {}).get(names.CONTROL_TOKEN_KEY) or ""
-    try:
-        return base64.b64decode(raw).decode().strip()
-    except (ValueError, UnicodeDecodeError):
-        return ""
-
-
-def token_volume(spec: DeploymentSpec) -> dict[str, Any]:
-    return {
-        "name": "control-token",
+        "name": f"{purpose}-token",
         "secret": {
-            "secretName": names.control_secret(spec.name),
+            "secretName": secret(spec.name),
             "items": [{"key": names.CONTROL_TOKEN_KEY, "path": names.CONTROL_TOKEN_KEY}],
             # Readable by the pod's fsGroup (the image's user), by nobody else in the pod.
             "defaultMode": 0o440,
@@ -49,12 +32,15 @@ def token_volume(spec: DeploymentSpec) -> dict[str, Any]:
     }
 
 
-def token_mount() -> dict[str, Any]:
-    return {"name": "control-token", "mountPath": names.CONTROL_TOKEN_DIR, "readOnly": True}
+def token_mount(purpose: str = "control") -> dict[str, Any]:
+    path = names.ADMIN_TOKEN_DIR if purpose == "admin" else names.CONTROL_TOKEN_DIR
+    return {"name": f"{purpose}-token", "mountPath": path, "readOnly": True}
 
 
-def token_env() -> dict[str, Any]:
-    return {"name": "GEARSHIFT_CONTROL_TOKEN_FILE", "value": names.CONTROL_TOKEN_FILE}
+def token_env(purpose: str = "control") -> dict[str, Any]:
+    if purpose == "admin":
+        return {"name": auth.ADMIN_TOKEN_FILE_ENV, "value": names.ADMIN_TOKEN_FILE}
+    return {"name": auth.TOKEN_FILE_ENV, "value": names.CONTROL_TOKEN_FILE}
 
 
 def scratch_volumes() -> list[dict[str, Any]]:
@@ -75,6 +61,31 @@ def cache_env() -> list[dict[str, Any]]:
         {"name": "GEARSHIFT_KERNEL_CACHE", "value": f"{names.CACHE_DIR}/kernels"},
         {"name": "TRITON_CACHE_DIR", "value": f"{names.CACHE_DIR}/triton"},
         {"name": "HF_HOME", "value": f"{names.CACHE_DIR}/huggingface"},
+    ]
+
+
+def vllm_env(spec: DeploymentSpec) -> list[dict[str, Any]]:
+    """What `vllm serve` needs to run as a non-root user under a read-only root filesystem:
+    every cache and config folder on the writable cache mount, a user name without a passwd
+    entry, no usage reporting; and the control token as its API key (VLLM_API_KEY, read from
+    the Secret by the kubelet: not in the pod spec, not on the command line)."""
+    cache = names.CACHE_DIR
+    ref = {"name": names.control_secret(spec.name), "key": names.CONTROL_TOKEN_KEY}
+    return [
+        {"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": ref}},
+        {"name": "HOME", "value": f"{names.TMP_DIR}/home"},
+        {"name": "USER", "value": "vllm"},  # getpass.getuser() without /etc/passwd
+        {"name": "HF_HOME", "value": f"{cache}/huggingface"},
+        {"name": "VLLM_CACHE_ROOT", "value": f"{cache}/vllm"},
+        {"name": "VLLM_CONFIG_ROOT", "value": f"{cache}/vllm-config"},
+        {"name": "XDG_CACHE_HOME", "value": f"{cache}/xdg"},
+        {"name": "XDG_CONFIG_HOME", "value": f"{cache}/xdg-config"},
+        {"name": "TRITON_CACHE_DIR", "value": f"{cache}/triton"},
+        {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{cache}/inductor"},
+        {"name": "NUMBA_CACHE_DIR", "value": f"{cache}/numba"},
+        {"name": "OUTLINES_CACHE_DIR", "value": f"{cache}/outlines"},
+        {"name": "VLLM_NO_USAGE_STATS", "value": "1"},
+        {"name": "DO_NOT_TRACK", "value": "1"},
     ]
 
 

@@ -97,20 +97,20 @@ def _container(spec: DeploymentSpec, index: int, cluster_domain: str) -> dict[st
         mounts.append(model_mount)
     gearshift = spec.engine != "vllm"
     env = _env(spec, index, cluster_domain)
+    # Read-only root: the server writes only to /tmp, the cache mount and /dev/shm.
+    mounts += security.scratch_mounts()
     if gearshift:
-        # Read-only root: the engine writes only to /tmp, the cache mount and /dev/shm.
-        mounts += [*security.scratch_mounts(), security.token_mount()]
+        mounts.append(security.token_mount())
         env = [security.token_env(), *security.cache_env(), *env]
+    else:
+        env = [*security.vllm_env(spec), *env]
     container: dict[str, Any] = {
         "name": "worker",
         "imagePullPolicy": spec.images.pull_policy,
         "env": env,
         "resources": resources,
         "volumeMounts": mounts,
-        # vLLM's image runs as root and writes under its home: only what it allows is set.
-        "securityContext": security.container_security(
-            read_only_root=gearshift, non_root=gearshift
-        ),
+        "securityContext": security.container_security(read_only_root=True, non_root=True),
         "lifecycle": security.stop_admission_hook(signal_pid1=gearshift),
     }
     if spec.engine == "vllm":
@@ -164,7 +164,7 @@ def pod_template(spec: DeploymentSpec, index: int, cluster_domain: str) -> dict[
         "enableServiceLinks": False,
         # Workers never call the Kubernetes API.
         "automountServiceAccountToken": False,
-        "securityContext": security.pod_security(names.WORKER_UID if gearshift else None),
+        "securityContext": security.pod_security(names.WORKER_UID if gearshift else names.VLLM_UID),
         "terminationGracePeriodSeconds": security.grace_period_seconds(spec),
         "containers": [_container(spec, index, cluster_domain)],
         "volumes": [
@@ -172,8 +172,9 @@ def pod_template(spec: DeploymentSpec, index: int, cluster_domain: str) -> dict[
             {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.group.shm_size}},
         ],
     }
+    pod["volumes"] += security.scratch_volumes()
     if gearshift:
-        pod["volumes"] += [*security.scratch_volumes(), security.token_volume(spec)]
+        pod["volumes"].append(security.token_volume(spec))
     model_volume, fetch = render_model.volume(spec), render_model.fetch_container(spec)
     if model_volume is not None:
         pod["volumes"].append(model_volume)
@@ -193,6 +194,9 @@ def pod_template(spec: DeploymentSpec, index: int, cluster_domain: str) -> dict[
     if scheduler:
         pod["schedulerName"] = scheduler
     annotations: dict[str, str] = {}
+    if not gearshift and spec.token_epoch:
+        # vLLM reads its API key once, at start: a rotated control token rolls the group.
+        annotations[names.ANNOTATION_TOKEN_EPOCH] = spec.token_epoch
     if sched.gang == "volcano":
         annotations["scheduling.k8s.io/group-name"] = group
     elif sched.gang == "coscheduling":

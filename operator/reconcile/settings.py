@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from gearshift.operator.reconcile import names
-from gearshift.operator.reconcile.render_network import OperatorPeer
+from gearshift.operator.reconcile.render_network import DnsPeer, OperatorPeer
 
 DEFAULT_ADMIN_ADDRESS = "{router_admin}.{namespace}.svc.{cluster_domain}:{port}"
 
@@ -23,6 +23,11 @@ class OperatorSettings:
     # Who may call each router's Admin API (its NetworkPolicy): the operator's namespace and
     # pod labels, from the chart.
     operator: OperatorPeer = field(default_factory=OperatorPeer)
+    # The cluster DNS pods every deployment's pods may query (their NetworkPolicies' egress).
+    dns: DnsPeer = field(default_factory=DnsPeer)
+    # The file holding the key every deployment's tokens derive from (tokens.py; the chart
+    # mounts it from a Secret); "": a key of this process only.
+    key_file: str = ""
 
     def admin_address_for(self, name: str, namespace: str) -> str:
         return self.admin_address.format(
@@ -41,6 +46,8 @@ class OperatorSettings:
             admin_address=e.get("GEARSHIFT_ROUTER_ADMIN_ADDRESS", DEFAULT_ADMIN_ADDRESS),
             admin_timeout_seconds=float(e.get("GEARSHIFT_ADMIN_TIMEOUT_SECONDS", "3")),
             resync_seconds=float(e.get("GEARSHIFT_RESYNC_SECONDS", "10")),
+            key_file=e.get("GEARSHIFT_OPERATOR_KEY_FILE", ""),
+            dns=DnsPeer(parse_labels(e.get("GEARSHIFT_DNS_LABELS", "")) or DnsPeer().labels),
             operator=OperatorPeer(
                 namespace=e.get("GEARSHIFT_OPERATOR_NAMESPACE", ""),
                 labels=parse_labels(e.get("GEARSHIFT_OPERATOR_LABELS", "")),
@@ -54,6 +61,6 @@ def parse_labels(text: str) -> dict[str, str]:
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ValueError(f"GEARSHIFT_OPERATOR_LABELS: {item!r} is not key=value")
+            raise ValueError(f"labels: {item!r} is not key=value")
         out[key.strip()] = value.strip()
     return out

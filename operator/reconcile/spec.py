@@ -11,7 +11,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from gearshift.operator.reconcile import names
 from gearshift.v1 import policy_fields, policy_pb2
+from gearshift.worker.model.source import revision_error
 from gearshift.worker.policies import checks, policy_json
 
 DEFAULT_NODES = 1
@@ -82,6 +84,8 @@ class ModelSpec:
     token_secret: str = ""
     token_key: str = "HF_TOKEN"
     cache_claim: str = ""  # a PVC kept across restarts; "" = an emptyDir per pod
+    # NetworkPolicy peers the download may reach (HTTPS); empty: any address.
+    egress: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,8 @@ class RouterSpec:
     drain_timeout_seconds: int = DEFAULT_DRAIN_TIMEOUT_SECONDS
     # The router's request body cap (router.json maxBodyBytes); 0: the router's default.
     max_body_bytes: int = 0
+    # Each API key its own prefix cache (operator/router/cache_salt.py).
+    cache_salt_by_api_key: bool = False
 
 
 @dataclass(frozen=True)
@@ -179,6 +185,8 @@ class DeploymentSpec:
     scheduling: Scheduling
     rollout: Rollout
     restart: RestartPolicy
+    # metadata.annotations["gearshift.dev/token-epoch"]: a new value rotates the tokens.
+    token_epoch: str = ""
 
     @property
     def full_policy(self) -> policy_pb2.Policy:
@@ -234,6 +242,7 @@ def parse(body: dict[str, Any]) -> DeploymentSpec:
             token_secret=m.get("hfTokenSecret", {}).get("name", ""),
             token_key=m.get("hfTokenSecret", {}).get("key", "HF_TOKEN"),
             cache_claim=m.get("cache", {}).get("claimName", ""),
+            egress=tuple(m.get("egress", [])),
         ),
         engine=spec.get("engine", "gearshift"),
         images=Images(
@@ -265,6 +274,7 @@ def parse(body: dict[str, Any]) -> DeploymentSpec:
             protect_metrics=bool(r.get("protectMetrics", False)),
             drain_timeout_seconds=int(r.get("drainTimeoutSeconds", DEFAULT_DRAIN_TIMEOUT_SECONDS)),
             max_body_bytes=int(r.get("maxBodyBytes", 0)),
+            cache_salt_by_api_key=bool(r.get("cacheSaltByApiKey", False)),
         ),
         scheduling=Scheduling(
             node_selector=dict(s.get("nodeSelector", {})),
@@ -285,6 +295,7 @@ def parse(body: dict[str, Any]) -> DeploymentSpec:
             max_backoff_seconds=int(rp.get("maxBackoffSeconds", DEFAULT_MAX_BACKOFF_SECONDS)),
             max_restarts=int(rp.get("maxRestarts", DEFAULT_MAX_RESTARTS)),
         ),
+        token_epoch=str((meta.get("annotations") or {}).get(names.ANNOTATION_TOKEN_EPOCH, "")),
     )
     _check(parsed)
     return parsed
@@ -310,11 +321,30 @@ def _check(spec: DeploymentSpec) -> None:
             raise SpecError("spec.group.nodes: engine vllm runs single-node groups without sp")
         if not spec.images.vllm:
             raise SpecError("spec.images.vllm: required for engine vllm")
+    for i, var in enumerate(spec.group.env):
+        name = var.get("name") if isinstance(var, dict) else None
+        if not isinstance(name, str) or not name:
+            raise SpecError(f"spec.group.env[{i}]: needs a name", "spec.group.env")
+        if name in names.RESERVED_ENV:
+            raise SpecError(
+                f"spec.group.env: {name} is set by the operator and may not be overridden",
+                "spec.group.env",
+            )
+    if spec.model.revision and (error := revision_error(spec.model.revision)):
+        raise SpecError(f"spec.model.{error}", "spec.model.revision")
     hub_only = spec.model.revision or spec.model.token_secret or spec.model.cache_claim
     if hub_only and spec.model.source.scheme != "hf":
         raise SpecError("spec.model: revision, hfTokenSecret and cache apply to hf:// sources only")
+    if spec.model.egress and spec.model.source.scheme != "hf":
+        raise SpecError("spec.model.egress: applies to hf:// sources only", "spec.model.egress")
     if not spec.images.router or (spec.engine == "gearshift" and not spec.images.worker):
         raise SpecError("spec.images: worker and router images are required")
+    if spec.router.cache_salt_by_api_key and not spec.router.api_key_secret:
+        raise SpecError(
+            "spec.router.cacheSaltByApiKey: salts by the API key, so spec.router.apiKeySecret "
+            "is required",
+            "spec.router.cacheSaltByApiKey",
+        )
     if spec.router.protect_metrics and not spec.router.api_key_secret:
         raise SpecError(
             "spec.router.protectMetrics: /metrics is protected by the API key, so "

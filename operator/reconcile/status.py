@@ -116,8 +116,10 @@ def build(
     previous: dict[str, Any],
     now: dt.datetime,
     auto: dict[str, Any] | None = None,
+    model: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The whole status object for this pass (``auto``: policy: auto's choice; None removes it)."""
+    """The whole status object for this pass (``auto``: policy: auto's choice; ``model``: the
+    hf:// commit every pod downloads; None removes either)."""
     prev = list(previous.get("conditions") or [])
     base = [g for g in result.groups if not g.surge]
     serving = sum(g.ready for g in result.groups)
@@ -191,6 +193,7 @@ def build(
         "groups": [g.to_status() for g in sorted(result.groups, key=lambda g: g.index)],
         "conditions": conditions,
         "auto": auto,
+        "model": model,
     }
 
 

@@ -2,7 +2,8 @@
 
 router.json is documented in docs/operator.md: `{deployment, model: {name, path}, backend,
 groups: [{name, address}], policy, ports: {http, grpc, admin}, apiKeyEnv, controlTokenFile,
-protectMetrics, maxBodyBytes, preparationProcesses}`; backend is worker-grpc or openai-http.
+protectMetrics, maxBodyBytes, preparationProcesses, adminTokenFile, cacheSaltByApiKey}`; backend is
+worker-grpc or openai-http.
 """
 
 from __future__ import annotations
@@ -59,11 +60,20 @@ class RouterConfig:
     config_path: Path | None = None  # re-read for group changes (a mounted ConfigMap)
     reload_interval_s: float = 5.0
     backend: str = "worker-grpc"
-    # The deployment's control token (worker/server/auth.py): sent on every Worker call and
-    # required on every Admin call. None: neither (a router run by hand, for development).
+    # The deployment's control token (worker/server/auth.py): sent on every Worker call (the
+    # API key of openai-http groups). The file, when set, is followed for rotation.
     control_token: str | None = None
+    control_token_file: Path | None = None
+    # The admin token: required on every Admin call (the operator's credential).
+    admin_token: str | None = None
+    admin_token_file: Path | None = None
+    # Without tokens the router refuses to start (worker-grpc groups, Admin) unless this is set.
+    insecure_no_auth: bool = False
     # /metrics needs an API key too (Prometheus then scrapes with a bearer token).
     protect_metrics: bool = False
+    # Each API key gets its own prefix cache: its requests' cache_salt is derived from the key
+    # (cache_salt.py), so one client cannot probe another's prompts through cached_tokens.
+    cache_salt_by_api_key: bool = False
     # --record-trace: a JSONL line per finished request (trace_recorder.py); None: off.
     record_trace: Path | None = None
     # What one request may ask (limits.py) and where its preparation runs (lanes.py).
@@ -93,18 +103,40 @@ class RouterConfig:
 
 
 def read_api_keys(
-    keys: list[str] | None, key_file: str | None, env_name: str | None, env: Mapping[str, str]
+    keys: list[str] | None,
+    key_file: str | None,
+    env_name: str | None,
+    env: Mapping[str, str],
+    env_required: bool = True,
 ) -> tuple[str, ...]:
-    """Keys from flags, a file (one per line, # comments) and an environment variable."""
-    out = [k for k in keys or [] if k]
+    """Keys from flags, a file (one per line, # comments) and an environment variable.
+
+    A source that is given must hold a key: an empty or blank flag, a file without a key line,
+    or a variable that is set but blank (an empty Secret) is a ConfigError, never an open API;
+    so is an unset variable when `env_required` (router.json names it only with a Secret).
+    """
+    out = []
+    for k in keys or []:
+        if not k.strip():
+            raise ConfigError("--api-key: an empty or blank API key would let anyone in")
+        out.append(k.strip())
     if key_file:
         try:
             lines = Path(key_file).read_text(encoding="utf-8").splitlines()
         except OSError as exc:
             raise ConfigError(f"cannot read the API key file {key_file}: {exc}") from exc
-        out += [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
-    if env_name and env.get(env_name):
-        out.append(env[env_name].strip())
+        found = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+        if not found:
+            raise ConfigError(f"the API key file {key_file} holds no key (empty or blank)")
+        out += found
+    if env_name and (env_name in env or env_required):
+        value = env.get(env_name, "").strip()
+        if not value:
+            raise ConfigError(
+                f"${env_name} (the API key) is unset, empty or blank: an empty key would let "
+                "anyone in; check the Secret it comes from"
+            )
+        out.append(value)
     return tuple(dict.fromkeys(out))
 
 
@@ -147,10 +179,15 @@ def from_file(path: Path, env: Mapping[str, str] | None = None) -> RouterConfig:
     if backend not in BACKENDS:
         raise ConfigError(f"{path}: backend {backend!r} is not one of {', '.join(BACKENDS)}")
     token_file = data.get("controlTokenFile") or env.get(auth.TOKEN_FILE_ENV)
+    admin_file = data.get("adminTokenFile") or env.get(auth.ADMIN_TOKEN_FILE_ENV)
     try:
         token = auth.read_token(token_file) if token_file else None
     except auth.TokenError as exc:
         raise ConfigError(f"{path}: controlTokenFile: {exc}") from exc
+    try:
+        admin_token = auth.read_token(admin_file) if admin_file else None
+    except auth.TokenError as exc:
+        raise ConfigError(f"{path}: adminTokenFile: {exc}") from exc
     keys = read_api_keys(None, None, data.get("apiKeyEnv") or None, env)
     config = RouterConfig(
         model_name=str(model.get("name") or data.get("deployment") or "model"),
@@ -164,7 +201,11 @@ def from_file(path: Path, env: Mapping[str, str] | None = None) -> RouterConfig:
         config_path=path,
         backend=backend,
         control_token=token,
+        control_token_file=Path(token_file) if token_file else None,
+        admin_token=admin_token,
+        admin_token_file=Path(admin_file) if admin_file else None,
         protect_metrics=bool(data.get("protectMetrics", False)),
+        cache_salt_by_api_key=bool(data.get("cacheSaltByApiKey", False)),
     )
     return config.with_preparation(
         _optional_int(data, "maxBodyBytes", path), _optional_int(data, "preparationProcesses", path)

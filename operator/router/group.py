@@ -59,10 +59,14 @@ class Group(ABC):
     `message` in `poll`.
     """
 
-    def __init__(self, spec: GroupSpec, rpc_timeout_s: float, token: str | None = None) -> None:
+    def __init__(
+        self, spec: GroupSpec, rpc_timeout_s: float, token: auth.TokenSource | None = None
+    ) -> None:
         self.spec = spec
         self.rpc_timeout_s = rpc_timeout_s
-        self.token = token  # the control token (worker/server/auth.py), for subclasses' calls
+        # The control token (worker/server/auth.py), for subclasses' calls; read per call so a
+        # rotated Secret is picked up.
+        self.token = token
         self.load = GroupLoad()
         # The engine replicas behind the endpoint when it reports several (WorkerStats.replicas:
         # a SiDP group): each is routed to on its own load; the group stays one failure domain.
@@ -155,15 +159,20 @@ class Group(ABC):
 class WorkerGroup(Group):
     """A client of one group leader's Worker service, polled for health and stats."""
 
-    def __init__(self, spec: GroupSpec, rpc_timeout_s: float, token: str | None = None) -> None:
+    def __init__(
+        self, spec: GroupSpec, rpc_timeout_s: float, token: auth.TokenSource | None = None
+    ) -> None:
         super().__init__(spec, rpc_timeout_s, token)
-        # The control token on every Worker call (health checks are open).
-        self.metadata = auth.call_metadata(token)
         self.channel = grpc.aio.insecure_channel(spec.address, options=CHANNEL_OPTIONS)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.control = PolicyControl()  # the policy's router-side controller, if it has one
         self.planning = RequestPlanning()  # the policy's per-request planner, if it has one
+
+    @property
+    def metadata(self) -> auth.Metadata | None:
+        """The control token on every Worker call (health checks are open)."""
+        return auth.call_metadata(self.token)
 
     async def poll(self) -> None:
         """One health check and GetStats, each bounded by rpc_timeout_s."""

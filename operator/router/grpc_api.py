@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from gearshift.operator.router import errors
+from gearshift.operator.router import cache_salt, errors
 from gearshift.operator.router.core import Router
 from gearshift.operator.router.generate import PreparedRequest, RequestRun
 from gearshift.operator.router.preparation import Preparation
@@ -32,27 +32,31 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
         self.router = router
         self.preparation = preparation
 
-    async def _check_key(self, context: grpc.aio.ServicerContext) -> None:
-        keys = self.router.config.api_keys
-        if not keys:
-            return
+    async def _check_key(self, context: grpc.aio.ServicerContext) -> str:
+        """Refuse a call without a valid API key; the key's prefix-cache salt ("" unless
+        salting by key, cache_salt.py)."""
+        cfg = self.router.config
+        if not cfg.api_keys:
+            return ""
         header = dict(context.invocation_metadata() or ()).get("authorization", "")
         scheme, _, token = str(header).partition(" ")
-        if scheme.lower() != "bearer" or not any(
-            hmac.compare_digest(token.strip().encode(), k.encode()) for k in keys
-        ):
+        presented = token.strip().encode()
+        matches = [hmac.compare_digest(presented, k.encode()) for k in cfg.api_keys]
+        if scheme.lower() != "bearer" or not presented or not any(matches):
             count_grpc(self.router.metrics, errors.unauthorized())
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "incorrect API key provided")
+        key = cfg.api_keys[matches.index(True)]
+        return cache_salt.key_salt(key) if cfg.cache_salt_by_api_key else ""
 
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        await self._check_key(context)
+        key_salt = await self._check_key(context)
         router = self.router
         run: RequestRun | None = None
         claimed: str | None = None
         try:
-            p = await self.preparation.generation(request)
+            p = await self.preparation.generation(request, key_salt)
             router.check_accepting()  # a drain may have begun while it was prepared
             rid = request.request_id or f"gen-{uuid.uuid4().hex}"
             router.claim_id(rid)

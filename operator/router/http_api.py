@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gearshift.operator.router import errors
+from gearshift.operator.router import cache_salt, errors
 from gearshift.operator.router.core import Router
 from gearshift.operator.router.http_errors import install_error_handlers
 from gearshift.operator.router.http_generation import GenerationRoutes
@@ -32,22 +32,33 @@ class ApiKeyMiddleware:
     wrong key is always 401, never a 400 about the body.
     """
 
-    def __init__(self, app: ASGIApp, keys: tuple[str, ...], protect_metrics: bool = False) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: tuple[str, ...],
+        protect_metrics: bool = False,
+        salt_by_key: bool = False,
+    ) -> None:
         self.app = app
+        if any(not k.strip() for k in keys):
+            raise ValueError("an empty or blank API key would let anyone in")
         self.keys = [k.encode() for k in keys]
         self.prefixes = PROTECTED_PREFIXES + (("/metrics",) if protect_metrics else ())
+        # Each key's prefix-cache salt, left in request.state for the routes (cache_salt.py).
+        self.salts = [cache_salt.key_salt(k) if salt_by_key else "" for k in keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.keys and scope["path"].startswith(self.prefixes):
             header = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = header.partition(b" ")
             token = token.strip()
-            if scheme.lower() != b"bearer" or not any(
-                hmac.compare_digest(token, k) for k in self.keys
-            ):
+            # Every key is compared (no early exit): the time does not say which one matched.
+            matches = [hmac.compare_digest(token, k) for k in self.keys]
+            if scheme.lower() != b"bearer" or not token or not any(matches):
                 exc = errors.unauthorized()
                 await JSONResponse(exc.body(), exc.status)(scope, receive, send)
                 return
+            scope.setdefault("state", {})[cache_salt.STATE_KEY] = self.salts[matches.index(True)]
         await self.app(scope, receive, send)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Generator
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -16,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gearshift.operator.router.config import GroupSpec
 from gearshift.operator.router.group import Group
 from gearshift.v1 import worker_pb2
+from gearshift.worker.server import auth
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +37,31 @@ def base_url(address: str) -> str:
     return address if address.startswith(("http://", "https://")) else f"http://{address}"
 
 
+class BearerToken(httpx.Auth):
+    """The deployment's control token as the server's API key (`vllm serve` reads it from
+    VLLM_API_KEY): the current token, and on a 401 once more with the one it replaced, for a
+    server started before a rotation."""
+
+    def __init__(self, source: auth.TokenSource) -> None:
+        self.source = source
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        current, *previous = self.source.tokens()
+        request.headers["Authorization"] = f"Bearer {current}"
+        response = yield request
+        if response.status_code == 401 and previous:
+            request.headers["Authorization"] = f"Bearer {previous[0]}"
+            yield request
+
+
 class OpenAIGroup(Group):
     """A client of one OpenAI-compatible server."""
 
-    def __init__(self, spec: GroupSpec, rpc_timeout_s: float, token: str | None = None) -> None:
-        # The control token authenticates gearshift workers only: stock vLLM pods take none
-        # (their port is reachable only from the router, by the deployment's NetworkPolicy).
+    def __init__(
+        self, spec: GroupSpec, rpc_timeout_s: float, token: auth.TokenSource | None = None
+    ) -> None:
+        # The control token is the server's API key (engine: vllm pods get it as
+        # VLLM_API_KEY); without one (a server that takes no key) nothing is sent.
         super().__init__(spec, rpc_timeout_s, token)
         self.url = base_url(spec.address)
         self.models: list[str] = []  # ids from the last /v1/models answer
@@ -50,6 +71,7 @@ class OpenAIGroup(Group):
             base_url=self.url,
             timeout=httpx.Timeout(None, connect=rpc_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            auth=BearerToken(token) if token is not None else None,
         )
 
     def backend_model(self, name: str) -> str:

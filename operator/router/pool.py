@@ -11,6 +11,7 @@ from gearshift.operator.router import errors
 from gearshift.operator.router.config import GroupSpec
 from gearshift.operator.router.group import Group, Lease, WorkerGroup
 from gearshift.operator.router.openai_backend import OpenAIGroup
+from gearshift.worker.server import auth
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +32,13 @@ class GroupPool:
         poll_interval_s: float,
         rpc_timeout_s: float,
         backend: str = "worker-grpc",
-        token: str | None = None,
+        token: auth.TokenSource | str | None = None,
     ) -> None:
         if backend not in GROUP_KINDS:
             raise ValueError(f"unknown backend {backend!r}; one of {', '.join(GROUP_KINDS)}")
         self.kind = GROUP_KINDS[backend]
-        self.token = token  # the control token, for every group's Worker calls
+        # The control token, for every group's Worker calls (followed for rotation).
+        self.token = auth.token_source(token)
         self.max_requests_per_group = max_requests_per_group
         self.poll_interval_s = poll_interval_s
         self.rpc_timeout_s = rpc_timeout_s

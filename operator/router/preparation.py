@@ -19,7 +19,7 @@ import time
 
 from starlette.requests import Request
 
-from gearshift.operator.router import errors, request_prep
+from gearshift.operator.router import cache_salt, errors, request_prep
 from gearshift.operator.router.chat_render import ChatView
 from gearshift.operator.router.choices import Choices
 from gearshift.operator.router.completion_render import CompletionView
@@ -47,6 +47,11 @@ async def read_body(request: Request) -> bytes:
     return await request.body()
 
 
+def _salt(request: Request) -> str:
+    """The salt the API-key middleware left for this request ("" without salting by key)."""
+    return str(getattr(request.state, cache_salt.STATE_KEY, ""))
+
+
 class Preparation:
     """Prepares the requests of one router in its lanes."""
 
@@ -54,10 +59,13 @@ class Preparation:
         self.router = router
         self.lanes = lanes
 
-    def context(self) -> PrepContext:
-        """The router's state a preparation reads (a snapshot: it may run in a process)."""
+    def context(self, key_salt: str = "") -> PrepContext:
+        """The router's state a preparation reads (a snapshot: it may run in a process), and
+        the request's API-key salt (cache_salt.py)."""
         router = self.router
-        return PrepContext(router.model_name, router.pool.max_model_len, router.config.limits)
+        return PrepContext(
+            router.model_name, router.pool.max_model_len, router.config.limits, key_salt
+        )
 
     def admit(self) -> None:
         """Refuse before any work: draining, every serving group full."""
@@ -70,7 +78,9 @@ class Preparation:
         """The view, started choices and `stream` of a /v1/completions request."""
         self.admit()
         raw = await read_body(request)
-        p = await self.lanes.run(len(raw), request_prep.completion, raw, self.context())
+        p = await self.lanes.run(
+            len(raw), request_prep.completion, raw, self.context(_salt(request))
+        )
         body = p.body
         assert isinstance(body, CompletionRequest)
         rid, choices = self.router.launch(p, "cmpl")
@@ -92,7 +102,7 @@ class Preparation:
         """The view, started choices and `stream` of a /v1/chat/completions request."""
         self.admit()
         raw = await read_body(request)
-        p = await self.lanes.run(len(raw), request_prep.chat, raw, self.context())
+        p = await self.lanes.run(len(raw), request_prep.chat, raw, self.context(_salt(request)))
         body = p.body
         assert isinstance(body, ChatCompletionRequest)
         rid, choices = self.router.launch(p, "chatcmpl")
@@ -122,12 +132,16 @@ class Preparation:
         """A body for an openai-http group: admitted, checked, its prompt counted."""
         self.admit()
         raw = await request.body()  # the backend judges the content type
-        return await self.lanes.run(len(raw), request_prep.proxied, raw, self.context())
+        return await self.lanes.run(
+            len(raw), request_prep.proxied, raw, self.context(_salt(request))
+        )
 
     # ---- gRPC ------------------------------------------------------------------------------
 
-    async def generation(self, request: router_pb2.GenerateRequest) -> PreparedGenerate:
+    async def generation(
+        self, request: router_pb2.GenerateRequest, key_salt: str = ""
+    ) -> PreparedGenerate:
         """A Generate request's prompt ids, worker sampling parameters and text options."""
         self.admit()
         size = request.ByteSize()
-        return await self.lanes.run(size, request_prep.generate, request, self.context())
+        return await self.lanes.run(size, request_prep.generate, request, self.context(key_salt))

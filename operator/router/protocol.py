@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 MAX_LOGPROBS = 20
+# The worker's cap (worker/sampling/params.py, not imported: it brings torch).
+MAX_CACHE_SALT_LENGTH = 1024
 MAX_N = 128  # OpenAI's documented bound on n
 _INT64 = 2**63
 _UINT32 = 2**32 - 1
@@ -82,6 +84,9 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     request_id: str | None = Field(None, min_length=1, max_length=256)
+    # vLLM's prefix-cache isolation (cache_salt.py): requests share cached blocks only with
+    # requests of the same salt.
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_LENGTH)
     # vLLM's structured outputs: the object, and the older guided_* fields.
     structured_outputs: StructuredOutputs | None = None
     guided_json: str | dict[str, Any] | None = None

@@ -69,7 +69,6 @@ VLLM_UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "mm_processor_kwargs": (None,),
     "prompt_embeds": (None,),
     "priority": (0, None),
-    "cache_salt": (None,),
     "return_tokens_as_token_ids": (False, None),
     "return_token_ids": (False, None),
     "logits_processors": (None,),

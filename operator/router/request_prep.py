@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from gearshift.operator.router import errors, json_body, limits, request_params
+from gearshift.operator.router import cache_salt, errors, json_body, limits, request_params
 from gearshift.operator.router.limits import RequestLimits
 from gearshift.operator.router.openai_accounting import estimate_prompt_tokens
 from gearshift.operator.router.protocol import (
@@ -39,6 +39,8 @@ class PrepContext:
     model_name: str
     max_model_len: int | None
     limits: RequestLimits
+    # The API key's prefix-cache salt when the router salts by key ("" otherwise; cache_salt.py).
+    key_salt: str = ""
 
     def check_model(self, model: str | None) -> None:
         if model and model != self.model_name:
@@ -161,6 +163,7 @@ def completion(tokenizer: Tokenizer, raw: bytes, ctx: PrepContext) -> PreparedGe
         body, tokenizer, prompts, body.max_tokens, body.logprobs, "prompt", spec, ctx.max_model_len
     )
     limits.check_sampling_total(sampling, body.num_sequences * len(prompts), ctx.limits)
+    sampling.cache_salt = cache_salt.combine(body.cache_salt, ctx.key_salt)
     kept = body.model_copy(update={"prompt": ""})
     return PreparedGeneration(kept, prompts, sampling, echo, first)
 
@@ -189,6 +192,7 @@ def chat(tokenizer: Tokenizer, raw: bytes, ctx: PrepContext) -> PreparedGenerati
         ctx.max_model_len,
     )
     limits.check_sampling_total(sampling, body.num_sequences, ctx.limits)
+    sampling.cache_salt = cache_salt.combine(body.cache_salt, ctx.key_salt)
     kept = body.model_copy(update={"messages": []})
     return PreparedGeneration(kept, [ids], sampling, tools=tools)
 
@@ -233,6 +237,11 @@ def proxied(tokenizer: Tokenizer, raw: bytes, ctx: PrepContext) -> ProxyPlan:
     data = _parsed(raw, ctx, _GENERATION_FIELDS)
     model = data.pop("model", None)
     ctx.check_model(model if isinstance(model, str) else None)
+    # vLLM honours cache_salt itself; salting by key puts the key's salt in front.
+    if ctx.key_salt:
+        data["cache_salt"] = cache_salt.combine(
+            cache_salt.check(data.get("cache_salt")), ctx.key_salt
+        )
     outputs: dict[str, Any] = {
         k: data[k] for k in ("max_completion_tokens", "max_tokens") if k in data
     }
@@ -290,6 +299,8 @@ def generate(
     sampling = common_pb2.SamplingParams()
     sampling.CopyFrom(s)
     del sampling.stop[:]  # stop strings are checked here, on the detokenised text
+    client_salt = cache_salt.check(s.cache_salt or None, "sampling.cache_salt")
+    sampling.cache_salt = cache_salt.combine(client_salt, ctx.key_salt)
     text = TextOptions(
         stop=tuple(s.stop),
         include_stop_str_in_output=s.include_stop_str_in_output,

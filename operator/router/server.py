@@ -104,6 +104,11 @@ class RouterServer:
             raise config_mod.ConfigError(
                 "protect metrics: /metrics can only be protected by an API key, and none is set"
             )
+        if cfg.cache_salt_by_api_key and not cfg.api_keys:
+            raise config_mod.ConfigError("cache salt by API key: needs API keys, and none is set")
+        if any(not k.strip() for k in cfg.api_keys):
+            raise config_mod.ConfigError("api keys: an empty or blank key would let anyone in")
+        worker_token, admin_token = self._tokens()
         tokenizer = self._tokenizer
         if tokenizer is None:
             tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model_path)
@@ -112,7 +117,7 @@ class RouterServer:
             cfg.poll_interval_s,
             cfg.rpc_timeout_s,
             cfg.backend,
-            cfg.control_token,
+            worker_token,
         )
         metrics = RouterMetrics(cfg.model_name, lambda: list(pool.groups.values()))
         if cfg.record_trace is not None:
@@ -132,7 +137,12 @@ class RouterServer:
         if cfg.backend == "openai-http":  # generation is the backend's; see openai_proxy.py
             app.add_middleware(OpenAIProxy, preparation=preparation)
         app.add_middleware(BodyLimit, max_bytes=cfg.limits.max_body_bytes)
-        app.add_middleware(ApiKeyMiddleware, keys=cfg.api_keys, protect_metrics=cfg.protect_metrics)
+        app.add_middleware(
+            ApiKeyMiddleware,
+            keys=cfg.api_keys,
+            protect_metrics=cfg.protect_metrics,
+            salt_by_key=cfg.cache_salt_by_api_key,
+        )
         # Added last, so outermost: it also sees the API-key middleware's 401s.
         app.add_middleware(RejectionCounter, metrics=metrics)
         sock = _listen(cfg.host, cfg.http_port)
@@ -160,7 +170,9 @@ class RouterServer:
             await server.start()
             self._grpc.append(server)
         if cfg.admin_port is not None:
-            server = grpc.aio.server(interceptors=auth.interceptors(cfg.control_token, "admin"))
+            server = grpc.aio.server(
+                interceptors=auth.interceptors(admin_token, "admin", cfg.insecure_no_auth)
+            )
             router_pb2_grpc.add_AdminServicer_to_server(AdminService(router), server)
             admin_port = server.add_insecure_port(f"{cfg.admin_host}:{cfg.admin_port}")
             await server.start()
@@ -178,6 +190,23 @@ class RouterServer:
             len(cfg.groups),
         )
         return self.ports
+
+    def _tokens(self) -> tuple[auth.TokenSource | None, auth.TokenSource | None]:
+        """The worker and admin token sources (files followed for rotation); fail closed."""
+        cfg = self.config
+        try:
+            worker = auth.token_source(cfg.control_token, cfg.control_token_file)
+            admin = auth.token_source(cfg.admin_token, cfg.admin_token_file)
+            # openai-http groups may be servers that take no key (another gateway).
+            if cfg.backend == "worker-grpc":
+                auth.require(worker, "router → workers", cfg.insecure_no_auth)
+            if cfg.admin_port is not None:
+                auth.require(admin, "admin", cfg.insecure_no_auth)
+        except auth.TokenError as exc:
+            raise config_mod.ConfigError(str(exc)) from exc
+        if worker is None and cfg.backend == "worker-grpc":
+            log.warning("--insecure-no-auth: worker calls carry no control token")
+        return worker, admin
 
     async def _reload_loop(self) -> None:
         """Follow router.json: the operator rewrites it when groups are added or removed."""

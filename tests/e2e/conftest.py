@@ -81,7 +81,7 @@ def group_stats(serve: ServeProcess, name: str) -> worker_pb2.WorkerStats:
     """GetStats straight from a group's worker (not through the router)."""
     with grpc.insecure_channel(serve.group(name)["address"]) as channel:
         return worker_pb2_grpc.WorkerStub(channel).GetStats(
-            worker_pb2.GetStatsRequest(), timeout=5, metadata=serve.metadata
+            worker_pb2.GetStatsRequest(), timeout=5, metadata=serve.worker_metadata
         )
 
 

@@ -118,12 +118,22 @@ class ServeProcess:
 
     @property
     def control_token(self) -> str:
-        """The token `gearshift serve` generated for Admin and worker calls."""
+        """The token `gearshift serve` generated for router → worker calls."""
         return Path(self.info["control_token_file"]).read_text().strip()
 
     @property
+    def admin_token(self) -> str:
+        """The token `gearshift serve` generated for Admin calls."""
+        return Path(self.info["admin_token_file"]).read_text().strip()
+
+    @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        """Call metadata that authenticates a test as the operator (Admin) or the router."""
+        """Call metadata that authenticates a test as the operator (Admin)."""
+        return (("authorization", f"Bearer {self.admin_token}"),)
+
+    @property
+    def worker_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Call metadata that authenticates a test as the router (Worker calls)."""
         return (("authorization", f"Bearer {self.control_token}"),)
 
     def refresh(self) -> None:

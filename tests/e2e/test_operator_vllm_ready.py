@@ -6,6 +6,7 @@ pod (`gearshift serve` with SmolLM2), and a completion through that router is an
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -19,8 +20,16 @@ import yaml
 
 from gearshift.operator.reconcile import names, render_config
 from gearshift.operator.reconcile.spec import parse
+from gearshift.worker.server import auth
 from tests.e2e.serve_process import ServeProcess
-from tests.operator.kmock_harness import Api, KmockApi, OperatorProcess, condition, wait_for
+from tests.operator.kmock_harness import (
+    Api,
+    KmockApi,
+    OperatorProcess,
+    condition,
+    mount_secret_token,
+    wait_for,
+)
 
 NS = "ml"
 REPO = Path(__file__).resolve().parents[2]
@@ -50,6 +59,9 @@ class RouterProcess:
     def __init__(self, config: Path, tmp: Path) -> None:
         self.ready = tmp / "router.ready"
         self.log = tmp / "router.log"
+        # The pod's token mounts: filled from the operator's Secrets once it wrote them.
+        self.admin_token = auth.write_token(tmp / "admin.token", auth.generate_token())
+        self.env = {**os.environ, auth.ADMIN_TOKEN_FILE_ENV: str(self.admin_token)}
         self.cmd = [
             sys.executable,
             "-m",
@@ -76,7 +88,9 @@ class RouterProcess:
 
     def __enter__(self) -> RouterProcess:
         self._out = self.log.open("wb")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._out, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=self._out, stderr=subprocess.STDOUT, env=self.env
+        )
         deadline = time.monotonic() + 120
         while not self.ready.is_file():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -124,6 +138,8 @@ def test_static_vllm_example_becomes_ready_and_serves_through_the_router(tmp_pat
             with OperatorProcess(kubeconfig, admin, tmp_path / "kopf.log") as op:
                 try:
                     api.create_cr(NS, body)
+                    admin_secret = names.admin_secret(name)
+                    mount_secret_token(api, NS, admin_secret, router.admin_token)
                     wait_for(
                         lambda: condition(api.cr(NS, name), "Ready").get("status") == "True",
                         timeout=90,

@@ -16,12 +16,18 @@ import psutil
 import pytest
 import yaml
 
-from gearshift.operator.reconcile import names, render_security
-from gearshift.operator.reconcile.spec import parse as parse_spec
+from gearshift.operator.reconcile import names
 from gearshift.v1 import router_pb2, router_pb2_grpc
 from gearshift.worker.server import auth
 from tests.e2e.serve_process import ServeProcess
-from tests.operator.kmock_harness import Api, KmockApi, OperatorProcess, condition, wait_for
+from tests.operator.kmock_harness import (
+    Api,
+    KmockApi,
+    OperatorProcess,
+    condition,
+    mount_secret_token,
+    wait_for,
+)
 
 NS = "ml"
 NAME = "live"
@@ -57,11 +63,9 @@ def _router_threshold(serve: ServeProcess) -> int | None:
     return group.policy.shift.threshold if group is not None and group.serving else None
 
 
-TOKEN = auth.generate_token()
-
-
-def _token_file(tmp: Path) -> Path:
-    return auth.write_token(tmp / "control.token", TOKEN)
+def _token_file(tmp: Path, name: str) -> Path:
+    """A token file the test later fills from the operator's Secret, as the kubelet would."""
+    return auth.write_token(tmp / name, auth.generate_token())
 
 
 @pytest.mark.slow
@@ -89,22 +93,20 @@ def test_operator_applies_a_live_threshold_through_the_real_router(tmp_path: Pat
         "--kv-cache-bytes",
         str(32 << 20),
         "--control-token-file",
-        str(_token_file(tmp_path)),
+        str(_token_file(tmp_path, "control.token")),
+        "--admin-token-file",
+        str(admin_token := _token_file(tmp_path, "admin.token")),
     )
     with serve, KmockApi() as kmock:
         api = Api(kmock.url)
-        # The deployment's control token Secret exists already (as if created by an earlier
-        # pass), holding the token this router requires: the operator must present it.
-        code, data = api.call(
-            "POST",
-            f"/api/v1/namespaces/{NS}/secrets",
-            render_security.control_secret(parse_spec(_resource()), TOKEN),
-        )
-        assert code in (200, 201), data
         kubeconfig = kmock.kubeconfig(tmp_path / "kubeconfig")
         with OperatorProcess(kubeconfig, serve.admin_address, tmp_path / "kopf.log") as op:
             try:
                 api.create_cr(NS, _resource())
+                # The router's admin token comes from the Secret the operator writes (a mounted
+                # file, re-read when it changes): only then does Admin admit the operator.
+                token = mount_secret_token(api, NS, names.admin_secret(NAME), admin_token)
+                assert serve.admin_token == token
                 wait_for(
                     lambda: condition(api.cr(NS, NAME), "Ready").get("status") == "True",
                     timeout=60,

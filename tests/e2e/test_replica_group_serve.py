@@ -134,13 +134,13 @@ def test_the_worker_lists_its_replicas_and_runs_a_request_on_the_one_it_names(
     with grpc.insecure_channel(address) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         stats = stub.GetStats(
-            worker_pb2.GetStatsRequest(), timeout=10, metadata=sidp_serve.metadata
+            worker_pb2.GetStatsRequest(), timeout=10, metadata=sidp_serve.worker_metadata
         )
         assert [r.index for r in stats.replicas] == [0, 1]
 
         def steps() -> tuple[float, float]:
             s = stub.GetStats(
-                worker_pb2.GetStatsRequest(), timeout=10, metadata=sidp_serve.metadata
+                worker_pb2.GetStatsRequest(), timeout=10, metadata=sidp_serve.worker_metadata
             ).policy_stats
             return s["replica0_steps"], s["replica1_steps"]
 
@@ -157,14 +157,14 @@ def test_the_worker_lists_its_replicas_and_runs_a_request_on_the_one_it_names(
             sampling=common_pb2.SamplingParams(max_tokens=3, temperature=0.0),
             replica=1,
         )
-        replies = list(stub.Generate(request, timeout=120, metadata=sidp_serve.metadata))
+        replies = list(stub.Generate(request, timeout=120, metadata=sidp_serve.worker_metadata))
         assert sum(len(r.token_ids) for r in replies) == 3
         wait_for(lambda: steps()[1] > before[1], 30, "replica 1 to step")
         after = wait_for(settled, 30, "the replicas' step counts to settle")
         assert after[0] == before[0], "replica 0 stepped: the request did not run where named"
         request.request_id, request.replica = "no-such-replica", 2
         with pytest.raises(grpc.RpcError) as info:
-            list(stub.Generate(request, timeout=30, metadata=sidp_serve.metadata))
+            list(stub.Generate(request, timeout=30, metadata=sidp_serve.worker_metadata))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert ("gearshift-param", "replica") in tuple(info.value.trailing_metadata() or ())
 

@@ -6,7 +6,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from kmock_harness import Api, KmockApi, OperatorProcess, StandInAdmin, wait_for
+
+from tests.worker.model.hub_server import HubServer, Repo
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +29,34 @@ def api(kmock_api: KmockApi) -> Api:
     return Api(kmock_api.url)
 
 
+EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
+
+
+@pytest.fixture(scope="module")
+def hub() -> Iterator[HubServer]:
+    """A local Hub that knows every hf:// repository of docs/examples: the operator pins their
+    `main` to a commit (model_pin.py) and must never reach the real Hub from a test."""
+    with HubServer() as server:
+        for path in sorted(EXAMPLES.glob("*.yaml")):
+            source = yaml.safe_load(path.read_text())["spec"]["model"]["source"]
+            if source.startswith("hf://"):
+                repo = server.repos.setdefault(source.removeprefix("hf://"), Repo())
+                if "main" not in repo.refs:
+                    repo.add_commit({"config.json": source.encode()}, "main")
+        yield server
+
+
 @pytest.fixture(scope="module")
 def operator_process(
-    kmock_api: KmockApi, admin: StandInAdmin, tmp_path_factory: pytest.TempPathFactory
+    kmock_api: KmockApi,
+    admin: StandInAdmin,
+    hub: HubServer,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[OperatorProcess]:
     tmp = tmp_path_factory.mktemp("operator")
+    env = {"HF_ENDPOINT": hub.url}
     with OperatorProcess(
-        kmock_api.kubeconfig(tmp / "kubeconfig"), admin.address, tmp / "kopf.log"
+        kmock_api.kubeconfig(tmp / "kubeconfig"), admin.address, tmp / "kopf.log", env=env
     ) as op:
         try:
             wait_for(op.alive, 5, "operator process")

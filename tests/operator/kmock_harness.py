@@ -10,6 +10,7 @@ operator's explicit cleanup and the owner references it sets.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import subprocess
@@ -186,6 +187,18 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, what: str = ""
         time.sleep(0.1)
 
 
+def mount_secret_token(api: Api, ns: str, secret: str, path: Path, timeout: float = 60) -> str:
+    """What the kubelet does for a pod that mounts a token Secret: wait until the operator
+    created it, then put its token into `path` (a new file renamed in, as the kubelet swaps a
+    Secret volume's files); returns the token."""
+    found = wait_for(lambda: api.get(f"/api/v1/namespaces/{ns}/secrets/{secret}"), timeout, secret)
+    token = base64.b64decode(found["data"][names.CONTROL_TOKEN_KEY]).decode()
+    tmp = path.with_name(f".{path.name}.new")
+    tmp.write_text(token)
+    os.replace(tmp, path)
+    return token
+
+
 class StandInAdmin(router_pb2_grpc.AdminServicer):
     """A stand-in for the router's Admin API (the real router comes with the control-plane issue).
 
@@ -235,8 +248,10 @@ class StandInAdmin(router_pb2_grpc.AdminServicer):
 
     def GetStatus(self, request: Any, context: Any) -> router_pb2.RouterStatus:
         with self._lock:
-            # The credential the operator presented (its deployment's control token).
-            self.authorization.append(dict(context.invocation_metadata()).get("authorization", ""))
+            # The credentials the operator presented (its deployment's admin token; after a
+            # rotation, the old one too).
+            presented = [v for k, v in context.invocation_metadata() if k == "authorization"]
+            self.authorization += presented or [""]
             return router_pb2.RouterStatus(groups=list(self.groups.values()), model="stand-in")
 
     def ApplyPolicy(self, request: Any, context: Any) -> router_pb2.AdminApplyPolicyResponse:
@@ -273,7 +288,12 @@ class OperatorProcess:
     """
 
     def __init__(
-        self, kubeconfig: Path, admin_address: str, log: Path, resync: float = 0.5
+        self,
+        kubeconfig: Path,
+        admin_address: str,
+        log: Path,
+        resync: float = 0.5,
+        env: dict[str, str] | None = None,
     ) -> None:
         self._cmd = [
             sys.executable,
@@ -288,6 +308,7 @@ class OperatorProcess:
             "GEARSHIFT_ROUTER_ADMIN_ADDRESS": admin_address,
             "GEARSHIFT_RESYNC_SECONDS": str(resync),
             "GEARSHIFT_ADMIN_TIMEOUT_SECONDS": "1",
+            **(env or {}),
         }
         self.log = log
         self._proc: subprocess.Popen[bytes] | None = None

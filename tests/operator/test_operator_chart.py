@@ -156,11 +156,14 @@ def test_chart_crd_is_the_crds_folder_file() -> None:
     ).read_bytes()
 
 
-def test_operator_may_create_and_read_secrets_but_not_list_them(helm: Path) -> None:
-    """The control token Secrets: by name only (no list, no watch); NetworkPolicies managed."""
+def test_operator_may_create_and_patch_secrets_but_not_read_list_or_delete_them(
+    helm: Path,
+) -> None:
+    """The token Secrets are written, never read back (issue 31: it used to get, patch and
+    delete every Secret of the namespace); NetworkPolicies managed."""
     role = next(d for d in _render(helm) if d["kind"] == "Role")
     verbs = {r: set(rule["verbs"]) for rule in role["rules"] for r in rule["resources"]}
-    assert verbs["secrets"] == {"get", "create", "patch", "delete"}
+    assert verbs["secrets"] == {"create", "patch"}
     assert {"create", "patch", "delete"} <= verbs["networkpolicies"]
     deploy = next(d for d in _render(helm) if d["kind"] == "Deployment")
     env = {e["name"]: e for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]}

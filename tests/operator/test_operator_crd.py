@@ -123,6 +123,19 @@ INVALID = [
     ("static", "spec.router.drainTimeoutSeconds", -1, "spec.router.drainTimeoutSeconds"),
     ("static", "spec.model.attentionBackend", "flash", "spec.model.attentionBackend"),
     ("static-vllm", "spec.model.attentionBackend", "triton", "engine vllm picks its own"),
+    # Issue 31: reserved env names, revisions that are paths.
+    (
+        "static",
+        "spec.group.env",
+        [{"name": "GEARSHIFT_CONTROL_TOKEN_FILE", "value": "/dev/null"}],
+        "spec.group.env[0]: group.env: names the operator sets",
+    ),
+    ("static", "spec.group.env", [{"name": "VLLM_API_KEY", "value": ""}], "group.env"),
+    ("static", "spec.group.env", [{"value": "x"}], "spec.group.env.0"),
+    ("shift", "spec.model.revision", "../../etc", "spec.model.revision"),
+    ("shift", "spec.model.revision", "refs/pr/1", "spec.model.revision"),
+    ("shift", "spec.model.revision", "v1..2", "model.revision: must be a commit sha, tag"),
+    ("shift", "spec.model.revision", "main;rm", "spec.model.revision"),
 ]
 
 

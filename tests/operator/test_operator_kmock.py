@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 import time
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ import yaml
 from google.protobuf import json_format
 from kmock_harness import Api, OperatorProcess, StandInAdmin, condition, wait_for
 
-from gearshift.operator.reconcile import names, render_security
+from gearshift.operator.reconcile import names
 from gearshift.v1 import policy_fields, policy_pb2
 
 NS = "ml"
@@ -122,10 +123,10 @@ def test_example_creates_owned_children_and_is_ready_only_once_the_router_serves
         assert child is not None, path
         assert child["metadata"]["ownerReferences"][0]["uid"] == "uid-llama"
 
-    # The control token: a Secret owned by the deployment, mounted into pods, presented to Admin.
-    secret = api.get(f"/api/v1/namespaces/{NS}/secrets/{names.control_secret(name)}")
+    # The admin token: a Secret owned by the deployment, mounted into pods, presented to Admin.
+    secret = api.get(f"/api/v1/namespaces/{NS}/secrets/{names.admin_secret(name)}")
     assert secret is not None and secret["metadata"]["ownerReferences"][0]["uid"] == "uid-llama"
-    token = render_security.token_from_secret(secret)
+    token = base64.b64decode(secret["data"][names.CONTROL_TOKEN_KEY]).decode()
     assert len(token) >= 32
     wait_for(lambda: f"Bearer {token}" in admin.authorization, what="Admin called with the token")
     policies = api.names(f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies")

@@ -160,3 +160,24 @@ def test_the_rendered_init_command_downloads_from_a_hub(tmp_path: Path) -> None:
     dest = Path(args[args.index("--dest") + 1])
     assert dest.parent == mount
     assert (dest / "model.safetensors").read_bytes() == files["model.safetensors"]
+
+
+@pytest.mark.parametrize(
+    "revision", ["../../etc", "refs/pr/1", "v1..2", ".hidden", "a b", "main\n"]
+)
+def test_a_revision_that_is_a_path_is_refused_by_the_crd_and_the_operator(revision: str) -> None:
+    crd = yaml.safe_load((REPO / "crds" / "inferencedeployments.gearshift.dev.yaml").read_text())
+    body = _body("static", **{**HF_MODEL, "revision": revision})
+    if not revision.endswith("\n"):  # Python's `$` passes a final newline; the API server's RE2
+        assert any("model.revision" in e for e in validate(crd, body))
+    with pytest.raises(SpecError, match=r"spec\.model\.revision .*no '/', no '\.\.'") as e:
+        parse(body)
+    assert e.value.field == "spec.model.revision"
+
+
+@pytest.mark.parametrize("revision", ["main", "v1.2.0", "release-2024_06", SHA])
+def test_commits_tags_and_branch_names_are_accepted(revision: str) -> None:
+    crd = yaml.safe_load((REPO / "crds" / "inferencedeployments.gearshift.dev.yaml").read_text())
+    body = _body("static", **{**HF_MODEL, "revision": revision})
+    assert validate(crd, body) == []
+    assert parse(body).model.revision == revision

@@ -38,6 +38,10 @@ class FakeOpenAI:
         self.requests: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.healthy = True
+        # Set: /v1 routes want `Authorization: Bearer <api_key>` and answer 401 otherwise, as
+        # `vllm serve --api-key` (VLLM_API_KEY) does; /metrics stays open, as in vLLM.
+        self.api_key: str | None = None
+        self.model_headers: list[dict[str, str]] = []
         app = Starlette(
             routes=[
                 Route("/v1/models", self._models),
@@ -68,9 +72,19 @@ class FakeOpenAI:
             await asyncio.wait_for(self._task, 10)
         self._sock.close()
 
+    def _refused(self, request: Request) -> Response | None:
+        if self.api_key is None:
+            return None
+        if request.headers.get("authorization") == f"Bearer {self.api_key}":
+            return None
+        return JSONResponse({"error": "Unauthorized"}, 401)
+
     async def _models(self, request: Request) -> Response:
+        self.model_headers.append(dict(request.headers))
         if not self.healthy:
             return Response(status_code=503)
+        if (refused := self._refused(request)) is not None:
+            return refused
         return JSONResponse({"object": "list", "data": [{"id": self.model, "max_model_len": 4096}]})
 
     async def _metrics(self, request: Request) -> Response:
@@ -88,6 +102,8 @@ class FakeOpenAI:
         body = await request.json()
         self.requests.append(body)
         self.headers.append(dict(request.headers))
+        if (refused := self._refused(request)) is not None:
+            return refused
         s = self.script
         if s.status != 200:
             return JSONResponse({"error": {"message": f"scripted {s.status}"}}, s.status)

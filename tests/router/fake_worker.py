@@ -45,7 +45,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.port = 0
 
     async def start(self) -> FakeWorker:
-        self.server = grpc.aio.server(interceptors=auth.interceptors(self.token, self.name))
+        self.server = grpc.aio.server(
+            interceptors=auth.interceptors(self.token, self.name, self.token is None)
+        )
         worker_pb2_grpc.add_WorkerServicer_to_server(self, self.server)
         self.health = health.aio.HealthServicer()
         await self.health.set("gearshift.v1.Worker", health_pb2.HealthCheckResponse.SERVING)

@@ -57,6 +57,7 @@ async def running(
         drain_timeout_s=2.0,
         backend="openai-http",
         api_keys=api_keys,
+        insecure_no_auth=True,  # no Admin token here; auth: test_router_control_plane.py
     )
     server = RouterServer(config, tokenizer=tok)
     ports = await server.start()

@@ -59,6 +59,8 @@ async def running(
         poll_interval_s=0.1,
         rpc_timeout_s=1.0,
         control_token=router_token,
+        admin_token=TOKEN,
+        insecure_no_auth=router_token is None,
         **cfg,  # type: ignore[arg-type]
     )
     server = RouterServer(config, tokenizer=tok)

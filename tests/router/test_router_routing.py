@@ -57,6 +57,7 @@ async def running(tok: Tokenizer, groups: int = 2, **cfg: object) -> AsyncIterat
         poll_interval_s=0.1,
         rpc_timeout_s=1.0,
         drain_timeout_s=2.0,
+        insecure_no_auth=True,  # the fake workers take no token; auth: control-plane tests
         **cfg,  # type: ignore[arg-type]
     )
     server = RouterServer(config, tokenizer=tok)
@@ -350,6 +351,7 @@ def test_router_json_changes_add_and_retire_groups(tokenizer: Tokenizer, tmp_pat
             admin_host="127.0.0.1",
             poll_interval_s=0.1,
             reload_interval_s=0.1,
+            insecure_no_auth=True,  # fake workers without tokens
         )
         server = RouterServer(config, tokenizer=tokenizer)
         await server.start()

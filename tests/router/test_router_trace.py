@@ -63,6 +63,7 @@ def test_an_unwritable_trace_path_is_refused_at_start(tokenizer: Tokenizer, tmp_
         grpc_port=None,
         admin_port=None,
         record_trace=tmp_path / "missing" / "t.jsonl",
+        insecure_no_auth=True,  # no groups to call here
     )
 
     async def main() -> None:

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 def _worker_args(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_worker_args(p)
-    return p.parse_args(list(argv))
+    return p.parse_args(["--insecure-no-auth", *argv])  # settings only: no server starts
 
 
 def _deployment(attention_backend: str | None = None, **spec_fields: Any) -> spec.DeploymentSpec:

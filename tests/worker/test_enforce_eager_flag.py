@@ -37,5 +37,10 @@ def test_serve_passes_enforce_eager_to_its_workers(tmp_path: Path) -> None:
 def test_worker_settings_carry_enforce_eager() -> None:
     p = argparse.ArgumentParser()
     add_worker_args(p)
-    assert load_settings(p.parse_args(["--enforce-eager"]), env={}).engine.enforce_eager is True
-    assert load_settings(p.parse_args([]), env={}).engine.enforce_eager is False
+    assert (
+        load_settings(
+            p.parse_args(["--insecure-no-auth", "--enforce-eager"]), env={}
+        ).engine.enforce_eager
+        is True
+    )
+    assert load_settings(p.parse_args(["--insecure-no-auth"]), env={}).engine.enforce_eager is False

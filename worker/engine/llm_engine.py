@@ -197,6 +197,7 @@ class LLMEngine:
             else None,
             grammar=grammar,
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
+            cache_salt=params.cache_salt,
         )
         if self.tokenizer is not None and self.config.detokenize:
             detok = IncrementalDetokenizer(
@@ -382,10 +383,10 @@ class LLMEngine:
             self.prompt_tokens += n
             if seq.num_computed_tokens == seq.num_tokens:
                 sampling.append(seq)
-        for seq in batch.decodes:
-            self.blocks.cache_full_blocks(seq.blocks, seq.token_ids, seq.num_computed_tokens)
-        for seq, _ in batch.prefills:
-            self.blocks.cache_full_blocks(seq.blocks, seq.token_ids, seq.num_computed_tokens)
+        for seq in [*batch.decodes, *(s for s, _ in batch.prefills)]:
+            self.blocks.cache_full_blocks(
+                seq.blocks, seq.token_ids, seq.num_computed_tokens, seq.cache_salt
+            )
         outputs = self._sample_and_process(sampling, logits)
         if self._aborted:
             aborted = {s.request_id for s in flight.seqs} & self._aborted

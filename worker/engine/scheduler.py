@@ -169,7 +169,7 @@ class Scheduler:
             # At least one token must run to produce logits, so the last prompt token never hits.
             # prompt_logprobs need every prompt row computed: no prefix hit for them.
             limit = 0 if seq.needs_prompt_logprobs else seq.num_tokens - 1
-            hit = self.blocks.match_prefix(seq.token_ids, limit)
+            hit = self.blocks.match_prefix(seq.token_ids, limit, seq.cache_salt)
             computed = len(hit.block_ids) * self.blocks.block_size
             n = min(seq.num_tokens - computed, budget)
             if not self.blocks.allocate(seq.blocks, computed + n, hit):

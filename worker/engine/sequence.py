@@ -45,6 +45,9 @@ class Sequence:
     grammar: GrammarMatcher | None = None  # structured outputs: advanced by the sampler
     # With params.prompt_logprobs: filled chunk by chunk while the prompt is prefilled.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # The prefix-cache salt (params.cache_salt, vLLM's): the scheduler and the block manager
+    # read it here, so sequences without sampling parameters (the simulator's) need none.
+    cache_salt: str = ""
     token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

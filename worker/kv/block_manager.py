@@ -4,19 +4,30 @@ Full blocks are content-addressed by a hash chained over the tokens of every blo
 a block is reusable exactly when the whole prefix up to its end matches. Blocks whose last user
 left stay cached in an LRU free queue until their slot is needed again.
 
+The chain is a keyed 128-bit BLAKE2b (a random key per block manager): nobody outside can compute
+a block's hash, so no crafted prompt can collide with (and alias) another's cached block, which
+Python's deterministic tuple hash of token ids allowed. A request's cache_salt (vLLM's) goes into
+the hash of its first block: requests with different salts never share a block, and their
+cached_prompt_tokens reveal nothing about each other's prompts.
+
 Block tables live in one persistent int64 array, a row per running sequence, so building a step's
 block-table tensor is a single numpy fancy-index instead of a Python loop over sequences.
 """
 
 from __future__ import annotations
 
+import hashlib
+import secrets
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-_ROOT_HASH = -1
+_ROOT_HASH = 0  # the parent of an unsalted first block
+_SALT_ROOT = 1  # the parent of a salt's own hash (never a block's: those are 128-bit digests)
+_HASH_BYTES = 16
 
 
 @dataclass
@@ -61,6 +72,20 @@ class BlockManager:
         self.free_rows = list(range(max_seqs - 1, -1, -1))
         self.prefix_queries = 0
         self.prefix_hit_tokens = 0
+        self._hash_key = secrets.token_bytes(_HASH_BYTES)
+
+    def _digest(self, parent: int, payload: bytes) -> int:
+        data = parent.to_bytes(_HASH_BYTES, "little") + payload
+        digest = hashlib.blake2b(data, key=self._hash_key, digest_size=_HASH_BYTES).digest()
+        return int.from_bytes(digest, "little")
+
+    def block_hash_of(self, parent: int, tokens: Sequence[int]) -> int:
+        """The chained hash of a full block of `tokens` after the block hashed `parent`."""
+        return self._digest(parent, array("q", tokens).tobytes())
+
+    def root(self, salt: str = "") -> int:
+        """The parent hash of a sequence's first block: salted requests start their own chain."""
+        return self._digest(_SALT_ROOT, salt.encode()) if salt else _ROOT_HASH
 
     @property
     def num_free_blocks(self) -> int:
@@ -74,16 +99,17 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def match_prefix(self, token_ids: Sequence[int], max_tokens: int) -> PrefixHit:
-        """Longest run of cached full blocks covering at most ``max_tokens`` leading tokens."""
+    def match_prefix(self, token_ids: Sequence[int], max_tokens: int, salt: str = "") -> PrefixHit:
+        """Longest run of cached full blocks covering at most ``max_tokens`` leading tokens,
+        among those cached under the same ``salt``."""
         if not self.enable_prefix_caching:
             return PrefixHit()
         bs = self.block_size
         blocks: list[int] = []
         hashes: list[int] = []
-        parent = _ROOT_HASH
+        parent = self.root(salt)
         for start in range(0, max_tokens - bs + 1, bs):
-            h = hash((parent, tuple(token_ids[start : start + bs])))
+            h = self.block_hash_of(parent, token_ids[start : start + bs])
             block = self.cached.get(h)
             if block is None:
                 break
@@ -128,16 +154,16 @@ class BlockManager:
         return True
 
     def cache_full_blocks(
-        self, table: BlockTable, token_ids: Sequence[int], num_computed: int
+        self, table: BlockTable, token_ids: Sequence[int], num_computed: int, salt: str = ""
     ) -> None:
-        """Register blocks whose every token now has KV computed."""
+        """Register blocks whose every token now has KV computed (under the sequence's salt)."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
         full = min(num_computed // bs, len(table.block_ids))
-        parent = table.hashes[-1] if table.hashes else _ROOT_HASH
+        parent = table.hashes[-1] if table.hashes else self.root(salt)
         for i in range(len(table.hashes), full):
-            h = hash((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
+            h = self.block_hash_of(parent, token_ids[i * bs : (i + 1) * bs])
             table.hashes.append(h)
             block = table.block_ids[i]
             if h not in self.cached and self.block_hash[block] is None:

@@ -18,6 +18,26 @@ from gearshift.worker.errors import ModelLoadError
 
 SCHEME = "hf://"
 _REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# A revision becomes part of a folder name and a URL path: one safe path component, never "..".
+# (Hub refs with "/", such as refs/pr/1, are pinned by their commit sha instead.)
+REVISION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+REVISION_RULE = (
+    "a commit sha, tag or branch name of letters, digits, '.', '_' and '-' (no '/', no '..')"
+)
+MAX_REVISION_LENGTH = 255
+
+
+def revision_error(revision: str) -> str | None:
+    """Why `revision` is refused, or None when it is safe."""
+    if (
+        len(revision) > MAX_REVISION_LENGTH
+        or ".." in revision
+        or not re.fullmatch(REVISION_PATTERN, revision)
+    ):
+        return f"revision {revision[:80]!r}: must be {REVISION_RULE}"
+    return None
+
+
 # What a model folder needs: config, weights, tokenizer, chat template. Pickled checkpoints
 # (*.bin, *.pt) are never fetched: Gearshift does not load them.
 WEIGHT_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.tiktoken")
@@ -39,7 +59,11 @@ class HubSource:
         repo, _, suffix = uri.removeprefix(SCHEME).partition("@")
         if not _REPO.match(repo):
             raise ModelLoadError(f"model {uri!r}: expected hf://org/name[@revision]")
-        return HubSource(repo, revision or suffix or None)
+        pinned = revision or suffix or None
+        error = revision_error(pinned) if pinned else None
+        if error:
+            raise ModelLoadError(f"model {uri!r}: {error}")
+        return HubSource(repo, pinned)
 
     def folder_name(self) -> str:
         """A folder for this repo and revision, unique per pair, safe as one path component."""

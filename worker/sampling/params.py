@@ -13,6 +13,8 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 # OpenAI's documented range for a logit_bias value.
 MAX_LOGIT_BIAS = 100.0
+# Longest cache_salt accepted (vLLM sets none; a salt only has to be unguessable, not long).
+MAX_CACHE_SALT_LENGTH = 1024
 # torch.Generator.manual_seed accepts any value in [-2**63, 2**64).
 _SEED_RANGE = (-(2**63), 2**64 - 1)
 
@@ -74,6 +76,9 @@ class SamplingParams:
     structured: GrammarSpec | None = None
     # Logprobs of the prompt tokens with this many alternatives (vLLM prompt_logprobs).
     prompt_logprobs: int | None = None
+    # The prefix-cache salt (vLLM cache_salt; kv/block_manager.py): not a sampling setting, but
+    # it travels wherever a request's parameters do. "": the shared, unsalted cache.
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "logit_bias", dict(self.logit_bias))
@@ -110,6 +115,11 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise InvalidSamplingParams naming the first field out of range."""
+        if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT_LENGTH:
+            raise InvalidSamplingParams(
+                "cache_salt",
+                f"cache_salt must be a string of at most {MAX_CACHE_SALT_LENGTH} characters",
+            )
         _check_int("n", self.n)
         if self.n != 1:
             raise InvalidSamplingParams(

@@ -59,7 +59,11 @@ class WorkerProcess:
         self.service = WorkerService()
         self.server = grpc.aio.server(
             options=GRPC_OPTIONS,
-            interceptors=auth.interceptors(settings.control_token, f"worker {settings.group_name}"),
+            interceptors=auth.interceptors(
+                auth.token_source(settings.control_token, settings.control_token_file),
+                f"worker {settings.group_name}",
+                settings.insecure_no_auth,
+            ),
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if settings.is_leader:

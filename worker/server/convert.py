@@ -50,6 +50,7 @@ def sampling_params(p: common_pb2.SamplingParams) -> SamplingParams:
         bad_words=tuple(tuple(w.token_ids) for w in p.bad_words),
         structured=spec_from_proto(p.structured) if p.HasField("structured") else None,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        cache_salt=p.cache_salt,
     )
 
 

@@ -67,8 +67,11 @@ class WorkerSettings:
     max_waiting: int = 256
     ready_file: Path | None = None
     exit_with_parent: bool = False
-    # Required as `authorization: Bearer` on every Worker call (auth.py); None: not checked.
+    # Required as `authorization: Bearer` on every Worker call (auth.py); the file, when
+    # given, is followed for rotation. No token refuses to start unless `insecure_no_auth`.
     control_token: str | None = None
+    control_token_file: Path | None = None
+    insecure_no_auth: bool = False
     # A rank without a heartbeat for this long is dead: the group stops and restarts.
     heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
     # On SIGTERM, seconds running requests may finish before the engine stops (and aborts them).
@@ -168,7 +171,14 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--control-token-file",
         default=None,
-        help=f"require this token on Worker calls (default: ${auth.TOKEN_FILE_ENV})",
+        help=f"require this token on Worker calls (default: ${auth.TOKEN_FILE_ENV}); re-read "
+        "when the file changes (rotation)",
+    )
+    p.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="run without a control token: Worker calls are not authenticated (development "
+        "only; without a token and without this flag the worker refuses to start)",
     )
     p.add_argument(
         "--drain-timeout",
@@ -240,7 +250,7 @@ def load_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None
         attention_backend=attention_backend,
         enforce_eager=args.enforce_eager,
     )
-    return WorkerSettings(
+    settings = WorkerSettings(
         model=model,
         served_model_name=args.served_model_name or cfg.model.name or default_served_name(model),
         policy=_policy(args.policy_json or cfg.policy, ranks),
@@ -255,6 +265,14 @@ def load_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None
         ready_file=args.ready_file,
         exit_with_parent=args.exit_with_parent,
         control_token=token,
+        control_token_file=Path(token_file) if token_file else None,
+        insecure_no_auth=args.insecure_no_auth,
         heartbeat_timeout_s=heartbeat,
         drain_timeout_s=max(0.0, args.drain_timeout),
     )
+    # Fail closed, after every other check (those name what to fix in the configuration).
+    try:
+        auth.require(token, "worker", args.insecure_no_auth)
+    except auth.TokenError as exc:
+        raise InvalidRequestError("control_token_file", str(exc)) from exc
+    return settings

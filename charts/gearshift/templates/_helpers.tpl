@@ -62,12 +62,14 @@ app.kubernetes.io/name={{ .Chart.Name }},app.kubernetes.io/instance={{ .Release.
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# The per-deployment control token: the operator creates the Secret and reads it back (to call
-# each router's Admin API), and deletes it with the deployment. No list or watch: it only ever
-# touches the Secrets it names.
+# Each deployment's two token Secrets: the operator creates them, and rewrites them (a JSON
+# patch that first tests their labels) when their tokens rotate. It never reads a Secret (the
+# tokens derive from its key, a mounted file), never lists, watches or deletes one (owner
+# references garbage-collect them). The ValidatingAdmissionPolicy (rbac.secretGuard) confines
+# these writes to Secrets it labels.
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["create", "patch"]
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
@@ -84,4 +86,18 @@ app.kubernetes.io/name={{ .Chart.Name }},app.kubernetes.io/instance={{ .Release.
   resources: ["podgroups"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 {{- end }}
+{{- end -}}
+
+{{/* The Secret holding the operator's key (its deployments' tokens derive from it). */}}
+{{- define "gearshift.keySecret" -}}
+{{- default (printf "%s-key" (include "gearshift.fullname" .)) .Values.operator.keySecret -}}
+{{- end -}}
+
+{{/* A label map as k=v,k=v (sorted keys). */}}
+{{- define "gearshift.labelString" -}}
+{{- $out := list -}}
+{{- range $k, $v := . -}}
+{{- $out = append $out (printf "%s=%s" $k $v) -}}
+{{- end -}}
+{{- join "," $out -}}
 {{- end -}}

@@ -95,11 +95,13 @@ def test_worker_settings_carry_the_backend_from_engine_json_unless_the_flag_says
     config = tmp_path / "engine.json"
     config.write_text(json.dumps({"model": {"path": "/m", "attentionBackend": "torch"}}))
     parser = cli.build_parser()
-    args = parser.parse_args(["worker", "--config", str(config)])
+    args = parser.parse_args(["worker", "--insecure-no-auth", "--config", str(config)])
     assert load_settings(args, env={}).engine.attention_backend == "torch"
-    args = parser.parse_args(["worker", "--config", str(config), "--attention-backend", "cpu"])
+    args = parser.parse_args(
+        ["worker", "--insecure-no-auth", "--config", str(config), "--attention-backend", "cpu"]
+    )
     assert load_settings(args, env={}).engine.attention_backend == "cpu"
-    args = parser.parse_args(["worker", "--model", "/m"])
+    args = parser.parse_args(["worker", "--insecure-no-auth", "--model", "/m"])
     assert load_settings(args, env={}).engine.attention_backend == "auto"
 
 

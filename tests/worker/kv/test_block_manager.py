@@ -115,3 +115,52 @@ def test_retained_blocks_stay_allocated_after_their_table_is_freed_until_release
     assert bm.num_free_blocks == 4 and bm.leaked_blocks() == []
     with pytest.raises(ValueError, match="is free"):
         bm.retain([0])
+
+
+def _cached(bm: BlockManager, tokens: list[int], salt: str = "") -> BlockTable:
+    table = BlockTable()
+    assert bm.allocate(table, len(tokens))
+    bm.cache_full_blocks(table, tokens, len(tokens), salt)
+    return table
+
+
+def test_requests_with_different_salts_never_share_prefix_blocks():
+    """vLLM's cache_salt: the salt goes into the first block's hash, so the whole chain differs."""
+    bm = _bm(16)
+    tokens = list(range(12))
+    alice = _cached(bm, tokens, "alice")
+    assert len(alice.hashes) == 3
+    assert bm.match_prefix(tokens, 12, "alice").block_ids == tuple(alice.block_ids)
+    assert bm.match_prefix(tokens, 12, "bob").block_ids == ()
+    assert bm.match_prefix(tokens, 12).block_ids == ()  # nor unsalted requests
+    plain = _cached(bm, tokens)
+    assert not set(plain.hashes) & set(alice.hashes)
+    assert bm.match_prefix(tokens, 12, "alice").block_ids == tuple(alice.block_ids)
+    assert bm.match_prefix(tokens, 12).block_ids == tuple(plain.block_ids)
+    # A salt is not a prefix of the prompt: "al" + "ice..." is not "alice".
+    assert bm.match_prefix(tokens, 12, "al").block_ids == ()
+    for t in (alice, plain):
+        bm.free_table(t)
+    assert bm.leaked_blocks() == []
+
+
+def test_a_salted_table_keeps_its_chain_as_it_grows():
+    bm = _bm(16)
+    tokens = list(range(16))
+    table = BlockTable()
+    assert bm.allocate(table, 16)
+    bm.cache_full_blocks(table, tokens, 8, "s")  # two blocks now, two more later (decode)
+    bm.cache_full_blocks(table, tokens, 16, "s")
+    assert bm.match_prefix(tokens, 16, "s").block_ids == tuple(table.block_ids)
+    assert bm.match_prefix(tokens, 16, "t").block_ids == ()
+    bm.free_table(table)
+
+
+def test_block_hashes_are_keyed_per_block_manager():
+    """Nobody outside can compute a block's hash (and craft a prompt colliding with it)."""
+    tokens = list(range(8))
+    one, two = _bm(8), _bm(8)
+    assert _cached(one, tokens).hashes != _cached(two, tokens).hashes
+    # 128-bit digests: no birthday collisions at 2**32 blocks, as 64-bit hashes would have.
+    hashes = _cached(one, list(range(100, 108))).hashes
+    assert all(0 <= h < 2**128 for h in hashes) and max(h.bit_length() for h in hashes) > 64

@@ -176,3 +176,19 @@ def test_serve_with_a_missing_hf_repo_exits_naming_it(hub: HubServer, tmp_path: 
     )
     assert done.returncode == 2
     assert "hf://org/gone: repository not found" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "uri", ["hf://org/tiny@../../etc", "hf://org/tiny@refs/pr/1", "hf://org/tiny@a..b"]
+)
+def test_a_revision_that_is_a_path_is_refused_before_anything_is_fetched(
+    uri: str, tmp_path: Path
+) -> None:
+    """It would name a folder under the cache (fetch_to_cache) and a URL path."""
+    with pytest.raises(ModelLoadError, match=r"no '/', no '\.\.'"):
+        source.HubSource.parse(uri)
+    with pytest.raises(ModelLoadError, match="revision"):
+        source.fetch_to_cache(uri, tmp_path / "cache")
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "etc").exists()
+    with pytest.raises(ModelLoadError, match="revision"):
+        source.HubSource.parse("hf://org/tiny", "../x")
