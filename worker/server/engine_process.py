@@ -24,6 +24,8 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
+from google.protobuf.message import Message
+
 from gearshift.v1 import policy_pb2
 from gearshift.worker.engine.contract import LiveValue
 from gearshift.worker.engine.llm_engine import EngineStats
@@ -193,6 +195,7 @@ class ProcessEngine:
         self.settings = settings
         self.max_model_len = 0
         self.replicas = 1
+        self.plan_field: str | None = None
         self.policy = policy_pb2.Policy()
         self._snapshot: EngineStats | None = None
         self._dead: str | None = None
@@ -337,8 +340,9 @@ class ProcessEngine:
         sink: OutputSink,
         arrival_time: float,
         replica: int | None = None,
+        plan: Message | None = None,
     ) -> None:
-        del replica  # one engine: the caller checked it is 0 or None
+        del replica, plan  # one engine: the caller checked it is 0 or None; takes no plan
         if self._closed:
             sink(EngineStopped(self._dead or "the engine is shutting down"))
             return

@@ -10,11 +10,18 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
+from google.protobuf.message import Message
+
 from gearshift.v1 import policy_pb2
 from gearshift.worker.engine.contract import LiveValue
 from gearshift.worker.engine.llm_engine import EngineStats, LLMEngine
 from gearshift.worker.sampling.params import SamplingParams
 from gearshift.worker.server.engine_loop import Deliver, Delivery, EngineLoop, OutputSink
+
+# The fields of WorkerGenerateRequest that carry a plan the router made for one request under
+# its group's policy (worker.proto). A handle names the one it takes (``plan_field``); a request
+# that sets another is refused, naming the field.
+REQUEST_PLAN_FIELDS = ("tetris_plan",)
 
 
 class EngineHandle(Protocol):
@@ -23,6 +30,7 @@ class EngineHandle(Protocol):
     max_model_len: int
     policy: policy_pb2.Policy  # the active policy, defaults filled in
     replicas: int  # engine replicas behind this handle (a request may name one: submit)
+    plan_field: str | None  # the request plan field it takes (REQUEST_PLAN_FIELDS), if any
 
     @property
     def snapshot(self) -> EngineStats: ...
@@ -41,9 +49,10 @@ class EngineHandle(Protocol):
         sink: OutputSink,
         arrival_time: float,
         replica: int | None = None,
+        plan: Message | None = None,
     ) -> None:
         """``replica``: which engine replica runs it (checked < ``replicas`` by the caller);
-        None: the handle picks."""
+        None: the handle picks. ``plan``: the request's ``plan_field`` when set."""
 
     async def abort(self, request_id: str) -> bool: ...
 
@@ -72,6 +81,7 @@ class ThreadEngine:
         self.engine = engine
         self.ranks = ranks
         self.replicas = 1
+        self.plan_field: str | None = None
         self.max_model_len = engine.max_model_len
         self.policy = engine.policy.to_proto()
         self.loop = EngineLoop(engine, deliver_on(asyncio.get_running_loop()), idle_wait)
@@ -97,8 +107,9 @@ class ThreadEngine:
         sink: OutputSink,
         arrival_time: float,
         replica: int | None = None,
+        plan: Message | None = None,
     ) -> None:
-        del replica  # one engine: the caller checked it is 0 or None
+        del replica, plan  # one engine: the caller checked it is 0 or None; takes no plan
         self.loop.submit(request_id, prompt_token_ids, params, sink, arrival_time)
 
     async def abort(self, request_id: str) -> bool:

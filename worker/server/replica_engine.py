@@ -20,6 +20,8 @@ from dataclasses import fields, replace
 from multiprocessing.connection import wait
 from typing import Any
 
+from google.protobuf.message import Message
+
 from gearshift.v1 import policy_pb2
 from gearshift.worker.engine.contract import LiveValue
 from gearshift.worker.engine.llm_engine import EngineStats, ReplicaLoad
@@ -89,6 +91,7 @@ class ReplicaGroupEngine:
         self.policy = self._policy.to_proto()
         self.max_model_len = 0
         self.replicas = self._policy.engine_replicas()
+        self.plan_field: str | None = None
         self._group: ReplicaGroup | None = None
         self._sinks: dict[str, tuple[int, OutputSink]] = {}
         self._load: list[int] = []  # requests in flight, per replica
@@ -214,8 +217,9 @@ class ReplicaGroupEngine:
         sink: OutputSink,
         arrival_time: float,
         replica: int | None = None,
+        plan: Message | None = None,
     ) -> None:
-        del arrival_time  # each replica's engine stamps its own arrival
+        del arrival_time, plan  # each replica's engine stamps its own arrival; takes no plan
         if self._closed or self._group is None:
             sink(EngineStopped(self._dead or "the replica group is shutting down"))
             return

@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import grpc
 
@@ -18,7 +18,7 @@ from gearshift.worker.errors import GroupFailure, InvalidRequestError
 from gearshift.worker.sampling.params import InvalidSamplingParams
 from gearshift.worker.server import convert
 from gearshift.worker.server.engine_loop import EngineStopped
-from gearshift.worker.server.handle import EngineHandle
+from gearshift.worker.server.handle import REQUEST_PLAN_FIELDS, EngineHandle
 
 log = logging.getLogger(__name__)
 
@@ -106,13 +106,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 f"replica {replica} does not exist: this group runs {self.engine.replicas} "
                 "engine replica(s), numbered from 0",
             )
-        plan = request.tetris_plan if request.HasField("tetris_plan") else None
-        if plan is not None and not getattr(self.engine, "takes_tetris_plans", False):
-            await _invalid(
-                context,
-                "tetris_plan",
-                "tetris_plan: this group does not run the tetris policy",
-            )
+        plan = None
+        for name in REQUEST_PLAN_FIELDS:
+            if not request.HasField(name):
+                continue
+            if name != self.engine.plan_field:
+                await _invalid(context, name, f"{name}: this group's policy takes no such plan")
+            plan = getattr(request, name)
         try:
             params = convert.sampling_params(request.sampling)
         except InvalidSamplingParams as exc:
@@ -123,20 +123,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.active.add(rid)
         finished = False
         try:
-            if plan is None:
-                self.engine.submit(
-                    rid, list(request.prompt_token_ids), params, sink, time.monotonic(), replica
-                )
-            else:  # a handle that takes plans (takes_tetris_plans, checked above)
-                cast(Any, self.engine).submit(
-                    rid,
-                    list(request.prompt_token_ids),
-                    params,
-                    sink,
-                    time.monotonic(),
-                    replica,
-                    tetris_plan=plan,
-                )
+            self.engine.submit(
+                rid, list(request.prompt_token_ids), params, sink, time.monotonic(), replica, plan
+            )
             first = True
             while not finished:
                 batch = [await outputs.get()]

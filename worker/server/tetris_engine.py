@@ -14,6 +14,8 @@ import logging
 import threading
 from dataclasses import replace
 
+from google.protobuf.message import Message
+
 from gearshift.v1 import policy_pb2, worker_pb2
 from gearshift.worker.engine.contract import LiveValue
 from gearshift.worker.engine.llm_engine import EngineStats
@@ -36,7 +38,7 @@ log = logging.getLogger(__name__)
 class TetrisGroupEngine:
     """An EngineHandle over a Tetris group hosted by this process."""
 
-    takes_tetris_plans = True
+    plan_field: str | None = "tetris_plan"  # the router planner's chunk plan (handle.py)
 
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
@@ -100,7 +102,7 @@ class TetrisGroupEngine:
         sink: OutputSink,
         arrival_time: float,
         replica: int | None = None,
-        tetris_plan: worker_pb2.TetrisPlan | None = None,
+        plan: Message | None = None,
     ) -> None:
         del arrival_time, replica  # the decode instance stamps its own; one endpoint
         group = self._group
@@ -109,7 +111,9 @@ class TetrisGroupEngine:
             return
         self._sinks[request_id] = sink
         try:
-            group.submit(request_id, prompt_token_ids, params, tetris_plan)
+            if plan is not None and not isinstance(plan, worker_pb2.TetrisPlan):
+                raise TypeError(f"a tetris group takes a TetrisPlan, not {type(plan).__name__}")
+            group.submit(request_id, prompt_token_ids, params, plan)
         except (GroupFailure, ValueError) as exc:
             self._sinks.pop(request_id, None)
             sink(exc)
