@@ -4,25 +4,26 @@
 #
 #   docker build -f docker/operator.Dockerfile -t ghcr.io/gearshift/operator:0.1.0 .
 #
-# No GPU here: torch (a dependency of the package) comes from the CPU index to keep the image small.
+# No torch here: the operator, the router and the simulator never import it (the engine is the
+# package's `worker` extra; tests/operator/test_no_torch.py runs them where torch cannot import).
 # Runs as the non-root user 65532 with a read-only root filesystem (the chart and the operator set
 # both); /tmp is an emptyDir.
 
 ARG PYTHON_VERSION=3.11
-ARG TORCH_VERSION=2.13.0
 
 FROM python:${PYTHON_VERSION}-slim-bookworm AS build
-ARG TORCH_VERSION
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/gearshift
 ENV PATH=/opt/gearshift/bin:$PATH
-RUN pip install "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY worker ./worker
 COPY operator ./operator
 COPY proto ./proto
 RUN pip install ".[operator]" && pip check
+# The image must stay torch-free, and what it runs must import without it.
+RUN ! python -c "import torch" 2>/dev/null \
+    && python -c "import gearshift.operator.reconcile.reconciler, gearshift.operator.router.server, gearshift.operator.cli"
 
 FROM python:${PYTHON_VERSION}-slim-bookworm
 COPY --from=build /opt/gearshift /opt/gearshift

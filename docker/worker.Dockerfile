@@ -19,14 +19,14 @@ ARG TORCH_INDEX
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/gearshift
 ENV PATH=/opt/gearshift/bin:$PATH
-# torch first, from the CUDA index, so the project's `torch>=2.5` is already satisfied.
+# torch first, from the CUDA index, so the `worker` extra's `torch>=2.5` is already satisfied.
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY worker ./worker
 COPY operator ./operator
 COPY proto ./proto
-RUN pip install . && pip check
+RUN pip install ".[worker]" && pip check
 
 FROM python:${PYTHON_VERSION}-slim-bookworm
 RUN apt-get update \

@@ -108,7 +108,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     level = args.log_level or ("WARNING" if args.command == "generate" else "INFO")
     logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        # The operator image and `pip install gearshift` carry no engine (pyproject: extras).
+        print(
+            f"error: `gearshift {args.command}` runs the engine, which needs torch: "
+            "pip install 'gearshift[worker]'",
+            file=sys.stderr,
+        )
+        return 2
 
 
 if __name__ == "__main__":

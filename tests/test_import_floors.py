@@ -29,6 +29,8 @@ FLOORS: list[tuple[str, ...]] = [
         "errors",
         "config",
         "wire",
+        "device_copy",
+        "step_phases",
         "p2p",
         "shm_segments",
         "kv",
@@ -48,7 +50,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("server",),
 ]
 # What a policy package may import of policies/ besides itself.
-POLICY_SHARED = ("policies.base", "policies.gears")
+POLICY_SHARED = ("policies.base", "policies.gears", "policies.rules", "policies.spec")
 
 
 @dataclass(frozen=True)

@@ -43,3 +43,15 @@ def test_the_operator_folder_never_shadows_the_standard_library():
     ).stdout.strip()
     assert not out.startswith(str(ROOT)), out
     assert not (ROOT / "operator" / "__init__.py").exists()
+
+
+def test_the_engine_is_an_extra_and_the_operator_image_installs_none_of_it():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = [d.split(">")[0].split("=")[0].split("[")[0] for d in project["dependencies"]]
+    assert "torch" not in names  # tests/operator/test_no_torch.py: nothing there needs it
+    extras = project["optional-dependencies"]
+    assert any(d.startswith("torch") for d in extras["worker"])
+    assert any(d.startswith("gearshift[") and "worker" in d for d in extras["dev"])
+    operator = (ROOT / "docker" / "operator.Dockerfile").read_text()
+    assert 'pip install ".[operator]"' in operator and "torch==" not in operator
+    assert 'pip install ".[worker]"' in (ROOT / "docker" / "worker.Dockerfile").read_text()

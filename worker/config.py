@@ -23,6 +23,7 @@ _DTYPES = {
 
 DEFAULT_CPU_KV_BYTES = 4 << 30
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+FUSED_CHOICES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,17 @@ class EngineConfig:
     # CPU matmul weights: auto picks oneDNN-packed bf16/fp16 where this CPU runs them natively
     # (kernels/cpu_features.py), plain F.linear otherwise; plain forces F.linear; onednn insists.
     weight_packing: str = "auto"
+    # vLLM's flag: never replay decode steps from CUDA graphs (launch/rank_graphs).
+    enforce_eager: bool = False
+    # The most sequences a decode step may hold and still replay a graph (vLLM's
+    # max_cudagraph_capture_size); larger steps run eagerly.
+    max_cudagraph_capture_size: int = 512
+    # Tests: off CUDA, run decode steps through the graph runner anyway, with capture replaced
+    # by direct calls (the bookkeeping a GPU replays; slower than eager on a CPU).
+    graphs_on_cpu: bool = False
+    # Fused elementwise kernels (RMSNorm + residual, RoPE, SiLU x mul) on CUDA: auto measures
+    # fused against unfused for this model's shapes at start-up and keeps the faster; on; off.
+    fused_elementwise: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size == 0:
@@ -66,7 +78,12 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise InvalidRequestError(name, f"{name} must be positive, got {value}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_cudagraph_capture_size",
+        ):
             if getattr(self, name) <= 0:
                 raise InvalidRequestError(
                     name, f"{name} must be positive, got {getattr(self, name)}"
@@ -82,6 +99,12 @@ class EngineConfig:
                 "gpu_memory_utilization", "gpu_memory_utilization must be in (0, 1]"
             )
         check_attention_backend(self.attention_backend, self.device)
+        if self.fused_elementwise not in FUSED_CHOICES:
+            raise InvalidRequestError(
+                "fused_elementwise",
+                f"fused_elementwise {self.fused_elementwise!r} is not one of "
+                f"{', '.join(FUSED_CHOICES)}",
+            )
         if self.weight_packing not in PACKINGS:
             raise InvalidRequestError(
                 "weight_packing",

@@ -28,12 +28,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
-    from google.protobuf import json_format
-
     from gearshift.operator.sim.cost_model import CostModelError
     from gearshift.operator.sim.profile import ProfileGrid, measure
     from gearshift.worker.errors import GearshiftError
     from gearshift.worker.launch import start_engine
+    from gearshift.worker.policies import policy_json
     from gearshift.worker.policies.flags import policy_from_args
     from gearshift.worker.server.settings import engine_config
 
@@ -64,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         about = {
             "model": args.model,
             "dtype": str(config.dtype),
-            "policy": json_format.MessageToDict(policy),
+            "policy": policy_json.to_dict(policy),
             "block_size": engine.blocks.block_size,
             "kv_blocks": engine.blocks.num_blocks,
             "max_num_batched_tokens": config.max_num_batched_tokens,

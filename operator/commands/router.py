@@ -30,6 +30,20 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key-file", default=None, help="one key per line")
     p.add_argument("--max-requests-per-group", type=int, default=None)
     p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        help="largest request body (HTTP) or message (gRPC) accepted; larger: 413 "
+        "(default 4 MiB; docs/serving.md, Limits)",
+    )
+    p.add_argument(
+        "--preparation-processes",
+        type=int,
+        default=None,
+        help="processes that parse and tokenise bodies over 16 KiB, off the event loop "
+        "(default 2; 0: threads only)",
+    )
+    p.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,
@@ -114,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
             api_keys=(*cfg.api_keys, *keys) or None,
             protect_metrics=args.protect_metrics or None,
             record_trace=args.record_trace,
-        )
+        ).with_preparation(args.max_body_bytes, args.preparation_processes)
         if args.grpc_port is not None:
             cfg = dataclasses.replace(cfg, grpc_port=port_flag(args.grpc_port))
         if args.admin_port is not None:

@@ -121,7 +121,7 @@ def local_engine_json(
     args: argparse.Namespace, model: str, served: str, policy: policy_pb2.Policy, ranks: int
 ) -> EngineJson:
     """The engine.json every local group reads: one node of ``ranks`` ranks."""
-    from google.protobuf import json_format
+    from gearshift.worker.policies import policy_json
 
     return EngineJson(
         deployment=args.name,
@@ -129,7 +129,7 @@ def local_engine_json(
             path=model, name=served, dtype=args.dtype, max_model_len=args.max_model_len
         ),
         group=GroupJson(nodes=1, gpus_per_node=ranks, ranks=ranks),
-        policy=json_format.MessageToDict(policy),
+        policy=policy_json.to_dict(policy),
     )
 
 
@@ -163,6 +163,8 @@ def _worker_args(args: argparse.Namespace, engine_json: Path, ranks: int) -> lis
         out += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
     if not args.enable_prefix_caching:
         out.append("--no-enable-prefix-caching")
+    if args.enforce_eager:
+        out.append("--enforce-eager")
     if args.heartbeat_timeout is not None:
         out += ["--heartbeat-timeout", str(args.heartbeat_timeout)]
     return out
@@ -292,7 +294,7 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
             control_token=token,
             protect_metrics=args.protect_metrics,
             record_trace=args.record_trace,
-        )
+        ).with_preparation(args.max_body_bytes, args.preparation_processes)
         server = RouterServer(cfg)
         if not stop.is_set():
             await serve_until_signal(server, args.ready_file, ready_extra(), stop)

@@ -198,6 +198,11 @@ def spec_schema(policy: dict[str, Any]) -> dict[str, Any]:
                         minimum=0,
                         default=spec.DEFAULT_DRAIN_TIMEOUT_SECONDS,
                     ),
+                    "maxBodyBytes": _int(
+                        "Largest request body (HTTP) or message (gRPC) the router accepts, in "
+                        "bytes; larger ones get 413. Unset: 4 MiB.",
+                        minimum=1024,
+                    ),
                 },
                 "The request router (OpenAI HTTP, gRPC, admin API).",
                 default={},

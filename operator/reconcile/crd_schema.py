@@ -18,6 +18,7 @@ from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from gearshift.v1 import policy_fields, policy_pb2
+from gearshift.worker.policies import kinds, policy_json
 
 PROTO_ROOT = Path(__file__).resolve().parents[2] / "proto"
 
@@ -32,18 +33,28 @@ _INT_TYPES = {
 
 
 def proto_comments(proto_root: Path = PROTO_ROOT) -> dict[str, str]:
-    """Leading comments of every message and field, keyed by full name (gearshift.v1.X.y)."""
+    """Leading comments of every message and field, keyed by full name (gearshift.v1.X.y):
+    gearshift.v1's, and those of the policy packages that name their .proto (ProtoSource)."""
+    files = sorted(
+        str(p.relative_to(proto_root)) for p in (proto_root / "gearshift/v1").glob("*.proto")
+    )
+    comments = _comments_of([proto_root], files)
+    for spec in kinds.specs():
+        if spec.proto_source is not None:
+            src = spec.proto_source
+            comments.update(_comments_of([src.root, proto_root], [src.file]))
+    return comments
+
+
+def _comments_of(roots: list[Path], files: list[str]) -> dict[str, str]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "set.pb"
-        files = sorted(
-            str(p.relative_to(proto_root)) for p in (proto_root / "gearshift/v1").glob("*.proto")
-        )
         subprocess.run(
             [
                 sys.executable,
                 "-m",
                 "grpc_tools.protoc",
-                f"-I{proto_root}",
+                *(f"-I{root}" for root in roots),
                 "--include_source_info",
                 f"--descriptor_set_out={out}",
                 *files,
@@ -125,12 +136,31 @@ def message_schema(desc: Descriptor, comments: dict[str, str]) -> dict[str, Any]
 
 
 def policy_schema(comments: dict[str, str] | None = None) -> dict[str, Any]:
-    """spec.policy: the Policy oneof as an object holding exactly one policy."""
+    """spec.policy: an object holding exactly one policy, ``{"<kind>": {...}}``, for every kind
+    (gearshift.v1's and the policy packages')."""
     comments = proto_comments() if comments is None else comments
-    schema = message_schema(policy_pb2.Policy.DESCRIPTOR, comments)
-    kinds = policy_fields.POLICY_KINDS
-    count = " + ".join(f"(has(self.{k}) ? 1 : 0)" for k in kinds)
+    schema: dict[str, Any] = {
+        "type": "object",
+        "properties": {kind: _kind_schema(kind, comments) for kind in kinds.kinds()},
+    }
+    description = _clean(comments.get(policy_pb2.Policy.DESCRIPTOR.full_name, ""))
+    if description:
+        schema["description"] = description
+    names = kinds.kinds()
+    count = " + ".join(f"(has(self.{k}) ? 1 : 0)" for k in names)
     schema["x-kubernetes-validations"] = [
-        {"rule": f"{count} == 1", "message": f"set exactly one of {', '.join(kinds)}"}
+        {"rule": f"{count} == 1", "message": f"set exactly one of {', '.join(names)}"}
     ]
+    return schema
+
+
+def _kind_schema(kind: str, comments: dict[str, str]) -> dict[str, Any]:
+    cls = policy_json.message_type(kind)
+    assert cls is not None  # every name kinds.kinds() gives has a message
+    schema = message_schema(cls.DESCRIPTOR, comments)
+    if kind in policy_fields.POLICY_KINDS:  # the oneof member's comment, as before
+        field = policy_pb2.Policy.DESCRIPTOR.fields_by_name[kind]
+        description = _clean(comments.get(field.full_name, "")) or schema.get("description", "")
+        if description:
+            schema["description"] = description
     return schema

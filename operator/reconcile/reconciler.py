@@ -35,7 +35,8 @@ from gearshift.operator.reconcile.settings import OperatorSettings
 from gearshift.operator.reconcile.spec import DeploymentSpec, SpecError, parse
 from gearshift.v1 import policy_fields, policy_pb2, router_pb2
 from gearshift.worker.errors import InvalidRequestError
-from gearshift.worker.policies.support import check_runnable
+from gearshift.worker.policies import checks
+from gearshift.worker.policies.support import check_supported
 from gearshift.worker.server import auth
 
 # Listed once per pass; every child of these kinds carries the deployment label.
@@ -430,12 +431,12 @@ def runnable(
     if auto.is_auto(spec):
         chosen = auto.resolve(spec, previous or {}, nodes, now or dt.datetime.now(dt.UTC))
         spec = chosen.spec
-        errors = policy_fields.layout_errors(spec.policy, spec.group.ranks)
+        errors = checks.layout_errors(spec.policy, spec.group.ranks)
         if errors:  # a stored choice from before a group change; the digest makes this rare
             raise SpecError("spec." + "; spec.".join(errors))
     if spec.engine == "gearshift":  # engine: vllm runs static pp/dp through vLLM itself
         try:
-            check_runnable(spec.full_policy, nodes=spec.group.nodes)
+            check_supported(spec.full_policy, spec.group.ranks, nodes=spec.group.nodes)
         except InvalidRequestError as exc:
             raise SpecError(exc.message, exc.field) from exc
     return spec, chosen
@@ -449,7 +450,7 @@ def runnable_spec(
 
 
 def _live_differs(reported: policy_pb2.Policy, desired: policy_pb2.Policy, ranks: int) -> bool:
-    full = policy_fields.with_defaults(reported, ranks)
+    full = checks.with_defaults(reported, ranks)
     if policy_fields.kind_of(full) != policy_fields.kind_of(desired):
         return False  # a different layout: the group rolls instead
     changed = policy_fields.changed_fields(full, desired)

@@ -2,8 +2,8 @@
 
 The worker reads `engine.json` (`gearshift worker --config`; the `EngineJson` dataclass of
 `gearshift.worker.server.engine_json`), the router `router.json` (`gearshift router --config`).
-Both carry the policy in the proto's JSON form, defaults filled in, so
-`json_format.ParseDict(cfg["policy"], Policy())` reads it back.
+Both carry the policy as the CRD writes it (`{"<kind>": {...}}`), defaults filled in, so
+`policy_json.parse_policy(cfg["policy"])` reads it back.
 """
 
 from __future__ import annotations
@@ -12,19 +12,17 @@ import hashlib
 import json
 from typing import Any
 
-from google.protobuf import json_format
-
 from gearshift.operator.reconcile import names
 from gearshift.operator.reconcile.render_meta import child_metadata
 from gearshift.operator.reconcile.spec import DeploymentSpec
 from gearshift.v1 import policy_fields, policy_pb2
 from gearshift.worker.model.source import HubSource
+from gearshift.worker.policies import policy_json
 from gearshift.worker.server.engine_json import EngineJson, GroupJson, ModelJson, PortsJson
 
 
 def _policy_json(policy: policy_pb2.Policy) -> dict[str, Any]:
-    # int64 fields would be strings in proto JSON; ParseDict reads both, people read numbers.
-    return json_format.MessageToDict(policy, preserving_proto_field_name=False)
+    return policy_json.to_dict(policy)
 
 
 def model_path(spec: DeploymentSpec) -> str:
@@ -89,6 +87,8 @@ def router_config(spec: DeploymentSpec, indices: list[int], cluster_domain: str)
         },
         "apiKeyEnv": "GEARSHIFT_API_KEY" if spec.router.api_key_secret else "",
         "protectMetrics": spec.router.protect_metrics,
+        # Absent: the router's default (docs/serving.md, Limits).
+        **({"maxBodyBytes": spec.router.max_body_bytes} if spec.router.max_body_bytes else {}),
     }
 
 
@@ -112,19 +112,7 @@ def config_map(spec: DeploymentSpec, indices: list[int], cluster_domain: str) ->
 
 def layout_policy(spec: DeploymentSpec) -> policy_pb2.Policy:
     """The policy minus its live fields: what a group's pods must be restarted to change."""
-    full = spec.full_policy
-    out = policy_pb2.Policy()
-    out.CopyFrom(full)
-    kind = policy_fields.kind_of(full)
-    if kind:
-        for path, fdesc in policy_fields.walk_fields(getattr(full, kind).DESCRIPTOR):
-            if policy_fields.is_live(fdesc):
-                *parents, leaf = path.split(".")
-                target = getattr(out, kind)
-                for p in parents:
-                    target = getattr(target, p)
-                target.ClearField(leaf)
-    return out
+    return policy_fields.without_live(spec.full_policy)
 
 
 def revision(spec: DeploymentSpec, pod_template: dict[str, Any]) -> str:

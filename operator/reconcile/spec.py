@@ -11,9 +11,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from google.protobuf import json_format
-
 from gearshift.v1 import policy_fields, policy_pb2
+from gearshift.worker.policies import checks, policy_json
 
 DEFAULT_NODES = 1
 DEFAULT_GPUS_PER_NODE = 1
@@ -121,6 +120,8 @@ class RouterSpec:
     allowed_clients: tuple[dict[str, Any], ...] = ()
     protect_metrics: bool = False
     drain_timeout_seconds: int = DEFAULT_DRAIN_TIMEOUT_SECONDS
+    # The router's request body cap (router.json maxBodyBytes); 0: the router's default.
+    max_body_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,7 @@ class DeploymentSpec:
     @property
     def full_policy(self) -> policy_pb2.Policy:
         """The policy with every default filled in for this group size."""
-        return policy_fields.with_defaults(self.policy, self.group.ranks)
+        return checks.with_defaults(self.policy, self.group.ranks)
 
 
 def _scaled(value: int | str, total: int, round_up: bool) -> int:
@@ -194,10 +195,12 @@ def _scaled(value: int | str, total: int, round_up: bool) -> int:
 
 
 def parse_policy(raw: dict[str, Any]) -> policy_pb2.Policy:
-    """spec.policy (the proto's JSON form) into a Policy; unknown fields are an error."""
+    """spec.policy (``{"<kind>": {...}}``) into a Policy; unknown kinds and fields are errors."""
+    if not isinstance(raw, dict):
+        raise SpecError(f"spec.policy: must be an object, got {raw!r}")
     try:
-        return json_format.ParseDict(raw, policy_pb2.Policy())
-    except json_format.ParseError as exc:
+        return policy_json.from_dict(raw)
+    except ValueError as exc:
         raise SpecError(f"spec.policy: {exc}") from exc
 
 
@@ -261,6 +264,7 @@ def parse(body: dict[str, Any]) -> DeploymentSpec:
             allowed_clients=tuple(r.get("allowedClients", [])),
             protect_metrics=bool(r.get("protectMetrics", False)),
             drain_timeout_seconds=int(r.get("drainTimeoutSeconds", DEFAULT_DRAIN_TIMEOUT_SECONDS)),
+            max_body_bytes=int(r.get("maxBodyBytes", 0)),
         ),
         scheduling=Scheduling(
             node_selector=dict(s.get("nodeSelector", {})),
@@ -290,7 +294,7 @@ def _check(spec: DeploymentSpec) -> None:
     # The CRD's CEL rules say the same; checked again because a spec may predate a rule.
     if spec.engine not in ENGINES:
         raise SpecError(f"spec.engine: must be one of {', '.join(ENGINES)}")
-    errors = policy_fields.layout_errors(spec.policy, spec.group.ranks)
+    errors = checks.layout_errors(spec.policy, spec.group.ranks)
     if errors:
         raise SpecError("spec." + "; spec.".join(errors))
     if spec.model.attention_backend not in ATTENTION_BACKENDS:

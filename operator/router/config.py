@@ -2,7 +2,7 @@
 
 router.json is documented in docs/operator.md: `{deployment, model: {name, path}, backend,
 groups: [{name, address}], policy, ports: {http, grpc, admin}, apiKeyEnv, controlTokenFile,
-protectMetrics}`; backend is worker-grpc or openai-http.
+protectMetrics, maxBodyBytes, preparationProcesses}`; backend is worker-grpc or openai-http.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from google.protobuf import json_format
-
+from gearshift.operator.router.lanes import LaneConfig
+from gearshift.operator.router.limits import RequestLimits
 from gearshift.v1 import policy_pb2
+from gearshift.worker.errors import InvalidRequestError
+from gearshift.worker.policies import policy_json
 from gearshift.worker.server import auth
 
 # How the router reaches its groups: gearshift.v1.Worker over gRPC, or OpenAI HTTP (vLLM pods).
@@ -64,10 +66,30 @@ class RouterConfig:
     protect_metrics: bool = False
     # --record-trace: a JSONL line per finished request (trace_recorder.py); None: off.
     record_trace: Path | None = None
+    # What one request may ask (limits.py) and where its preparation runs (lanes.py).
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    lanes: LaneConfig = field(default_factory=LaneConfig)
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def with_overrides(self, **changes: Any) -> RouterConfig:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    def with_preparation(self, max_body_bytes: int | None, processes: int | None) -> RouterConfig:
+        """The body cap and the number of preparation processes, where given."""
+        cfg = self
+        if max_body_bytes is not None:
+            if max_body_bytes < 1024:
+                raise ConfigError(
+                    f"maxBodyBytes (--max-body-bytes) must be >= 1024, got {max_body_bytes}"
+                )
+            cfg = replace(cfg, limits=replace(cfg.limits, max_body_bytes=max_body_bytes))
+        if processes is not None:
+            if processes < 0:
+                raise ConfigError(
+                    f"preparationProcesses (--preparation-processes) must be >= 0, got {processes}"
+                )
+            cfg = replace(cfg, lanes=replace(cfg.lanes, processes=processes))
+        return cfg
 
 
 def read_api_keys(
@@ -117,9 +139,9 @@ def from_file(path: Path, env: Mapping[str, str] | None = None) -> RouterConfig:
     policy = None
     if data.get("policy"):
         try:
-            policy = json_format.ParseDict(data["policy"], policy_pb2.Policy())
-        except json_format.ParseError as exc:
-            raise ConfigError(f"{path}: invalid policy: {exc}") from exc
+            policy = policy_json.parse_policy(data["policy"])
+        except InvalidRequestError as exc:
+            raise ConfigError(f"{path}: {exc.message}") from exc
     ports = data.get("ports") or {}
     backend = str(data.get("backend") or "worker-grpc")
     if backend not in BACKENDS:
@@ -130,7 +152,7 @@ def from_file(path: Path, env: Mapping[str, str] | None = None) -> RouterConfig:
     except auth.TokenError as exc:
         raise ConfigError(f"{path}: controlTokenFile: {exc}") from exc
     keys = read_api_keys(None, None, data.get("apiKeyEnv") or None, env)
-    return RouterConfig(
+    config = RouterConfig(
         model_name=str(model.get("name") or data.get("deployment") or "model"),
         model_path=str(model.get("path") or ""),
         groups=parse_groups(data.get("groups") or []),
@@ -144,3 +166,15 @@ def from_file(path: Path, env: Mapping[str, str] | None = None) -> RouterConfig:
         control_token=token,
         protect_metrics=bool(data.get("protectMetrics", False)),
     )
+    return config.with_preparation(
+        _optional_int(data, "maxBodyBytes", path), _optional_int(data, "preparationProcesses", path)
+    )
+
+
+def _optional_int(data: Mapping[str, Any], key: str, path: Path) -> int | None:
+    value = data.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{path}: {key} must be an integer, got {value!r}")
+    return value

@@ -6,6 +6,7 @@ status picks the client's exception class (400 BadRequestError, 401, 404, 429, 5
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,13 @@ class APIError(Exception):
     def __post_init__(self) -> None:
         super().__init__(self.message)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Raised in a preparation process too (lanes.py): it crosses back by pickle.
+        return (
+            type(self),
+            (self.status, self.message, self.type, self.param, self.code, self.retry_after),
+        )
+
     def body(self) -> dict[str, Any]:
         return {
             "error": {
@@ -75,6 +83,12 @@ def clip(value: object, limit: int = ECHO_LIMIT) -> str:
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param, code)
+
+
+def invalid_field(loc: Sequence[object], message: str) -> APIError:
+    """A body field that failed validation, named by its location (`a.b.0`)."""
+    param = ".".join(str(x) for x in loc) or None
+    return bad_request(f"{param}: {message}" if param else message, param)
 
 
 def model_not_found(model: str) -> APIError:

@@ -52,11 +52,12 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
         run: RequestRun | None = None
         claimed: str | None = None
         try:
-            ids, sampling, text = await self.preparation.generation(request)
+            p = await self.preparation.generation(request)
+            router.check_accepting()  # a drain may have begun while it was prepared
             rid = request.request_id or f"gen-{uuid.uuid4().hex}"
             router.claim_id(rid)
             claimed = rid
-            run = router.run(PreparedRequest(rid, ids, sampling, text))
+            run = router.run(PreparedRequest(rid, p.prompt_token_ids, p.sampling, p.text))
             whole = router_pb2.GenerateResponse(request_id=rid)
             async with contextlib.aclosing(run.deltas()) as deltas:
                 first = True

@@ -39,9 +39,7 @@ async def _invalid_body(request: Request, exc: Exception) -> Response:
     if first.get("type") == "json_invalid":
         error = errors.bad_request(f"malformed JSON body: {first.get('msg')}")
     else:
-        param = ".".join(loc) or None
-        msg = first.get("msg", "invalid request")
-        error = errors.bad_request(f"{param}: {msg}" if param else msg, param)
+        error = errors.invalid_field(loc, first.get("msg", "invalid request"))
     return error_response(error)
 
 

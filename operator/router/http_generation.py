@@ -9,7 +9,7 @@ from fastapi.responses import Response
 
 from gearshift.operator.router import chat_render, completion_render
 from gearshift.operator.router.http_streaming import answer
-from gearshift.operator.router.openapi import GENERATION_RESPONSES
+from gearshift.operator.router.openapi import GENERATION_RESPONSES, json_body
 from gearshift.operator.router.preparation import Preparation
 from gearshift.operator.router.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -23,21 +23,29 @@ class GenerationRoutes:
     def api(self) -> APIRouter:
         """The routes, for ``FastAPI.include_router``."""
         api = APIRouter()
-        for path, endpoint in (
-            ("/v1/completions", self.completions),
-            ("/v1/chat/completions", self.chat_completions),
+        for path, endpoint, model in (
+            ("/v1/completions", self.completions, CompletionRequest),
+            ("/v1/chat/completions", self.chat_completions, ChatCompletionRequest),
         ):
-            api.add_api_route(path, endpoint, methods=["POST"], responses=GENERATION_RESPONSES)
+            api.add_api_route(
+                path,
+                endpoint,
+                methods=["POST"],
+                responses=GENERATION_RESPONSES,
+                openapi_extra=json_body(model),
+            )
         return api
 
-    async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        view, choices = await self.preparation.completion(body)
+    # The body is read as bytes and parsed in a preparation lane (preparation.py), not by
+    # FastAPI on the event loop; `openapi_extra` still documents its schema.
+    async def completions(self, request: Request) -> Response:
+        view, choices, stream = await self.preparation.completion(request)
         chunks = functools.partial(completion_render.chunks, view, choices)
         whole = functools.partial(completion_render.whole, view, choices)
-        return await answer(request, choices, body.stream, chunks, whole)
+        return await answer(request, choices, stream, chunks, whole)
 
-    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
-        view, choices = await self.preparation.chat(body)
+    async def chat_completions(self, request: Request) -> Response:
+        view, choices, stream = await self.preparation.chat(request)
         chunks = functools.partial(chat_render.chunks, view, choices)
         whole = functools.partial(chat_render.whole, view, choices)
-        return await answer(request, choices, body.stream, chunks, whole)
+        return await answer(request, choices, stream, chunks, whole)

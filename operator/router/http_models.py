@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
 
 from gearshift.operator.router import openai_format
 from gearshift.operator.router.config import RouterConfig
-from gearshift.operator.router.openapi import ERROR_RESPONSES
+from gearshift.operator.router.openapi import ERROR_RESPONSES, json_body
 from gearshift.operator.router.pool import GroupPool
 from gearshift.operator.router.preparation import Preparation
 from gearshift.operator.router.protocol import DetokenizeRequest, TokenizeRequest
@@ -29,10 +30,18 @@ class ModelRoutes:
         """The routes, for ``FastAPI.include_router``."""
         api = APIRouter()
         api.add_api_route("/v1/models", self.models)
-        api.add_api_route("/tokenize", self.tokenize, methods=["POST"], responses=ERROR_RESPONSES)
-        api.add_api_route(
-            "/detokenize", self.detokenize, methods=["POST"], responses=ERROR_RESPONSES
-        )
+        for path, endpoint, model in (
+            ("/tokenize", self.tokenize, TokenizeRequest),
+            ("/detokenize", self.detokenize, DetokenizeRequest),
+        ):
+            api.add_api_route(
+                path,
+                endpoint,
+                methods=["POST"],
+                responses=ERROR_RESPONSES,
+                response_model=dict[str, Any],  # documented; the answer is encoded JSON
+                openapi_extra=json_body(model),
+            )
         return api
 
     async def models(self) -> dict[str, Any]:
@@ -41,8 +50,10 @@ class ModelRoutes:
             cfg.model_name, cfg.model_path, self.created, self.pool.max_model_len
         )
 
-    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
-        return await self.preparation.tokenize(body)
+    # Bodies are parsed, and answers encoded, in a preparation lane (preparation.py).
+    async def tokenize(self, request: Request) -> Response:
+        return Response(await self.preparation.tokenize(request), media_type="application/json")
 
-    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
-        return await self.preparation.detokenize(body)
+    async def detokenize(self, request: Request) -> Response:
+        answer = await self.preparation.detokenize(request)
+        return Response(answer, media_type="application/json")

@@ -148,7 +148,7 @@ def _numeric_fields(policy: policy_pb2.Policy) -> Iterator[tuple[str, float]]:
     kind = policy_fields.kind_of(policy)
     if not kind:
         return
-    msg = getattr(policy, kind)
+    msg = policy_fields.message_of(policy)
     for path, field in policy_fields.walk_fields(msg.DESCRIPTOR):
         if field.is_repeated or field.type in (
             FieldDescriptor.TYPE_MESSAGE,

@@ -24,12 +24,10 @@ from gearshift.operator.router import errors
 from gearshift.operator.router.core import Router
 from gearshift.operator.router.group import Lease
 from gearshift.operator.router.http_streaming import ClientDisconnected, sse, until_disconnect
-from gearshift.operator.router.openai_accounting import (
-    ProxyAccount,
-    estimate_prompt_tokens,
-    requested_max_tokens,
-)
+from gearshift.operator.router.openai_accounting import ProxyAccount, requested_max_tokens
 from gearshift.operator.router.openai_backend import OpenAIGroup
+from gearshift.operator.router.preparation import Preparation
+from gearshift.operator.router.request_prep import ProxyPlan
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +39,14 @@ _RETRY_STATUSES = {429, 500, 502, 503, 504}
 class OpenAIProxy:
     """ASGI middleware: POST completions and chat go to an openai-http group; the rest passes.
 
-    Installed inside the API key middleware, so keys are checked first; /v1/models, /tokenize,
-    probes and /metrics stay the router's own.
+    Installed inside the API key and body size middlewares, so keys and the body's size are
+    checked first; /v1/models, /tokenize, probes and /metrics stay the router's own. The body
+    is checked (JSON, nesting, surrogates, size caps) and counted in a preparation lane.
     """
 
-    def __init__(self, app: ASGIApp, router: Router) -> None:
+    def __init__(self, app: ASGIApp, preparation: Preparation) -> None:
         self.app = app
-        self.router = router
+        self.preparation = preparation
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in ROUTES:
@@ -55,7 +54,9 @@ class OpenAIProxy:
             return
         request = Request(scope, receive)
         try:
-            response = await ProxiedRequest.start(self.router, request)
+            plan = await self.preparation.proxied(request)
+            proxied = ProxiedRequest(self.preparation.router, request.url.path, plan)
+            response = await proxied.respond(request)
         except errors.APIError as exc:
             response = JSONResponse(exc.body(), exc.status, headers=exc.headers())
         await response(scope, receive, send)
@@ -72,25 +73,12 @@ class _Retry(Exception):
 class ProxiedRequest:
     """One client request: parsed once, sent to groups until one answers, metrics kept."""
 
-    def __init__(self, router: Router, path: str, body: dict[str, Any]) -> None:
+    def __init__(self, router: Router, path: str, plan: ProxyPlan) -> None:
         self.router = router
         self.path = path
-        self.body = body
-        self.stream = bool(body.get("stream"))
-        self.account = ProxyAccount(router.metrics, estimate_prompt_tokens(body, router.tokenizer))
-
-    @classmethod
-    async def start(cls, router: Router, request: Request) -> Response:
-        router.check_accepting()
-        try:
-            body = json.loads(await request.body())
-        except ValueError as exc:
-            raise errors.bad_request(f"malformed JSON body: {exc}") from None
-        if not isinstance(body, dict):
-            raise errors.bad_request("the body must be a JSON object")
-        model = body.get("model")
-        router.check_model(model if isinstance(model, str) else None)
-        return await cls(router, request.url.path, body).respond(request)
+        self.plan = plan  # checked and counted in a preparation lane (preparation.py)
+        self.stream = plan.stream
+        self.account = ProxyAccount(router.metrics, plan.prompt_estimate)
 
     # ---- sending --------------------------------------------------------------------------
 
@@ -102,7 +90,7 @@ class ProxiedRequest:
             while True:
                 estimate = self.account.prompt_estimate
                 max_tokens = requested_max_tokens(
-                    self.body, estimate, self.router.pool.max_model_len
+                    self.plan.output_limits, estimate, self.router.pool.max_model_len
                 )
                 lease = self.router.pool.acquire(estimate, max_tokens, tried)
                 tried.add(lease.group.name)
@@ -130,8 +118,9 @@ class ProxiedRequest:
     async def _answer(self, lease: Lease) -> Response:
         group = lease.group
         assert isinstance(group, OpenAIGroup)
-        body = dict(self.body, model=group.backend_model(self.router.model_name))
-        wire = group.client.build_request("POST", self.path, json=body)
+        content = self.plan.content(group.backend_model(self.router.model_name))
+        headers = {"content-type": "application/json"}
+        wire = group.client.build_request("POST", self.path, content=content, headers=headers)
         try:
             upstream = await group.client.send(wire, stream=True)
         except httpx.HTTPError as exc:

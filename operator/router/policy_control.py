@@ -1,21 +1,22 @@
-"""Router-side controllers of the policies of the groups it serves, by policy kind.
+"""Router-side controllers of the policies of the groups it serves, as each kind's spec names
+them (``PolicySpec.router_controller`` / ``request_planner``, torch-free classes).
 
-A policy whose decision needs every replica's view (SiDP's WaS/CaS mode, §4.3) registers a
-controller here. ``WorkerGroup.poll`` feeds it each stats poll; a decision goes to the worker as
+A policy whose decision needs every replica's view (SiDP's WaS/CaS mode, §4.3) names a
+controller. ``WorkerGroup.poll`` feeds it each stats poll; a decision goes to the worker as
 an ApplyPolicy call marked with ``DECISION_METADATA``: the worker hands it to the group (at one
 step boundary on every replica) without changing its configured policy, so GetStatus still shows
-what the operator asked for (e.g. ``mode: AUTO``).
+what the operator asked for (e.g. ``mode: AUTO``). A policy that decides per request (Tetris: a
+chunk plan and a decode instance, §5.1) names a request planner.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
-from gearshift.operator.router.sidp_controller import ServedGroupControl
-from gearshift.operator.router.tetris_requests import TetrisRequestPlanner
-from gearshift.v1 import policy_pb2, worker_pb2
+from gearshift.v1 import policy_fields, policy_pb2, worker_pb2
+from gearshift.worker.policies import kinds
 
 DECISION_METADATA = ("gearshift-controller-decision", "1")
 
@@ -24,9 +25,6 @@ class GroupController(Protocol):
     def decide(
         self, policy: policy_pb2.Policy, policy_stats: Mapping[str, float]
     ) -> policy_pb2.Policy | None: ...
-
-
-CONTROLLERS: dict[str, Callable[[], GroupController]] = {"sidp": ServedGroupControl}
 
 
 class RequestPlanner(Protocol):
@@ -38,7 +36,15 @@ class RequestPlanner(Protocol):
     ) -> None: ...
 
 
-REQUEST_PLANNERS: dict[str, Callable[[], RequestPlanner]] = {"tetris": TetrisRequestPlanner}
+def _made(kind: str, hook: str) -> Any:
+    """A new instance of the class ``kind``'s spec names for ``hook``, or None."""
+    spec = kinds.spec_of(kind)
+    ref = getattr(spec, hook) if spec is not None else ""
+    return kinds.load_ref(ref)() if ref else None
+
+
+def _kind(stats: worker_pb2.WorkerStats | None) -> str:
+    return policy_fields.kind_of(stats.policy) if stats is not None else ""
 
 
 @dataclass
@@ -54,11 +60,10 @@ class RequestPlanning:
         wire: worker_pb2.WorkerGenerateRequest,
         max_tokens: int,
     ) -> None:
-        kind = (stats.policy.WhichOneof("kind") if stats is not None else None) or ""
+        kind = _kind(stats)
         if kind != self.kind:
             self.kind = kind
-            factory = REQUEST_PLANNERS.get(kind)
-            self.planner = factory() if factory is not None else None
+            self.planner = _made(kind, "request_planner")
         if self.planner is not None and stats is not None:
             self.planner.plan_into(stats, wire, max_tokens)
 
@@ -71,11 +76,10 @@ class PolicyControl:
     controller: GroupController | None = None
 
     def decide(self, stats: worker_pb2.WorkerStats) -> policy_pb2.Policy | None:
-        kind = stats.policy.WhichOneof("kind") or ""
+        kind = _kind(stats)
         if kind != self.kind:
             self.kind = kind
-            factory = CONTROLLERS.get(kind)
-            self.controller = factory() if factory is not None else None
+            self.controller = _made(kind, "router_controller")
         if self.controller is None:
             return None
         return self.controller.decide(stats.policy, stats.policy_stats)

@@ -111,6 +111,20 @@ class GroupPool:
 
     # ---- routing --------------------------------------------------------------------------
 
+    def check_admission(self) -> None:
+        """The 429 `acquire` would answer now: asked before a request is prepared, so a full
+        server spends nothing on it. (With no group serving, `acquire` answers 503 later: a
+        request is still checked, so a bad one hears what is wrong with it.)"""
+        serving = self.serving()
+        if serving and all(g.load.in_flight >= self.max_requests_per_group for g in serving):
+            raise self._full()
+
+    def _full(self) -> errors.APIError:
+        return errors.overloaded(
+            f"the server is at capacity ({self.max_requests_per_group} requests per group "
+            f"in flight on {len(self.serving())} groups); retry later"
+        )
+
     def acquire(self, prompt_tokens: int, max_tokens: int, exclude: set[str]) -> Lease:
         """A lease on the least loaded serving group not in `exclude`.
 
@@ -124,10 +138,7 @@ class GroupPool:
             raise errors.unavailable("every serving worker group failed this request")
         free = [g for g in candidates if g.load.in_flight < self.max_requests_per_group]
         if not free:
-            raise errors.overloaded(
-                f"the server is at capacity ({self.max_requests_per_group} requests per group "
-                f"in flight on {len(self.serving())} groups); retry later"
-            )
+            raise self._full()
         self._turn += 1
         order = list(self.groups)
 

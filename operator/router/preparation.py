@@ -1,95 +1,101 @@
-"""A request's preparation, in one place: from a parsed body to its token ids and checks.
+"""A request's way from the wire to its started sequences: admission, body, lane, start.
 
 Every client route that tokenises comes through here (``/v1/completions``,
-``/v1/chat/completions``, ``/tokenize``, ``/detokenize`` and gRPC ``Generate``). Each request's
-work for the tokenizer (the body's text check, chat template, encoding, echo) is one call,
-run by ``_work``; starting the request's sequences stays on the event loop
-(``Router.start``). The work runs inline today, so a long prompt holds the loop while it is
-tokenised; bounding it (sizes, a pool of its own) is a change to this module alone.
+``/v1/chat/completions``, ``/tokenize``, ``/detokenize``, gRPC ``Generate``, and the bodies the
+openai-http proxy forwards). The order is what keeps one request from taking the router:
+
+1. admission, on the event loop and before the body is read: draining (503), every serving
+   group full (429);
+2. the body, capped by the ``BodyLimit`` middleware (413);
+3. the CPU work (parsing, size caps, validation, template, grammar, tokens: request_prep.py)
+   in a bounded preparation lane off the loop (lanes.py; 429 when the lane is full);
+4. starting the sequences, on the loop (``Router.launch``).
 """
 
 from __future__ import annotations
 
-import functools
+import email.message
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
 
-from gearshift.operator.router import errors, request_params
+from starlette.requests import Request
+
+from gearshift.operator.router import errors, request_prep
 from gearshift.operator.router.chat_render import ChatView
 from gearshift.operator.router.choices import Choices
 from gearshift.operator.router.completion_render import CompletionView
 from gearshift.operator.router.core import Router
-from gearshift.operator.router.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
-from gearshift.operator.router.structured_request import structured_spec
-from gearshift.operator.router.text import TextOptions
-from gearshift.operator.router.tool_calls import ToolPlan
-from gearshift.v1 import common_pb2, router_pb2
+from gearshift.operator.router.lanes import PreparationLanes
+from gearshift.operator.router.protocol import ChatCompletionRequest, CompletionRequest
+from gearshift.operator.router.request_prep import PreparedGenerate, PrepContext, ProxyPlan
+from gearshift.v1 import router_pb2
 
-T = TypeVar("T")
+
+async def read_body(request: Request) -> bytes:
+    """The body of a JSON route (FastAPI's rule: no content type, or a JSON one)."""
+    content_type = request.headers.get("content-type")
+    if content_type:
+        message = email.message.Message()
+        message["content-type"] = content_type
+        subtype = message.get_content_subtype()
+        if message.get_content_maintype() != "application" or not (
+            subtype == "json" or subtype.endswith("+json")
+        ):
+            raise errors.bad_request(
+                f"the request body must be JSON (content-type application/json), got "
+                f"{errors.clip(content_type, 60)}"
+            )
+    return await request.body()
 
 
 class Preparation:
-    """Prepares the requests of one router (its tokenizer, its groups' context length)."""
+    """Prepares the requests of one router in its lanes."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, lanes: PreparationLanes) -> None:
         self.router = router
+        self.lanes = lanes
 
-    async def _work(self, work: Callable[[], T]) -> T:
-        """Run one request's tokenizer work (the one place that may bound or move it)."""
-        return work()
+    def context(self) -> PrepContext:
+        """The router's state a preparation reads (a snapshot: it may run in a process)."""
+        router = self.router
+        return PrepContext(router.model_name, router.pool.max_model_len, router.config.limits)
+
+    def admit(self) -> None:
+        """Refuse before any work: draining, every serving group full."""
+        self.router.check_accepting()
+        self.router.pool.check_admission()
 
     # ---- HTTP ------------------------------------------------------------------------------
 
-    async def completion(self, body: CompletionRequest) -> tuple[CompletionView, Choices]:
-        """Checks, prompts and the started choices of a /v1/completions request."""
-        prompts, echo, first = await self._work(functools.partial(self._completion, body))
-        rid, choices = self.router.start(
-            body, prompts, body.max_tokens, body.logprobs, "prompt", "cmpl"
-        )
+    async def completion(self, request: Request) -> tuple[CompletionView, Choices, bool]:
+        """The view, started choices and `stream` of a /v1/completions request."""
+        self.admit()
+        raw = await read_body(request)
+        p = await self.lanes.run(len(raw), request_prep.completion, raw, self.context())
+        body = p.body
+        assert isinstance(body, CompletionRequest)
+        rid, choices = self.router.launch(p, "cmpl")
         view = CompletionView(
             rid,
             int(time.time()),
             self.router.model_name,
             body.n,
-            echo,
+            p.echo,
             body.logprobs is not None,
             body.include_usage,
             body.continuous_usage,
             body.prompt_logprobs is not None,
-            first,
+            p.first,
         )
-        return view, choices
+        return view, choices, body.stream
 
-    def _admit(self, body: CompletionRequest | ChatCompletionRequest) -> None:
-        """The checks every generation request passes before its prompt is tokenised."""
-        self.router.check_text(body)
-        self.router.check_accepting()
-        self.router.check_model(body.model)
-
-    def _completion(
-        self, body: CompletionRequest
-    ) -> tuple[list[list[int]], tuple[str, ...], tuple[str, ...]]:
-        router, tokenizer = self.router, self.router.tokenizer
-        self._admit(body)
-        if body.suffix:
-            raise errors.bad_request("suffix is not supported", "suffix")
-        prompts = router.completion_prompts(body)
-        echo = tuple(tokenizer.decode(ids) if body.echo else "" for ids in prompts)
-        first = tuple(tokenizer.decode(ids[:1], skip_special_tokens=False) for ids in prompts)
-        return prompts, echo, first
-
-    async def chat(self, body: ChatCompletionRequest) -> tuple[ChatView, Choices]:
-        """Checks, prompt and the started choices of a /v1/chat/completions request."""
-        ids, tools = await self._work(functools.partial(self._chat, body))
-        rid, choices = self.router.start(
-            body, [ids], body.output_limit, body.num_logprobs, "messages", "chatcmpl"
-        )
+    async def chat(self, request: Request) -> tuple[ChatView, Choices, bool]:
+        """The view, started choices and `stream` of a /v1/chat/completions request."""
+        self.admit()
+        raw = await read_body(request)
+        p = await self.lanes.run(len(raw), request_prep.chat, raw, self.context())
+        body = p.body
+        assert isinstance(body, ChatCompletionRequest)
+        rid, choices = self.router.launch(p, "chatcmpl")
         view = ChatView(
             rid,
             int(time.time()),
@@ -97,94 +103,31 @@ class Preparation:
             body.logprobs,
             body.include_usage,
             body.continuous_usage,
-            tools,
+            p.tools,
             body.prompt_logprobs is not None,
         )
-        return view, choices
+        return view, choices, body.stream
 
-    def _chat(self, body: ChatCompletionRequest) -> tuple[list[int], ToolPlan | None]:
-        self._admit(body)
-        _, tools = structured_spec(body)  # 400s about tools before the template sees them
-        if body.stream and body.prompt_logprobs is not None:
-            # Whole chat responses carry them (on the response, as vLLM does); streams do not.
-            raise errors.bad_request(
-                "prompt_logprobs: not available on streamed chat completions; drop stream or "
-                "prompt_logprobs",
-                "prompt_logprobs",
-            )
-        return self.router.chat_prompt(body), tools
+    async def tokenize(self, request: Request) -> bytes:
+        """The /tokenize answer (JSON); the router's own tokenizer, no group needed."""
+        raw = await read_body(request)
+        return await self.lanes.run(len(raw), request_prep.tokenize, raw, self.context())
 
-    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
-        """The /tokenize answer."""
-        return await self._work(functools.partial(self._tokenize, body))
+    async def detokenize(self, request: Request) -> bytes:
+        """The /detokenize answer (JSON)."""
+        raw = await read_body(request)
+        return await self.lanes.run(len(raw), request_prep.detokenize, raw, self.context())
 
-    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
-        """The /detokenize answer."""
-        return await self._work(functools.partial(self._detokenize, body))
-
-    def _tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
-        router, tokenizer = self.router, self.router.tokenizer
-        router.check_text(body)
-        router.check_model(body.model)
-        if body.messages is not None:
-            chat = ChatCompletionRequest.model_validate(
-                {"messages": body.messages, "add_generation_prompt": body.add_generation_prompt}
-            )
-            ids = router.chat_prompt(chat)
-        elif body.prompt is not None:
-            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        else:
-            raise errors.bad_request("one of prompt and messages is required", "prompt")
-        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
-        return {
-            "count": len(ids),
-            "max_model_len": router.pool.max_model_len,
-            "tokens": ids,
-            "token_strs": strs,
-        }
-
-    def _detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
-        tokenizer = self.router.tokenizer
-        self.router.check_text(body)
-        self.router.check_model(body.model)
-        if any(t < 0 or t >= tokenizer.vocab_size for t in body.tokens):
-            raise errors.bad_request("a token id is outside the vocabulary", "tokens")
-        return {"prompt": tokenizer.decode(body.tokens)}
+    async def proxied(self, request: Request) -> ProxyPlan:
+        """A body for an openai-http group: admitted, checked, its prompt counted."""
+        self.admit()
+        raw = await request.body()  # the backend judges the content type
+        return await self.lanes.run(len(raw), request_prep.proxied, raw, self.context())
 
     # ---- gRPC ------------------------------------------------------------------------------
 
-    async def generation(
-        self, request: router_pb2.GenerateRequest
-    ) -> tuple[list[int], common_pb2.SamplingParams, TextOptions]:
+    async def generation(self, request: router_pb2.GenerateRequest) -> PreparedGenerate:
         """A Generate request's prompt ids, worker sampling parameters and text options."""
-        return await self._work(functools.partial(self._generation, request))
-
-    def _generation(
-        self, request: router_pb2.GenerateRequest
-    ) -> tuple[list[int], common_pb2.SamplingParams, TextOptions]:
-        router = self.router
-        router.check_accepting()
-        router.check_model(request.model or None)
-        if bool(request.prompt) == bool(request.prompt_token_ids):
-            raise errors.bad_request("set exactly one of prompt and prompt_token_ids")
-        if request.prompt:
-            ids = router.tokenizer.encode(request.prompt)
-        else:
-            ids = list(request.prompt_token_ids)
-            request_params.check_token_ids(ids, router.tokenizer.vocab_size, "prompt_token_ids")
-        s = request.sampling
-        max_tokens = s.max_tokens if s.HasField("max_tokens") else None
-        router.check_length(ids, max_tokens, "prompt")
-        request_params.check_proto_sampling(
-            s, router.tokenizer, len(ids), router.pool.max_model_len
-        )
-        sampling = common_pb2.SamplingParams()
-        sampling.CopyFrom(s)
-        del sampling.stop[:]  # stop strings are checked here, on the detokenised text
-        text = TextOptions(
-            stop=tuple(s.stop),
-            include_stop_str_in_output=s.include_stop_str_in_output,
-            skip_special_tokens=not s.HasField("skip_special_tokens") or s.skip_special_tokens,
-            min_tokens=s.min_tokens,
-        )
-        return ids, sampling, text
+        self.admit()
+        size = request.ByteSize()
+        return await self.lanes.run(size, request_prep.generate, request, self.context())

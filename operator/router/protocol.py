@@ -214,29 +214,3 @@ class ErrorResponse(BaseModel):
     """The error body of every 4xx/5xx (the OpenAPI schema names it for each status)."""
 
     error: ErrorDetail
-
-
-def lone_surrogate_path(value: Any, path: str = "") -> str | None:
-    """The path of the first string holding a lone UTF-16 surrogate, which no tokenizer (and no
-    UTF-8 response) can carry; JSON's \\ud800 escapes decode to those."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    if isinstance(value, BaseModel):
-        value = {**dict(value), **(value.model_extra or {})}
-    if isinstance(value, dict):
-        items: Any = value.items()
-    elif isinstance(value, (list, tuple)):
-        items = enumerate(value)
-    else:
-        return None
-    for key, item in items:
-        if isinstance(key, str) and lone_surrogate_path(key) is not None:
-            return path or "body"
-        found = lone_surrogate_path(item, f"{path}.{key}" if path else str(key))
-        if found is not None:
-            return found
-    return None

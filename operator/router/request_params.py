@@ -26,23 +26,39 @@ _INT64 = 2**63
 
 @dataclass
 class IgnoredFields:
-    """Unknown fields are logged once per router and ignored (vLLM's behaviour); fields vLLM
-    honours and we do not are refused unless they hold vLLM's default (a no-op)."""
+    """Unknown fields are logged once per router and ignored (vLLM's behaviour); the names
+    already logged are remembered up to `limit` (a client must not grow the router's memory)."""
 
+    limit: int = 256
     seen: set[str] = field(default_factory=set)
+    full: bool = False
 
     def note(self, body: SamplingFields) -> None:
         for name in sorted(body.model_extra or ()):
-            value = (body.model_extra or {})[name]
-            if name in _VLLM_UNSUPPORTED and value not in _VLLM_UNSUPPORTED[name]:
-                raise errors.bad_request(f"{name} is not supported by this server", name)
-            if name not in self.seen:
-                self.seen.add(name)
-                log.warning("request field %r is not supported and was ignored", name[:64])
+            if name in self.seen or name in VLLM_UNSUPPORTED:
+                continue
+            if len(self.seen) >= self.limit:
+                if not self.full:
+                    self.full = True
+                    log.warning(
+                        "%d unknown request fields logged; further ones are ignored silently",
+                        self.limit,
+                    )
+                return
+            self.seen.add(name)
+            log.warning("request field %r is not supported and was ignored", name[:64])
+
+
+def check_unsupported(body: SamplingFields) -> None:
+    """Fields vLLM honours and we do not are refused unless they hold vLLM's default (a no-op)."""
+    for name in sorted(body.model_extra or ()):
+        value = (body.model_extra or {})[name]
+        if name in VLLM_UNSUPPORTED and value not in VLLM_UNSUPPORTED[name]:
+            raise errors.bad_request(f"{name} is not supported by this server", name)
 
 
 # vLLM request fields we do not implement -> the values that mean "off" in vLLM (accepted).
-_VLLM_UNSUPPORTED: dict[str, tuple[object, ...]] = {
+VLLM_UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "use_beam_search": (False, None),
     "length_penalty": (1, 1.0, None),
     "truncate_prompt_tokens": (None,),
@@ -82,6 +98,33 @@ def bad_word_ids(words: Sequence[str], tokenizer: Tokenizer) -> list[list[int]]:
             if ids and ids not in out:
                 out.append(ids)
     return out
+
+
+def check_length(
+    ids: Sequence[int], max_tokens: int | None, prompt_param: str, limit: int | None
+) -> None:
+    """vLLM's context-length checks, when a worker has told us the length (`limit`)."""
+    if limit is None:
+        return
+    if len(ids) >= limit:
+        raise errors.APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, your prompt "
+            f"has {len(ids)} tokens, which leaves no room to generate.",
+            "invalid_request_error",
+            prompt_param,
+            "context_length_exceeded",
+        )
+    if max_tokens is not None and len(ids) + max_tokens > limit:
+        raise errors.APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
+            "completion). Please reduce the prompt or the completion length.",
+            "invalid_request_error",
+            "max_tokens",
+            "context_length_exceeded",
+        )
 
 
 def check_context(body: SamplingFields, prompt_len: int, max_model_len: int | None) -> None:
@@ -155,6 +198,26 @@ def sampling_proto(
     if body.prompt_logprobs is not None or echo_logprobs:
         p.prompt_logprobs = max(body.prompt_logprobs or 0, logprobs or 0)
     return p
+
+
+def plan_sampling(
+    body: SamplingFields,
+    tokenizer: Tokenizer,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_param: str,
+    spec: GrammarSpec | None,
+    max_model_len: int | None,
+) -> common_pb2.SamplingParams:
+    """Every check of a body against its prompts and the context, then its worker parameters."""
+    for ids in prompts:
+        check_length(ids, max_tokens, prompt_param, max_model_len)
+        check_context(body, len(ids), max_model_len)
+    check_unsupported(body)
+    if body.best_of is not None and body.best_of > body.n and logprobs is None:
+        logprobs = 0  # best_of ranks by cumulative logprob; the client does not see them
+    return sampling_proto(body, tokenizer, max_tokens, logprobs, spec)
 
 
 def child_sampling(p: common_pb2.SamplingParams, index: int) -> common_pb2.SamplingParams:

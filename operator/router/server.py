@@ -18,10 +18,12 @@ import uvicorn
 
 from gearshift.operator.router import config as config_mod
 from gearshift.operator.router.admin import AdminService
+from gearshift.operator.router.body_limit import BodyLimit
 from gearshift.operator.router.config import RouterConfig
 from gearshift.operator.router.core import Router
 from gearshift.operator.router.grpc_api import GenerationService
 from gearshift.operator.router.http_api import ApiKeyMiddleware, build_app
+from gearshift.operator.router.lanes import PreparationLanes
 from gearshift.operator.router.metrics import RouterMetrics
 from gearshift.operator.router.openai_proxy import OpenAIProxy
 from gearshift.operator.router.pool import GROUP_KINDS, GroupPool
@@ -30,6 +32,7 @@ from gearshift.operator.router.rejections import RejectionCounter
 from gearshift.operator.router.trace_recorder import TraceRecorder
 from gearshift.v1 import router_pb2_grpc
 from gearshift.worker.model.registry import resolve_model_path
+from gearshift.worker.policies import kinds
 from gearshift.worker.server import auth
 from gearshift.worker.tokenizer import Tokenizer
 
@@ -85,10 +88,14 @@ class RouterServer:
         self._http_task: asyncio.Task[None] | None = None
         self._grpc: list[grpc.aio.Server] = []
         self._reload_task: asyncio.Task[None] | None = None
+        self._lanes: PreparationLanes | None = None
         self.ports: BoundPorts | None = None
 
     async def start(self) -> BoundPorts:
         cfg = self.config
+        # The policy packages (entry points, GEARSHIFT_POLICY_PACKAGES), before any group's
+        # stats or an Admin call carries one of their policies.
+        kinds.specs()
         if cfg.backend not in GROUP_KINDS:
             raise config_mod.ConfigError(
                 f"backend {cfg.backend!r} is not one of {', '.join(GROUP_KINDS)}"
@@ -118,10 +125,13 @@ class RouterServer:
         router = self.router = Router(cfg, tokenizer, pool, metrics)
         await pool.configure(cfg.groups)
 
-        preparation = Preparation(router)  # shared by HTTP and gRPC
+        # Shared by HTTP and gRPC; its processes start on the first large request.
+        self._lanes = PreparationLanes(cfg.lanes, tokenizer, cfg.model_path)
+        preparation = Preparation(router, self._lanes)
         app = build_app(router, preparation)
         if cfg.backend == "openai-http":  # generation is the backend's; see openai_proxy.py
-            app.add_middleware(OpenAIProxy, router=router)
+            app.add_middleware(OpenAIProxy, preparation=preparation)
+        app.add_middleware(BodyLimit, max_bytes=cfg.limits.max_body_bytes)
         app.add_middleware(ApiKeyMiddleware, keys=cfg.api_keys, protect_metrics=cfg.protect_metrics)
         # Added last, so outermost: it also sees the API-key middleware's 401s.
         app.add_middleware(RejectionCounter, metrics=metrics)
@@ -140,7 +150,9 @@ class RouterServer:
 
         grpc_port = admin_port = None
         if cfg.grpc_port is not None:
-            server = grpc.aio.server()
+            # The HTTP body cap is the gRPC message cap (RESOURCE_EXHAUSTED beyond it).
+            size = cfg.limits.max_body_bytes
+            server = grpc.aio.server(options=[("grpc.max_receive_message_length", size)])
             router_pb2_grpc.add_GenerationServicer_to_server(
                 GenerationService(router, preparation), server
             )
@@ -205,6 +217,9 @@ class RouterServer:
         for server in self._grpc:
             await server.stop(grace=1)
         self._grpc.clear()
+        if self._lanes is not None:
+            await asyncio.to_thread(self._lanes.close)
+            self._lanes = None
         if self.router is not None:
             await self.router.pool.close()
             if self.router.metrics.trace is not None:

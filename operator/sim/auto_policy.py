@@ -99,7 +99,9 @@ def traffic_of(auto: policy_pb2.AutoPolicy, shape: GroupShape) -> Traffic:
     if not auto.HasField("traffic"):
         raise AutoError(where, "required: at least traffic.rate (requests per second)")
     t = auto.traffic
-    full = policy_fields.with_defaults(_wrap(auto)).auto
+    full = policy_pb2.AutoPolicy()
+    full.CopyFrom(auto)
+    policy_fields.fill_constants(full)
     # Each group's share: the router spreads requests evenly over spec.replicas groups.
     data: dict[str, Any] = {
         "rate": t.rate / max(shape.replicas, 1),

@@ -25,19 +25,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from google.protobuf import json_format
 
 from gearshift.operator.sim.cost_model import StepCost
 from gearshift.operator.sim.hardware import Hardware, with_count
 from gearshift.operator.sim.model_desc import ModelDesc
 from gearshift.operator.sim.roofline import Layout, RooflineCost
-from gearshift.v1 import policy_fields, policy_pb2
+from gearshift.v1 import policy_pb2
 from gearshift.worker.engine.contract import QueueView, StepRequest
 from gearshift.worker.engine.scheduler import ScheduledBatch, Scheduler
 from gearshift.worker.kv.block_manager import BlockManager
-from gearshift.worker.policies.seesaw.host_kv import PageAllocator
+from gearshift.worker.policies import checks
 from gearshift.worker.policies.seesaw.leader import Phase, SeesawLeader, Thresholds
+from gearshift.worker.policies.seesaw.pages import PageAllocator
 from gearshift.worker.policies.seesaw.readiness import ReadinessBoard
 
 HOST_BYTES_PER_GPU = 80 * (1 << 30)
@@ -49,7 +49,7 @@ def policy(gpus: int) -> dict[str, dict[str, dict[str, int]]]:
 
 def _thresholds(gpus: int) -> Thresholds:
     """The policy's default switch points and prefetch limit."""
-    msg = policy_fields.with_defaults(_proto(gpus), gpus).seesaw
+    msg = checks.with_defaults(_proto(gpus), gpus).seesaw
     return Thresholds(
         msg.switch_to_decode_at_host_usage,
         msg.switch_to_prefill_at_host_usage,
@@ -101,7 +101,7 @@ class SeesawHooks:
             (self.gpus, 1),
             lambda: thresholds,
             block_bytes,
-            ReadinessBoard(torch.zeros(self.gpus + 1, dtype=torch.int64)),
+            ReadinessBoard([0] * (self.gpus + 1), [0] * self.gpus),
             async_swap=False,
         )
         if m is not None:

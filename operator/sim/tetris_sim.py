@@ -12,7 +12,7 @@ on the prefill pool, the KV hand-off, and decode instances that run the engine's
 * **Hand-off** (§4.2): the request's KV over the intra-node link from the last group's members in
   parallel, after its prefill ends.
 * **Decode instances** are simulated replicas (``replica.SimReplica``) whose leader is the
-  engine's own ``DecodeAdmission`` (``worker/policies/tetris/decode.py``): the request's prompt
+  engine's own ``DecodeAdmission`` (``worker/policies/tetris/admission.py``): the request's prompt
   blocks are reserved when it is placed, the landed KV is a receive step, the request then joins
   continuous batching with its last prompt token as its first decode row, as in the engine.
 
@@ -50,7 +50,7 @@ from gearshift.worker.engine.contract import QueueView, StepKind, StepRequest
 from gearshift.worker.engine.scheduler import ScheduledBatch, Scheduler
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.kv.block_manager import BlockManager
-from gearshift.worker.policies.tetris.decode import DecodeAdmission
+from gearshift.worker.policies.tetris.admission import DecodeAdmission
 
 RECEIVE_STEP_S = 1e-6  # a step that only lands KV (its copy is priced as the hand-off)
 

@@ -53,6 +53,30 @@ def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
             assert proc.survivors() == [], "worker processes outlived gearshift serve"
 
 
+# A `gearshift serve` without an API key, as an openai-http router's group (the router sends
+# none): test_openai_backend_serve.py and test_schemathesis_openai.py.
+@pytest.fixture(scope="session")
+def openai_backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    proc = ServeProcess(
+        tmp_path_factory.mktemp("openai-backend"),
+        "--model",
+        "smollm2",
+        "--served-model-name",
+        "smollm2-backend",
+        "--dtype",
+        "bfloat16",
+        "--max-num-seqs",
+        "4",
+        "--max-model-len",
+        "1024",
+        "--kv-cache-bytes",
+        str(32 << 20),
+    )
+    with proc:
+        yield proc
+    assert proc.survivors() == []
+
+
 def group_stats(serve: ServeProcess, name: str) -> worker_pb2.WorkerStats:
     """GetStats straight from a group's worker (not through the router)."""
     with grpc.insecure_channel(serve.group(name)["address"]) as channel:

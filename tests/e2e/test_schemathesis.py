@@ -54,18 +54,16 @@ def _check(case: Any) -> None:
     )
 
 
-@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
-def test_generated_requests_never_get_a_5xx_and_match_the_schema(
-    serve: ServeProcess, mode: GenerationMode
-) -> None:
-    schema = schemathesis.openapi.from_url(f"{serve.url}/openapi.json")
+def fuzz(base_url: str, mode: GenerationMode, examples: int = EXAMPLES_PER_OPERATION) -> None:
+    """Every operation of `base_url`'s /openapi.json, `examples` cases each, checked."""
+    schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json")
     for result in schema.get_all_operations():
         operation = result.ok()
 
         # One Hypothesis run per operation; derandomized: the same cases on every run.
         @given(case=operation.as_strategy(generation_mode=mode))
         @settings(
-            max_examples=EXAMPLES_PER_OPERATION,
+            max_examples=examples,
             derandomize=True,
             deadline=None,
             database=None,
@@ -79,3 +77,10 @@ def test_generated_requests_never_get_a_5xx_and_match_the_schema(
         except Unsatisfiable:
             # An operation without inputs (GET /health) has no invalid request to make.
             assert mode == GenerationMode.NEGATIVE and operation.method == "get", operation
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+def test_generated_requests_never_get_a_5xx_and_match_the_schema(
+    serve: ServeProcess, mode: GenerationMode
+) -> None:
+    fuzz(serve.url, mode)

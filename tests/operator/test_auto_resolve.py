@@ -19,6 +19,7 @@ from gearshift.operator.sim import auto_policy, hardware, model_desc
 from gearshift.operator.sim.planning import plan_deployment
 from gearshift.v1 import policy_fields, policy_pb2
 from gearshift.worker.errors import InvalidRequestError
+from gearshift.worker.policies import checks
 from gearshift.worker.policies.registry import make_policy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,7 +84,7 @@ def test_a_shift_threshold_follows_the_traffic() -> None:
     assert (chat.policy.shift.threshold, busy.policy.shift.threshold) == (256, 1024)
     assert (
         policy_fields.non_live_changes(
-            policy_fields.with_defaults(chat.policy, 8), policy_fields.with_defaults(busy.policy, 8)
+            checks.with_defaults(chat.policy, 8), checks.with_defaults(busy.policy, 8)
         )
         == []
     )
@@ -203,7 +204,7 @@ def test_the_example_resolves_to_a_layout_the_engine_runs() -> None:
         *("sidp1x8", "sidp2x4", "sidp4x2", "seesaw8"),
         *(f"tetris{8 - d * t}p{d}x{t}" for t in (1, 2, 4) for d in range(1, 8) if 8 - d * t >= 2),
     }
-    assert policy_fields.layout_errors(spec.policy, spec.group.ranks) == []
+    assert checks.layout_errors(spec.policy, spec.group.ranks) == []
     assert chosen.status["predicted"]["kvTokens"] > 0
     assert "auto chose" in auto.event_message(chosen.status)
 

@@ -13,7 +13,7 @@ from gearshift.operator.planner.improvement_rate import (
 )
 from gearshift.operator.planner.settings import PlannerSettings
 from gearshift.v1 import policy_pb2
-from gearshift.v1.policy_fields import with_defaults
+from gearshift.worker.policies.checks import with_defaults
 
 
 def test_freeness_counts_in_flight_transfers_as_used():

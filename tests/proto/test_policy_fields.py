@@ -5,6 +5,7 @@ from __future__ import annotations
 from google.protobuf import json_format
 
 from gearshift.v1 import policy_fields, policy_pb2
+from gearshift.worker.policies import checks
 
 
 def _policy(d: dict) -> policy_pb2.Policy:
@@ -44,11 +45,11 @@ def test_every_policy_field_with_a_nonzero_default_tracks_presence() -> None:
 
 
 def test_with_defaults_fills_constant_and_derived_defaults() -> None:
-    full = policy_fields.with_defaults(_policy({"shift": {}}), group_gpus=8)
+    full = checks.with_defaults(_policy({"shift": {}}), group_gpus=8)
     assert (full.shift.sp, full.shift.tp, full.shift.threshold) == (8, 1, 256)
-    sidp = policy_fields.with_defaults(_policy({"sidp": {"tp": 2}}), group_gpus=8).sidp
+    sidp = checks.with_defaults(_policy({"sidp": {"tp": 2}}), group_gpus=8).sidp
     assert (sidp.dp, sidp.was_cache_slots, sidp.mode) == (4, 3, policy_pb2.SidpPolicy.AUTO)
-    tetris = policy_fields.with_defaults(_policy({"tetris": {"decodeTp": 4}}), 8).tetris
+    tetris = checks.with_defaults(_policy({"tetris": {"decodeTp": 4}}), 8).tetris
     assert (tetris.prefill_instances, tetris.max_sp, tetris.improvement_rate) == (
         4,
         4,
@@ -57,11 +58,11 @@ def test_with_defaults_fills_constant_and_derived_defaults() -> None:
 
 
 def test_a_threshold_change_is_live_and_an_sp_change_is_not() -> None:
-    old = policy_fields.with_defaults(_policy({"shift": {"sp": 4, "tp": 2}}), 8)
-    new = policy_fields.with_defaults(_policy({"shift": {"sp": 4, "tp": 2, "threshold": 512}}), 8)
+    old = checks.with_defaults(_policy({"shift": {"sp": 4, "tp": 2}}), 8)
+    new = checks.with_defaults(_policy({"shift": {"sp": 4, "tp": 2, "threshold": 512}}), 8)
     assert policy_fields.changed_fields(old, new) == ["shift.threshold"]
     assert policy_fields.non_live_changes(old, new) == []
-    relayout = policy_fields.with_defaults(_policy({"shift": {"sp": 2, "tp": 4}}), 8)
+    relayout = checks.with_defaults(_policy({"shift": {"sp": 2, "tp": 4}}), 8)
     assert policy_fields.non_live_changes(old, relayout) == ["shift.sp", "shift.tp"]
     assert policy_fields.non_live_changes(old, _policy({"static": {}})) == ["kind"]
 
@@ -73,8 +74,8 @@ def test_live_only_keeps_set_live_fields() -> None:
 
 
 def test_layout_errors_name_the_policy_and_the_mismatch() -> None:
-    assert policy_fields.layout_errors(_policy({"shift": {"sp": 4, "tp": 2}}), 8) == []
-    errors = policy_fields.layout_errors(_policy({"shift": {"sp": 3, "tp": 2}}), 8)
+    assert checks.layout_errors(_policy({"shift": {"sp": 4, "tp": 2}}), 8) == []
+    errors = checks.layout_errors(_policy({"shift": {"sp": 3, "tp": 2}}), 8)
     assert errors and "policy.shift" in errors[0]
-    assert policy_fields.layout_errors(_policy({"seesaw": {"prefill": {"pp": 4}}}), 4) == []
-    assert policy_fields.layout_errors(policy_pb2.Policy(), 4)[0].startswith("policy: exactly one")
+    assert checks.layout_errors(_policy({"seesaw": {"prefill": {"pp": 4}}}), 4) == []
+    assert checks.layout_errors(policy_pb2.Policy(), 4)[0].startswith("policy: exactly one")

@@ -28,6 +28,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class Worker:
     stub: worker_pb2_grpc.WorkerStub
     engine: ThreadEngine
+    address: str = ""  # for clients on another loop (tests/fuzz)
 
     async def stats(self) -> worker_pb2.WorkerStats:
         return await self.stub.GetStats(worker_pb2.GetStatsRequest(), timeout=5)
@@ -53,7 +54,7 @@ async def serving(model: Path, max_requests: int = 16) -> AsyncIterator[Worker]:
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
-        yield Worker(worker_pb2_grpc.WorkerStub(channel), handle)
+        yield Worker(worker_pb2_grpc.WorkerStub(channel), handle, f"127.0.0.1:{port}")
     finally:
         await channel.close()
         await server.stop(grace=None)

@@ -13,7 +13,7 @@ from gearshift.operator.sim.reproduce.seesaw import MODELS, gpu
 from gearshift.operator.sim.seesaw_sim import SeesawHooks
 from gearshift.operator.sim.simulator import Deployment, simulate
 from gearshift.operator.sim.traffic import Traffic
-from gearshift.v1 import policy_fields
+from gearshift.worker.policies import checks
 from gearshift.worker.policies.registry import parse_policy
 from gearshift.worker.policies.seesaw.leader import Phase
 
@@ -76,7 +76,7 @@ def test_seesaw_candidates_are_policies_the_engine_runs_and_beat_static_on_pcie(
     settings = PlanSettings(max_model_len=8192)
     for c in enumerate_candidates(model, hw, settings, {"seesaw"}):
         p = parse_policy(c.policy)
-        assert policy_fields.layout_errors(p, c.gpus_per_group) == []
+        assert checks.layout_errors(p, c.gpus_per_group) == []
     t = Traffic.from_mapping({"rate": 1000, "prompt": {"preset": "sharegpt"}, "requests": 200})
     report = plan_deployment(
         model, hw, t, rates=[1000], settings=settings,

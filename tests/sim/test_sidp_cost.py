@@ -12,7 +12,8 @@ from gearshift.operator.sim import hardware, model_desc
 from gearshift.operator.sim.candidates import PlanSettings, enumerate_candidates
 from gearshift.operator.sim.roofline import Layout, RooflineCost, StepShape
 from gearshift.operator.sim.sidp_cost import SidpCost, b_th, rank_bytes
-from gearshift.v1 import policy_fields, policy_pb2
+from gearshift.v1 import policy_pb2
+from gearshift.worker.policies import checks
 from gearshift.worker.policies.support import check_runnable
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -61,7 +62,7 @@ def test_sidp_candidates_fit_one_node_and_the_engine_runs_their_policies() -> No
         assert c.replicas == hw.count // (dp * tp) * dp  # every engine replica is routed to
         policy = policy_pb2.Policy()
         policy.sidp.dp, policy.sidp.tp = dp, tp
-        assert policy_fields.layout_errors(policy, c.gpus_per_group) == []
+        assert checks.layout_errors(policy, c.gpus_per_group) == []
         assert check_runnable(policy, c.gpus_per_group).kind == "sidp"
     with pytest.raises(ValueError, match="one node"):
         SidpCost(model, hw, dp=4, tp=4)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gearshift.worker.device_copy import tensor_on
+
 # Prefill chunks without history run as one padded attention call while the padded work (chunks x
 # longest^2 query-key pairs) stays within both bounds: at most MAX_PADDING_WORK times the real work
 # (sum of length^2), and at most the real work plus CALL_WORK per call saved. The second bound
@@ -137,7 +139,7 @@ class AttentionMetadata:
         device = self.slot_mapping.device
 
         def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
+            return tensor_on(values, torch.int64, device)  # queued: the host does not wait
 
         contiguous = rows[-1] - rows[0] + 1 == len(rows)
         first = self.prefill_starts[group[0]]

@@ -22,14 +22,23 @@ def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.
     block_size = k_cache.shape[2]
     if slot_mapping.numel() != k.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.numel()} slots for {k.shape[0]} tokens")
+    if slot_mapping.numel() == 0:
+        return
+    # Rows without a slot (-1: padding) must write nothing, decided without reading the slots
+    # on the host (a wait for the device each layer, and no CUDA graph could hold it): such a
+    # row repeats the first real row's slot and values, so every duplicate write stores the
+    # same thing. With no real row at all, every row writes back what its target holds.
     valid = slot_mapping >= 0
-    if not bool(valid.all()):
-        k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
-    blocks = slot_mapping // block_size
-    offsets = slot_mapping % block_size
+    first = valid.to(torch.uint8).argmax()
+    src = torch.where(valid, torch.arange(valid.shape[0], device=valid.device), first)
+    slots = slot_mapping.index_select(0, src)
+    blocks = slots // block_size
+    offsets = slots % block_size
+    any_valid = valid.any()
     # Advanced indices on dims 0 and 2 around a slice: the indexed view is [T, Hkv, D].
-    k_cache[blocks, :, offsets] = k
-    v_cache[blocks, :, offsets] = v
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        rows = x.index_select(0, src)
+        cache[blocks, :, offsets] = torch.where(any_valid, rows, cache[blocks, :, offsets])
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

@@ -7,8 +7,9 @@ packages (``worker/policies/``) implement it together with the rank-side half of
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 if TYPE_CHECKING:
     import torch
@@ -18,6 +19,9 @@ if TYPE_CHECKING:
     from gearshift.worker.kv.block_manager import BlockManager
 
 LiveValue = int | float | str
+# A plan section's int64 values as a policy hands them over: a tensor, or a list from a policy's
+# leader half that runs without torch too (the simulator); the plan holds them as a tensor.
+SectionValues: TypeAlias = "torch.Tensor | list[int]"
 
 
 class StepKind(enum.Enum):
@@ -106,7 +110,7 @@ class LeaderPolicy(Protocol):
         device yet, e.g. in a host tier): neither scheduled nor preempted."""
         ...
 
-    def plan_sections(self, batch: ScheduledBatch) -> dict[str, torch.Tensor]:
+    def plan_sections(self, batch: ScheduledBatch) -> Mapping[str, SectionValues]:
         """Sections for the next plan (e.g. KV swaps every rank performs before its forward);
         the engine ships a plan without tokens when the batch is empty and sections are not."""
         ...

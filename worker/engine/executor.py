@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ from gearshift.worker.errors import GroupFailure
 from gearshift.worker.p2p import P2P
 from gearshift.worker.parallel.pipeline import recv_logits
 from gearshift.worker.parallel.watchdog import Watchdog
+from gearshift.worker.step_phases import StepPhases
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,7 @@ class GroupExecutor:
         self.logits_rank = logits_rank  # where the logits appear (a pipeline's last stage)
         self.logits_channel = logits_channel
         self._stop_children = stop_children
+        self.phases: StepPhases | None = None  # the engine's: the broadcast is added there
 
     def guard(self, fn: Callable[[], Any]) -> Any:
         """Run a step's communication; a failed collective becomes a GroupFailure naming the
@@ -104,7 +107,10 @@ class GroupExecutor:
 
     def submit(self, plan: StepPlan) -> StepHandle:
         def run() -> torch.Tensor | None:
+            start = time.perf_counter()
             self.channel.send(STEP, plan)
+            if self.phases is not None:
+                self.phases.add("broadcast", time.perf_counter() - start)
             return self.runner.execute(plan)
 
         logits = self.guard(run)

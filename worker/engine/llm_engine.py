@@ -33,6 +33,7 @@ from gearshift.worker.kv.block_manager import BlockManager
 from gearshift.worker.sampling.logprobs import TokenLogprobs
 from gearshift.worker.sampling.params import InvalidSamplingParams, SamplingParams
 from gearshift.worker.sampling.sampler import Sampler, SamplingState
+from gearshift.worker.step_phases import StepPhases
 from gearshift.worker.structured import GrammarCompiler, GrammarMatcher, InvalidGrammar
 from gearshift.worker.tokenizer.detokenizer import IncrementalDetokenizer
 from gearshift.worker.tokenizer.stop import StopChecker
@@ -83,6 +84,8 @@ class EngineStats:
     gear: str = ""
     gear_switches: int = 0
     policy_stats: dict[str, float] = field(default_factory=dict)  # Policy.stats()
+    # The leader's host seconds per finished step, by phase (step_phases.PHASES).
+    step_phases: dict[str, float] = field(default_factory=dict)
     replicas: list[ReplicaLoad] = field(default_factory=list)  # a replica group's engines
     instances: list[InstanceLoad] = field(default_factory=list)  # a group with roles (Tetris)
 
@@ -119,7 +122,10 @@ class LLMEngine:
         eos_token_ids: frozenset[int],
         tokenizer: Tokenizer | None,
         policy: LeaderPolicy,
+        phases: StepPhases | None = None,
     ) -> None:
+        """``phases``: where the step's host time is added up (shared with a group executor,
+        which adds the broadcast); a new one by default."""
         self.config = config
         self.executor = executor
         self.blocks = blocks
@@ -131,7 +137,8 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len),
             blocks,
         )
-        self.sampler = Sampler()
+        self.phases = phases if phases is not None else StepPhases()
+        self.sampler = Sampler(phases=self.phases)
         self.grammars = (
             GrammarCompiler(tokenizer, vocab_size, eos_token_ids) if tokenizer is not None else None
         )
@@ -287,6 +294,8 @@ class LLMEngine:
 
     def _launch(self) -> bool:
         """Schedule and submit one step; False when there is nothing to run."""
+        phases = self.phases
+        start = time.perf_counter()
         queues = QueueView(
             len(self.scheduler.running), len(self.scheduler.waiting), len(self.in_flight)
         )
@@ -296,6 +305,8 @@ class LLMEngine:
         if batch.is_empty and not sections:
             return False
         gear = self.policy.choose_gear(batch)
+        planned = time.perf_counter()
+        phases.add("schedule", planned - start)
         if gear != self.current_gear:
             # The first step picks a gear; only later changes are switches.
             self.gear_switches += self._step > 0
@@ -315,8 +326,14 @@ class LLMEngine:
         name = self.policy.gear_names[gear]
         self.gear_steps[name] += 1
         self.gear_tokens[name] += batch.num_tokens
+        broadcast = phases.seconds["broadcast"]
+        submit = time.perf_counter()
+        phases.add("plan", submit - planned)
         try:
             handle = self.executor.submit(plan)
+            # Forward launch: the submit less the plan's broadcast (a group executor's share).
+            sent = phases.seconds["broadcast"] - broadcast
+            phases.add("forward", time.perf_counter() - submit - sent)
             self.policy.step_submitted()
         except GroupFailure as exc:
             self._die(exc)
@@ -354,6 +371,7 @@ class LLMEngine:
         except Exception as exc:
             log.exception("forward pass failed at step %d", flight.plan.step)
             return [self._fail(seq, f"forward pass failed: {exc}") for seq in flight.seqs]
+        self.phases.steps += 1
         logits = take_prompt_logprobs(logits, batch)
         sampling: list[Sequence] = []
         for seq in batch.decodes:
@@ -391,6 +409,7 @@ class LLMEngine:
             for s in seqs
         ]
         sampled = self.sampler.sample(logits, states)
+        start = time.perf_counter()
         now = time.monotonic()
         outputs = []
         for i, seq in enumerate(seqs):
@@ -398,6 +417,7 @@ class LLMEngine:
             lp = sampled.logprobs[i]
             outputs.append(self._process(seq, token, lp, now))
         self.generation_tokens += len(seqs)
+        self.phases.add("outputs", time.perf_counter() - start)
         return outputs
 
     def _process(
@@ -538,6 +558,7 @@ class LLMEngine:
             gear=self.policy.gear_names[self.current_gear],
             gear_switches=self.gear_switches,
             policy_stats=self.policy.stats(),
+            step_phases=self.phases.per_step(),
         )
 
     def shutdown(self) -> None:

@@ -104,14 +104,19 @@ def kv_cache_blocks(
     device: torch.device,
     max_model_len: int,
     extra_bytes: int = 0,
+    reserve_bytes: int = 0,
 ) -> int:
     """Number of KV blocks this rank allocates (identical on every rank of a group);
-    ``extra_bytes``: weight memory a policy freed on this rank, added to the KV budget."""
+    ``extra_bytes``: weight memory a policy freed on this rank, added to the KV budget;
+    ``reserve_bytes``: memory still to be taken (CUDA graphs' pool), kept out of a default
+    budget (an explicit ``kv_cache_bytes`` is the cache's alone)."""
     if device.type == "cuda" and config.kv_cache_bytes is None:
-        blocks = kv.blocks_for_device_fraction(config.gpu_memory_utilization, device)
+        blocks = kv.blocks_for_device_fraction(config.gpu_memory_utilization, device, reserve_bytes)
     else:
         wanted = -(-config.max_num_seqs * max_model_len // kv.block_size)
         nbytes = (config.kv_cache_bytes or DEFAULT_CPU_KV_BYTES) + extra_bytes
+        if config.kv_cache_bytes is None:
+            nbytes -= reserve_bytes
         blocks = kv.blocks_for_bytes(nbytes)
         if config.kv_cache_bytes is None:
             blocks = min(blocks, wanted)  # the default never allocates more than can be used

@@ -18,7 +18,9 @@ from typing import Protocol, TextIO
 import torch
 
 from gearshift.worker.attention.core import AttentionCore
+from gearshift.worker.attention.metadata import AttentionMetadata
 from gearshift.worker.comm import CommGroup
+from gearshift.worker.engine.graph_runner import DecodeGraphs
 from gearshift.worker.engine.plan import StepPlan
 from gearshift.worker.kv.cache import LayerKV
 from gearshift.worker.model.llama import LlamaForCausalLM
@@ -141,6 +143,8 @@ class ModelRunner:
         # files of one host's ranks merge into one order of events.
         self.trace: TextIO | None = None
         self.closers: list[Callable[[], None]] = []  # the policy's per-rank resources
+        # Decode-only steps of the gears it holds graphs for replay them (launch/rank_graphs).
+        self.graphs: DecodeGraphs | None = None
 
     def _event(self, plan: StepPlan, what: str) -> None:
         if self.trace is not None:
@@ -177,9 +181,30 @@ class ModelRunner:
             return torch.empty((0, gear.model.config.vocab_size), dtype=dtype, device=self.device)
         if self.threads is not None:
             self.threads.for_step(plan.num_tokens)
+        graphs = self.graphs
+        bucket = graphs.bucket_for(plan) if graphs is not None else None
+        if graphs is not None and bucket is not None:
+            return graphs.replay(plan, bucket)
+        # Host values are read before the plan moves to its device: no wait for the device.
+        seq_lens = plan.seq_lens.tolist()
         plan = plan.to(self.device)
-        meta = plan.attention_metadata()
-        ids, positions = plan.input_ids, plan.positions
+        meta = plan.attention_metadata(seq_lens)
+        return self.forward(
+            gear, plan.input_ids, plan.positions, self.kv_caches, meta, plan.logits_indices
+        )
+
+    def forward(
+        self,
+        gear: Gear,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[LayerKV],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """``gear``'s forward pass on this rank over every token of the step: the logits of
+        ``logits_indices`` (None: every row) where they are made, None on other ranks. Eager
+        steps and captured graphs (graph_runner) run this same code."""
         sp, stage, model = gear.sp, gear.stage, gear.model
         if sp.size > 1:
             # Alg. 2 line 1: each SP rank runs the dense layers on its slice of the tokens.
@@ -192,9 +217,7 @@ class ModelRunner:
             carry = stage.recv_activations(
                 ids.shape[0], model.config.hidden_size, dtype, self.device
             )
-        hidden, residual = model.forward_layers(
-            ids, positions, self.kv_caches, meta, gear.core, carry
-        )
+        hidden, residual = model.forward_layers(ids, positions, kv_caches, meta, gear.core, carry)
         if stage is not None and not stage.is_last:
             assert residual is not None
             stage.send_activations(hidden, residual)
@@ -207,7 +230,7 @@ class ModelRunner:
                 return None
             hidden = gathered
         # No fp32 copy here: the sampler upcasts only the rows and steps that need it.
-        logits = model.compute_logits(hidden[plan.logits_indices])
+        logits = model.compute_logits(hidden if logits_indices is None else hidden[logits_indices])
         if logits is not None and stage is not None and stage.logits_to is not None:
             if logits.shape[0]:  # the leader receives nothing for a step without logits rows
                 stage.send_logits(logits)
@@ -225,6 +248,7 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         self.kv_caches = []
+        self.graphs = None
         closers, self.closers = self.closers, []
         for close in closers:
             close()

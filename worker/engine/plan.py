@@ -14,11 +14,14 @@ from __future__ import annotations
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
 
 from gearshift.worker.attention.metadata import AttentionMetadata
+from gearshift.worker.device_copy import to_device
+from gearshift.worker.engine.contract import SectionValues
 from gearshift.worker.engine.scheduler import ScheduledBatch
 from gearshift.worker.kv.block_manager import BlockManager
 
@@ -53,11 +56,11 @@ class StepPlan:
         """An optional section a policy added (``with_section``), or None."""
         return self.sections.get(section_id(name))
 
-    def with_section(self, name: str, values: torch.Tensor) -> StepPlan:
+    def with_section(self, name: str, values: SectionValues) -> StepPlan:
         if len(self.sections) >= MAX_SECTIONS and section_id(name) not in self.sections:
             raise ValueError(f"a plan holds at most {MAX_SECTIONS} sections")
         sections = dict(self.sections)
-        sections[section_id(name)] = values.to(torch.int64).reshape(-1)
+        sections[section_id(name)] = torch.as_tensor(values, dtype=torch.int64).reshape(-1)
         return replace(self, sections=sections)
 
     @property
@@ -68,14 +71,17 @@ class StepPlan:
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
 
-    def attention_metadata(self) -> AttentionMetadata:
+    def attention_metadata(self, seq_lens_host: list[int] | None = None) -> AttentionMetadata:
+        """The forward pass's view of this plan; ``seq_lens_host``: ``seq_lens`` as read on the
+        host before the plan moved to its device (else it is read here, a wait on a device)."""
         nd = self.num_decodes
         starts: list[int] = []
         pos = nd
         for n in self.prefill_query_lens:
             starts.append(pos)
             pos += n
-        seq_lens_host = self.seq_lens.tolist()
+        if seq_lens_host is None:
+            seq_lens_host = self.seq_lens.tolist()
         return AttentionMetadata(
             num_decodes=nd,
             slot_mapping=self.slot_mapping,
@@ -159,8 +165,9 @@ class StepPlan:
     def to(self, device: torch.device) -> StepPlan:
         if device.type == "cpu":
             return self
-        move = {
-            k: getattr(self, k).to(device, non_blocking=True)
+        # Plans are built (or received) on the host: queued copies, the host never waits.
+        move: dict[str, Any] = {
+            k: to_device(getattr(self, k), device)
             for k in (
                 "input_ids",
                 "positions",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from gearshift.worker.device_copy import tensor_on
 from gearshift.worker.engine.scheduler import ScheduledBatch
 from gearshift.worker.sampling.logprobs import compute_logprobs
 
@@ -38,9 +39,9 @@ def take_prompt_logprobs(logits: Tensor, batch: ScheduledBatch) -> Tensor:
         # Position q scores prompt token q + 1; positions already scored are skipped.
         positions = [q for q in range(start, start + n) if done <= q < seq.num_prompt_tokens - 1]
         if positions:
-            rows = torch.tensor([row + q - start for q in positions], device=logits.device)
-            targets = torch.tensor(
-                [seq.token_ids[q + 1] for q in positions], dtype=torch.long, device=logits.device
+            rows = tensor_on([row + q - start for q in positions], torch.long, logits.device)
+            targets = tensor_on(
+                [seq.token_ids[q + 1] for q in positions], torch.long, logits.device
             )
             width = [seq.params.prompt_logprobs] * len(positions)
             scored = compute_logprobs(logits.index_select(0, rows), targets, width)
@@ -48,4 +49,4 @@ def take_prompt_logprobs(logits: Tensor, batch: ScheduledBatch) -> Tensor:
         if completes:
             keep.append(row + n - 1)
         row += n
-    return logits.index_select(0, torch.tensor(keep, dtype=torch.long, device=logits.device))
+    return logits.index_select(0, tensor_on(keep, torch.long, logits.device))

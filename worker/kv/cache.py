@@ -32,10 +32,13 @@ class KVCacheSpec:
     def blocks_for_bytes(self, nbytes: int) -> int:
         return max(0, nbytes // self.bytes_per_block)
 
-    def blocks_for_device_fraction(self, fraction: float, device: torch.device) -> int:
-        """Blocks filling ``fraction`` of the device memory that is free right now (GPU)."""
+    def blocks_for_device_fraction(
+        self, fraction: float, device: torch.device, reserve_bytes: int = 0
+    ) -> int:
+        """Blocks filling ``fraction`` of the device memory that is free right now (GPU), less
+        ``reserve_bytes`` that something allocated later will take (CUDA graphs' pool)."""
         free, _total = torch.cuda.mem_get_info(device)
-        return self.blocks_for_bytes(int(free * fraction))
+        return self.blocks_for_bytes(int(free * fraction) - reserve_bytes)
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

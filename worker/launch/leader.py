@@ -70,7 +70,7 @@ def leader_engine(
     eos = frozenset(spec.config.eos_token_ids) | (
         tokenizer.eos_token_ids if tokenizer else frozenset()
     )
-    return LLMEngine(
+    engine = LLMEngine(
         config,
         executor,
         blocks,
@@ -80,6 +80,14 @@ def leader_engine(
         tokenizer,
         policy=policy,
     )
+    if isinstance(executor, GroupExecutor):
+        executor.phases = engine.phases  # the plan's broadcast is one of the step's phases
+    return engine
+
+
+def one_rank_engine(config: EngineConfig, policy: Policy, state: RankState) -> LLMEngine:
+    """The engine over a one-rank group's state (``rank.finish_rank``'s): its runner executes."""
+    return leader_engine(config, policy, state, state.runner)
 
 
 def check_group(config: EngineConfig, policy: Policy, group: GroupConfig) -> None:

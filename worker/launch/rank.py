@@ -25,6 +25,8 @@ from gearshift.worker.errors import GroupFailure, InvalidRequestError
 from gearshift.worker.kv.cache import KVCacheSpec, allocate_kv_cache
 from gearshift.worker.launch.group_config import GroupConfig
 from gearshift.worker.launch.host import bind_rank_cores, die_with_parent, set_threads
+from gearshift.worker.launch.rank_graphs import capture_graphs, plan_graphs
+from gearshift.worker.model import fused_ops
 from gearshift.worker.model.weights import open_weight_source
 from gearshift.worker.p2p import COMM_RULES_ENV, comm_rules, start_rules
 from gearshift.worker.parallel.groups import create_control_group
@@ -143,29 +145,70 @@ def setup_rank(
         # What the build freed (e.g. Seesaw's stashed gears) goes back before the KV cache is
         # sized from the device's free memory.
         torch.cuda.empty_cache()
+    return finish_rank(config, policy, held, spec, device, rank, ctx.ledger)
+
+
+def finish_rank(
+    config: EngineConfig,
+    policy: Policy,
+    held: RankModel,
+    spec: ModelSpec,
+    device: torch.device,
+    rank: int,
+    ledger: DeviceLedger | None = None,
+) -> RankState:
+    """What follows a rank's gears: fused kernels, graphs' memory, the KV cache (its block count
+    agreed over the group), the runner and its graphs. Benchmarks pass models they built."""
+    cfg = spec.config
+    choose_fused_ops(config, held, rank)
+    threads = None
+    if device.type == "cpu" and config.prefill_threads is not None:
+        threads = StepThreads(config.prefill_threads)
+    runner = ModelRunner(held.gears, [], device, threads, held.hook)
+    runner.closers = list(held.closers)
+    # Graphs' static inputs and pool come out of the memory before the KV cache is sized.
+    graphs = plan_graphs(config, policy, held, runner, spec.max_model_len, rank)
     kv_spec = KVCacheSpec(
         held.kv_layers, held.kv_heads, cfg.head_dim, config.block_size, spec.dtype
     )
-    blocks = kv_cache_blocks(config, kv_spec, device, spec.max_model_len, held.kv_extra_bytes)
+    blocks = kv_cache_blocks(
+        config,
+        kv_spec,
+        device,
+        spec.max_model_len,
+        held.kv_extra_bytes,
+        reserve_bytes=graphs.pool_estimate if graphs is not None else 0,
+    )
     if policy.world_size > 1:
         on = device if dist.get_backend() == "nccl" else "cpu"
         agreed = torch.tensor([blocks], dtype=torch.int64, device=on)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         blocks = int(agreed.item())
     if held.kv_allocator is not None:
-        kv = held.kv_allocator(blocks)
+        runner.kv_caches = held.kv_allocator(blocks)
     else:
-        kv = allocate_kv_cache(kv_spec, blocks, device)
-    ctx.ledger.hold("kv cache", (t for layer in kv for t in layer))
-    threads = None
-    if device.type == "cpu" and config.prefill_threads is not None:
-        threads = StepThreads(config.prefill_threads)
-    runner = ModelRunner(held.gears, kv, device, threads, held.hook)
-    runner.closers = list(held.closers)
+        runner.kv_caches = allocate_kv_cache(kv_spec, blocks, device)
+    if ledger is not None:
+        ledger.hold("kv cache", (t for layer in runner.kv_caches for t in layer))
+    runner.hook = held.hook  # a policy's allocator may make its hook with the cache
+    if graphs is not None:
+        capture_graphs(graphs, held, runner, rank)
     trace_dir = os.environ.get(STEP_TRACE_ENV)
     if trace_dir:
         runner.trace = open(Path(trace_dir) / f"rank-{rank}.log", "a", buffering=1)  # noqa: SIM115
     return RankState(spec, runner, held, blocks)
+
+
+def choose_fused_ops(config: EngineConfig, held: RankModel, rank: int) -> None:
+    """CUDA: pick the fused elementwise kernels (measured once, on the first gear's shapes) for
+    every gear, before graphs are captured with them; elsewhere nothing changes."""
+    tokens = (min(config.max_num_seqs, 256), config.max_num_batched_tokens)
+    choice = None
+    for gear in held.gears:
+        if choice is None:
+            choice = fused_ops.choose(config.fused_elementwise, gear.model, tokens, rank)
+        if choice is not None:
+            fused_ops.apply(gear.model, choice)
 
 
 def join_group(

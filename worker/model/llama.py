@@ -22,6 +22,7 @@ from gearshift.worker.comm import CommGroup
 from gearshift.worker.kernels.cpu_features import choose_packing
 from gearshift.worker.kv.cache import LayerKV
 from gearshift.worker.model.config import ModelConfig
+from gearshift.worker.model.layers import fused_triton
 from gearshift.worker.model.layers.activation import silu_and_mul
 from gearshift.worker.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from gearshift.worker.model.layers.linear import (
@@ -68,6 +69,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = (
             RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         )
+        self.fused_rope = False  # the Triton kernel on CUDA (model/fused_ops.py decides)
 
     def forward(
         self,
@@ -87,7 +89,10 @@ class LlamaAttention(nn.Module):
             qk = torch.cat(
                 (self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1
             )
-        qk = rotate(qk, *rope)
+        if self.fused_rope and qk.stride(-1) == 1:
+            qk = fused_triton.rotary(qk, *rope)
+        else:
+            qk = rotate(qk, *rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, q_size + kv_size :].reshape(tokens, self.num_kv_heads, self.head_dim)
         out = core.forward(q, k, v, kv, meta)
@@ -104,9 +109,13 @@ class LlamaMLP(nn.Module):
             cfg.hidden_size, [inter, inter], cfg.mlp_bias, tp, dtype, device
         )
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, tp, dtype, device)
+        self.fused_silu = False  # the Triton kernel on CUDA (model/fused_ops.py decides)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.fused_silu and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+            return self.down_proj(fused_triton.silu_and_mul(gate_up))
+        return self.down_proj(silu_and_mul(gate_up))
 
 
 @dataclass(frozen=True)
@@ -293,6 +302,7 @@ class LlamaForCausalLM(nn.Module):
         self.is_last_stage = layers.stop == cfg.num_layers
         # Every layer when all of them can run as the fused decode op (pack_weights decides).
         self.fused_layers: list[LlamaDecoderLayer] = []
+        self.fused_choice: object = None  # fused_ops.FusedChoice on CUDA, once chosen
         self.model = LlamaModel(cfg, max_positions, tp, dtype, device, layers, mlp_factory)
         self.lm_head = (
             ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)

@@ -13,13 +13,14 @@ A policy is one package under ``worker/policies/`` that owns everything about it
 The engine and the launcher call only these methods; nothing else dispatches on the policy kind.
 A policy whose group is not one engine names the group runtime that serves it
 (``group_runtime``); the runtimes live at the launch/server floor, above every policy.
-Policies are registered in ``registry.py``.
+Each kind has a torch-free spec (``spec.py``: layout, defaults, rules), registered in
+``kinds.py``; ``registry.make_policy`` builds the class the spec names.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -34,6 +35,7 @@ from gearshift.worker.engine.contract import (
     LiveValue,
     QueueView,
     ReplicaSync,
+    SectionValues,
     StepKind,
     StepRequest,
 )
@@ -41,6 +43,7 @@ from gearshift.worker.engine.device_memory import DeviceLedger
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.model.config import ModelConfig
 from gearshift.worker.p2p import P2P
+from gearshift.worker.policies import checks, kinds
 
 if TYPE_CHECKING:
     from gearshift.worker.engine.loading import ModelSpec
@@ -105,47 +108,54 @@ class RankModel:
     # Allocates this rank's KV cache for a block count (default: kv/cache.allocate_kv_cache of
     # kv_layers x kv_heads); a policy whose gears view one buffer differently supplies its own.
     kv_allocator: Callable[[int], list[LayerKV]] | None = None
+    # Gears whose decode-only steps may replay captured graphs (launch/rank_graphs); None: every
+    # gear. A policy whose forward cannot be captured lists fewer and says why in graph_note.
+    graph_gears: tuple[int, ...] | None = None
+    graph_note: str = ""
+    # Gears that take turns holding the device (Seesaw): put gear i's weights there, so that its
+    # graphs can be captured at start-up; the rank's first gear is put back afterwards.
+    activate_gear: Callable[[int], None] | None = None
+    # The KV views gear i reads, when gears view the cache differently (default: the runner's).
+    gear_kv: Callable[[int], list[LayerKV]] | None = None
 
 
 class Policy(ABC):
     """One parallelism technique (see the module docstring for the contract)."""
 
-    kind: ClassVar[str]  # the field name in gearshift.v1.Policy's oneof
+    kind: ClassVar[str]  # the kind in spec.policy; its spec is registered (kinds.py)
     gear_names: tuple[str, ...]
-    # True when every rank of a group must share one host (e.g. KV in one node's shared memory);
-    # a group spanning nodes is refused naming spec.group.nodes (``check_nodes``).
-    single_node: ClassVar[bool] = False
-    single_node_reason: ClassVar[str] = "its KV tier is the node's shared memory"
 
     def __init__(self, policy: policy_pb2.Policy, world_size: int) -> None:
-        """``policy`` with this kind set; defaults are filled in for ``world_size`` ranks."""
-        errors = policy_fields.layout_errors(policy, world_size)
-        if errors:
-            raise InvalidRequestError(f"policy.{self.kind}", "; ".join(errors))
+        """``policy`` with this kind set; defaults are filled in for ``world_size`` ranks and
+        everything its spec refuses is refused here (checks.refuse)."""
+        full = checks.refuse(policy, world_size)
         self.world_size = world_size
-        self._proto = policy_fields.with_defaults(policy, world_size)
+        spec = kinds.spec_of(self.kind)
+        assert spec is not None  # refuse() found it
+        self.policy_spec = spec
+        self._message = policy_fields.copy_of(full)
 
     @property
     def message(self) -> Any:
         """This policy's own proto message (e.g. ``policy_pb2.ShiftPolicy``), defaults filled."""
-        return getattr(self._proto, self.kind)
+        return self._message
+
+    @property
+    def single_node(self) -> bool:
+        """Every rank of a group must share one host (e.g. KV in one node's shared memory)."""
+        return bool(self.policy_spec.single_node)
 
     def to_proto(self) -> policy_pb2.Policy:
         """The active policy, live values included (a copy)."""
-        out = policy_pb2.Policy()
-        out.CopyFrom(self._proto)
-        return out
+        return policy_fields.policy_of(self.kind, self._message)
 
     def check_nodes(self, nodes: int) -> None:
         """Refuse a group spread over ``nodes`` nodes of ``world_size // nodes`` consecutive
         ranks each that this policy cannot place, naming ``spec.group.nodes``."""
-        if nodes > 1 and self.single_node:
+        why = self.policy_spec.nodes_error(self._message, self.world_size, nodes)
+        if why:
             field = "spec.group.nodes"
-            raise InvalidRequestError(
-                field,
-                f"{field}: the {self.kind} policy keeps its groups on one node "
-                f"({self.single_node_reason}); use nodes: 1, got {nodes}",
-            )
+            raise InvalidRequestError(field, f"{field}: {why}")
 
     # ---- every rank ------------------------------------------------------------------------
 
@@ -226,7 +236,7 @@ class Policy(ABC):
         """Requests the scheduler must leave alone this step (none by default)."""
         return frozenset()
 
-    def plan_sections(self, batch: ScheduledBatch) -> dict[str, torch.Tensor]:
+    def plan_sections(self, batch: ScheduledBatch) -> Mapping[str, SectionValues]:
         """Sections for the next plan (none by default)."""
         del batch
         return {}
@@ -252,19 +262,18 @@ class Policy(ABC):
     def update_live(self, values: dict[str, LiveValue]) -> None:
         """Apply live parameters; refuses unknown names or bad values, changing nothing."""
         current = self.live_parameters()
-        candidate = policy_pb2.Policy()
-        candidate.CopyFrom(self._proto)
-        msg = getattr(candidate, self.kind)
+        msg = type(self._message)()
+        msg.CopyFrom(self._message)
         for name, value in values.items():
             if name not in current:
                 raise InvalidRequestError(
                     f"{self.kind}.{name}", f"{self.kind}.{name} cannot be changed while running"
                 )
             self._set(msg, name, value)
-        errors = policy_fields.layout_errors(candidate, self.world_size)
+        errors = checks.layout_errors(policy_fields.policy_of(self.kind, msg), self.world_size)
         if errors:
             raise InvalidRequestError(f"policy.{self.kind}", "; ".join(errors))
-        self._proto = candidate
+        self._message = msg
 
     def _set(self, msg: Message, name: str, value: LiveValue) -> None:
         path = f"{self.kind}.{name}"

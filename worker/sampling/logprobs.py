@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from gearshift.worker.device_copy import tensor_on
+
 
 @dataclass(frozen=True)
 class TokenLogprobs:
@@ -31,7 +33,7 @@ def compute_logprobs(
     result: list[TokenLogprobs | None] = [None] * len(num_logprobs)
     if not rows:
         return result
-    index = torch.tensor(rows, dtype=torch.long, device=raw_logits.device)
+    index = tensor_on(rows, torch.long, raw_logits.device)
     logprobs = raw_logits.index_select(0, index).to(torch.float32).log_softmax(dim=-1)
     chosen_ids = token_ids.index_select(0, index).unsqueeze(1)
     chosen = logprobs.gather(1, chosen_ids)

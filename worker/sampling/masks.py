@@ -3,6 +3,10 @@
 Every function takes one parameter value per row, so one call serves a batch of requests with
 different settings; a row whose value means "off" is left bit-for-bit unchanged, which keeps a
 request's result independent of what else shares its batch.
+
+The sampler passes what it knows on the host (the largest k, whether any row uses top-p) so that
+nothing here reads a device value: a read would make the host wait for the whole step. Called
+without those hints, the functions read them from the tensors.
 """
 
 from __future__ import annotations
@@ -24,15 +28,21 @@ def _top_k_off(top_k: Tensor, vocab_size: int) -> Tensor:
     return (top_k <= 0) | (top_k >= vocab_size)
 
 
-def apply_top_k(logits: Tensor, top_k: Tensor) -> Tensor:
-    """Keep the `top_k` largest logits of each row (ties with the k-th are kept); k <= 0 is off."""
+def apply_top_k(logits: Tensor, top_k: Tensor, max_k: int | None = None) -> Tensor:
+    """Keep the `top_k` largest logits of each row (ties with the k-th are kept); k <= 0 is off.
+
+    ``max_k``: the largest k of the rows where top-k is on (from the host; None reads it).
+    """
     vocab_size = logits.shape[-1]
     off = _top_k_off(top_k, vocab_size)
-    if bool(off.all()):
-        return logits
+    if max_k is None:
+        if bool(off.all()):
+            return logits
+        max_k = int(top_k.masked_fill(off, 1).clamp(1, vocab_size).max())
     k = top_k.masked_fill(off, vocab_size).to(torch.long).clamp(1, vocab_size)
-    # topk(max k) is far cheaper than a full sort of the vocabulary when k is small.
-    values = logits.topk(int(k.max()), dim=-1).values
+    # topk(max k) is far cheaper than a full sort of the vocabulary when k is small; rows with
+    # top-k off are left alone by the mask below, whatever their gathered k-th value.
+    values = logits.topk(max(1, min(max_k, vocab_size)), dim=-1).values
     kth = values.gather(1, (k - 1).clamp(max=values.shape[-1] - 1).unsqueeze(1))
     mask = (logits < kth) & ~off.unsqueeze(1)
     return logits.masked_fill_(mask, _NEG_INF)
@@ -55,10 +65,21 @@ def apply_top_p(logits: Tensor, top_p: Tensor) -> Tensor:
     return apply_top_k_top_p(logits, None, top_p)
 
 
-def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
-    """Top-k then top-p (on the renormalised top-k distribution) with one sort of each row."""
-    if top_p is None or not bool((top_p < 1.0).any()):
-        return logits if top_k is None else apply_top_k(logits, top_k)
+def apply_top_k_top_p(
+    logits: Tensor,
+    top_k: Tensor | None,
+    top_p: Tensor | None,
+    max_k: int | None = None,
+    top_p_on: bool | None = None,
+) -> Tensor:
+    """Top-k then top-p (on the renormalised top-k distribution) with one sort of each row.
+
+    ``max_k`` as in ``apply_top_k``; ``top_p_on``: whether some row has p < 1 (None reads it).
+    """
+    if top_p is not None and top_p_on is None:
+        top_p_on = bool((top_p < 1.0).any())
+    if top_p is None or not top_p_on:
+        return logits if top_k is None else apply_top_k(logits, top_k, max_k)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     if top_k is not None:
         vocab_size = logits.shape[-1]

@@ -8,21 +8,25 @@ from itertools import chain
 import torch
 from torch import Tensor
 
+from gearshift.worker.device_copy import tensor_on, to_device
+
 
 def token_counts(
     token_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device
 ) -> Tensor:
     """[rows, vocab] float32 occurrence counts; ids outside the vocabulary are ignored."""
-    counts = torch.zeros(len(token_lists), vocab_size, dtype=torch.float32)
+    counts = torch.zeros(len(token_lists), vocab_size, dtype=torch.float32, device=device)
     lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.long)
-    if int(lengths.sum()) > 0:
+    if int(lengths.sum()) > 0:  # host tensors: no device read
         ids = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.long)
         rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
         # Tokenizers may hold added tokens past the model's (padded) vocabulary.
         keep = (ids >= 0) & (ids < vocab_size)
-        counts.index_put_((rows[keep], ids[keep]), torch.ones(int(keep.sum())), accumulate=True)
-    # Built on the host and moved once: one transfer instead of one per row.
-    return counts.to(device)
+        ids, rows = ids[keep], rows[keep]
+        # The (row, id) pairs cross once, without a wait; the [rows, vocab] counts never do.
+        ones = torch.ones(ids.shape[0], dtype=torch.float32, device=device)
+        counts.index_put_((to_device(rows, device), to_device(ids, device)), ones, accumulate=True)
+    return counts
 
 
 def apply_penalties(
@@ -43,7 +47,7 @@ def apply_penalties(
     device = logits.device
 
     def column(values: Sequence[float]) -> Tensor:
-        return torch.tensor(values, dtype=torch.float32).to(device).unsqueeze(1)
+        return tensor_on(values, torch.float32, device).unsqueeze(1)
 
     counts = token_counts(output_token_ids, vocab_size, device)
     if any(p != 1.0 for p in repetition_penalty):

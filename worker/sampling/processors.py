@@ -2,7 +2,8 @@
 
 They run on the leader before temperature and the top-k/top-p masks, so a banned token can
 never be sampled and a biased one is biased before truncation (vLLM's order). Each touches only
-its own rows, so a request's result never depends on what else shares the batch.
+its own rows, so a request's result never depends on what else shares the batch. Host values go
+to the device without a wait (``device_copy``), and no device value is read back.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from gearshift.worker.device_copy import tensor_on, to_device
 from gearshift.worker.sampling.params import SamplingParams
 from gearshift.worker.structured.matcher import GrammarMatcher
 
@@ -37,33 +39,36 @@ def apply_processors(work: Tensor, rows: Sequence[ProcessorRow | None]) -> None:
             continue
         p = row.params
         logits = work[i]
+        device = work.device
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=work.device)
-            bias = torch.tensor(list(p.logit_bias.values()), dtype=work.dtype, device=work.device)
+            ids = tensor_on(list(p.logit_bias), torch.long, device)
+            bias = tensor_on(list(p.logit_bias.values()), work.dtype, device)
             logits.index_add_(0, ids, bias)
         if p.allowed_token_ids:
-            keep = torch.zeros(vocab_size, dtype=torch.bool, device=work.device)
-            keep[torch.tensor(p.allowed_token_ids, dtype=torch.long, device=work.device)] = True
+            keep = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            keep[tensor_on(p.allowed_token_ids, torch.long, device)] = True
             logits.masked_fill_(~keep, _NEG_INF)
         banned = bad_word_bans(p.bad_words, row.output_token_ids)
         if banned:
-            logits[torch.tensor(banned, dtype=torch.long, device=work.device)] = _NEG_INF
+            logits[tensor_on(banned, torch.long, device)] = _NEG_INF
         if row.grammar is not None:
             _apply_grammar(logits, row.grammar, row.eos_token_ids)
 
 
 def _apply_grammar(logits: Tensor, grammar: GrammarMatcher, eos: frozenset[int]) -> None:
-    allowed = torch.from_numpy(grammar.allowed()).to(logits.device)
+    allowed = to_device(torch.from_numpy(grammar.allowed()), logits.device)
     masked = logits.masked_fill(~allowed, _NEG_INF)
-    if bool(torch.isinf(masked).all()):
-        # Nothing the grammar allows survived the other masks (min_tokens banning EOS after a
-        # complete match, say) or the matcher failed: the grammar wins, then EOS ends the row.
-        masked = torch.full_like(logits, _NEG_INF)
-        keep = allowed.nonzero().flatten() if bool(allowed.any()) else None
-        if keep is None:
-            keep = torch.tensor(sorted(t for t in eos if t < logits.shape[0]), dtype=torch.long)
-        masked[keep.to(logits.device)] = 0.0
-    logits.copy_(masked)
+    # Nothing the grammar allows survived the other masks (min_tokens banning EOS after a
+    # complete match, say) or the matcher failed: the grammar wins (every allowed token at 0),
+    # and with nothing allowed EOS ends the row. Chosen on the device, without reading it.
+    eos_ids = sorted(t for t in eos if t < logits.shape[0])
+    ends = torch.zeros_like(allowed)
+    if eos_ids:
+        ends[tensor_on(eos_ids, torch.long, logits.device)] = True
+    fallback = torch.where(allowed.any(), allowed, ends)
+    zero = logits.new_zeros(())
+    rescue = torch.where(fallback, zero, logits.new_full((), _NEG_INF))
+    logits.copy_(torch.where(torch.isinf(masked).all(), rescue, masked))
 
 
 def bad_word_bans(bad_words: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:

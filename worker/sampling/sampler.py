@@ -1,7 +1,14 @@
-"""`Sampler`: one batched call per engine step turns the batch's logits into next tokens."""
+"""`Sampler`: one batched call per engine step turns the batch's logits into next tokens.
+
+Everything up to the chosen ids stays on the logits' device (``choose``); the host waits once, to
+read those ids (and the logprobs a request asked for). Parameters travel to the device without a
+wait (``device_copy``) and the masks get their host-side facts from the parameters, never from a
+device tensor.
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -10,11 +17,13 @@ import torch
 from torch import Tensor
 
 from gearshift.worker import kernels
+from gearshift.worker.device_copy import tensor_on, to_device
 from gearshift.worker.sampling.logprobs import TokenLogprobs, compute_logprobs
 from gearshift.worker.sampling.masks import apply_min_p, apply_top_k_top_p
 from gearshift.worker.sampling.params import SamplingParams
 from gearshift.worker.sampling.penalties import apply_penalties
 from gearshift.worker.sampling.processors import ProcessorRow, apply_processors
+from gearshift.worker.step_phases import StepPhases
 from gearshift.worker.structured.matcher import GrammarMatcher
 
 
@@ -23,7 +32,9 @@ class SamplingState:
     """What the sampler needs about one sequence this step (built by the engine)."""
 
     params: SamplingParams
-    # Seeded requests only: made on the logits' device with manual_seed(seed), kept across steps.
+    # Seeded requests only: manual_seed(seed), kept across steps. The engine's are CPU generators:
+    # their draws reach the logits' device without a wait, and a seed draws the same noise on
+    # every device.
     generator: torch.Generator | None = None
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
@@ -49,12 +60,33 @@ class Sampler:
     its tokens depend only on its seed and logits, never on the rest of the batch.
     """
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self, generator: torch.Generator | None = None, phases: StepPhases | None = None
+    ) -> None:
         # Noise source for unseeded rows; None uses torch's default generator.
         self.generator = generator
+        self.phases = phases  # "sample": launching the work; "wait": reading the ids back
 
     def sample(self, logits: Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
         """Next token per row of `logits` [batch, vocab] (any float dtype; computed in fp32)."""
+        phases = self.phases
+        start = time.perf_counter()
+        token_ids = self.choose(logits, states)
+        launched = time.perf_counter()
+        # The host's one wait of the step: the ids (and the logprobs asked for) come back.
+        logprobs = compute_logprobs(logits, token_ids, [s.params.logprobs for s in states])
+        chosen = token_ids.tolist()
+        if phases is not None:
+            phases.add("sample", launched - start)
+            phases.add("wait", time.perf_counter() - launched)
+        for state, token in zip(states, chosen, strict=True):
+            if state.grammar is not None:
+                state.grammar.accept(token)
+        return SamplerOutput(token_ids=chosen, logprobs=logprobs)
+
+    def choose(self, logits: Tensor, states: Sequence[SamplingState]) -> Tensor:
+        """The next token of every row [batch] int64, on the logits' device; nothing is read
+        back from the device (tests run it on ``meta`` tensors, which cannot be read)."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} states")
         params = [s.params for s in states]
@@ -75,23 +107,18 @@ class Sampler:
         else:
             work = logits.to(torch.float32, copy=True)
             if banned[0]:
-                rows, cols = (torch.tensor(b, dtype=torch.long, device=work.device) for b in banned)
-                work.index_put_((rows, cols), torch.tensor(float("-inf"), device=work.device))
+                rows, cols = (tensor_on(b, torch.long, work.device) for b in banned)
+                work.index_put_((rows, cols), work.new_full((), float("-inf")))
             if penalised:
                 self._penalise(work, states, penalised)
             if any(processed):
                 apply_processors(work, processed)
             token_ids = self._choose(work, states)
-        logprobs = compute_logprobs(logits, token_ids, [p.logprobs for p in params])
-        chosen = token_ids.tolist()
-        for state, token in zip(states, chosen, strict=True):
-            if state.grammar is not None:
-                state.grammar.accept(token)
-        return SamplerOutput(token_ids=chosen, logprobs=logprobs)
+        return token_ids
 
     def _penalise(self, work: Tensor, states: Sequence[SamplingState], rows: list[int]) -> None:
         every_row = len(rows) == work.shape[0]
-        index = torch.tensor(rows, dtype=torch.long, device=work.device)
+        index = tensor_on(rows, torch.long, work.device)
         # Only rows with penalties get [rows, vocab] count tensors.
         sub = work if every_row else work.index_select(0, index)
         picked = [states[i] for i in rows]
@@ -115,24 +142,29 @@ class Sampler:
         if token_ids is not None and not rows:
             return token_ids
         device = work.device
-        index = torch.tensor(rows, dtype=torch.long, device=device)
+        index = tensor_on(rows, torch.long, device)
         sub = work if every_row else work.index_select(0, index)
         picked = [states[i].params for i in rows]
 
         def column(values: list[float]) -> Tensor:
-            return torch.tensor(values, dtype=torch.float32).to(device)
+            return tensor_on(values, torch.float32, device)
 
         sub.div_(column([p.temperature for p in picked]).unsqueeze(1))
         if any(p.min_p > 0.0 for p in picked):
             apply_min_p(sub, column([p.min_p for p in picked]))
-        use_top_k = any(p.top_k > 0 for p in picked)
+        vocab_size = work.shape[1]
+        # Rows whose k is at least the vocabulary keep every token: top-k is off for them.
+        ks = [p.top_k for p in picked if 0 < p.top_k < vocab_size]
+        use_top_k = bool(ks)
         use_top_p = any(p.top_p < 1.0 for p in picked)
         if use_top_k or use_top_p:
-            top_k = torch.tensor([p.top_k for p in picked], dtype=torch.long).to(device)
+            top_k = tensor_on([p.top_k for p in picked], torch.long, device)
             apply_top_k_top_p(
                 sub,
                 top_k if use_top_k else None,
                 column([p.top_p for p in picked]) if use_top_p else None,
+                max_k=max(ks, default=vocab_size),
+                top_p_on=use_top_p,
             )
         probs = sub.softmax(dim=-1)
         noise = self._exponential_noise(probs, [states[i].generator for i in rows])
@@ -159,12 +191,13 @@ class Sampler:
                     # Drawn where the generator lives (a CPU generator still works for CUDA
                     # logits, at one small copy), always as one [vocab] vector per step.
                     row = torch.empty(vocab_size, dtype=probs.dtype, device=gen.device)
-                    noise[j] = _exponential_(row, gen)
+                    _exponential_(row, gen)
+                    noise[j] = row if row.device == probs.device else to_device(row, probs.device)
             if unseeded:
                 shared = torch.empty(
                     len(unseeded), vocab_size, dtype=probs.dtype, device=probs.device
                 )
-                index = torch.tensor(unseeded, dtype=torch.long, device=probs.device)
+                index = tensor_on(unseeded, torch.long, probs.device)
                 noise.index_copy_(0, index, _exponential_(shared, self.generator))
         # A draw of exactly 0 would turn probs / noise into inf or nan (0/0 on a masked token).
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from gearshift.v1 import common_pb2, policy_fields, policy_pb2, worker_pb2
 from gearshift.worker.engine.contract import LiveValue
@@ -127,9 +127,9 @@ def live_update(active: policy_pb2.Policy, requested: policy_pb2.Policy) -> dict
         raise InvalidRequestError(
             "policy", f"policy kind {kind or '(none)'!r} differs from the active {active_kind!r}"
         )
-    merged = policy_pb2.Policy()
-    merged.CopyFrom(active)
-    getattr(merged, kind).MergeFrom(getattr(requested, kind))
+    msg = policy_fields.copy_of(active)
+    msg.MergeFrom(policy_fields.message_of(requested))
+    merged = policy_fields.policy_of(kind, msg)
     not_live = policy_fields.non_live_changes(active, merged)
     if not_live:
         names = ", ".join(not_live)
@@ -139,8 +139,8 @@ def live_update(active: policy_pb2.Policy, requested: policy_pb2.Policy) -> dict
     values: dict[str, LiveValue] = {}
     for path in policy_fields.changed_fields(active, merged):
         _, name = path.split(".", 1)
-        field = _field(kind, name)
-        value = getattr(getattr(merged, kind), name) if "." not in name else None
+        field = _field(msg.DESCRIPTOR, name)
+        value = getattr(msg, name) if "." not in name else None
         if value is None or field.is_repeated or field.type == FieldDescriptor.TYPE_MESSAGE:
             raise InvalidRequestError(path, f"{path} cannot be changed by this worker")
         lo, hi = policy_fields.bounds(field)
@@ -154,8 +154,7 @@ def live_update(active: policy_pb2.Policy, requested: policy_pb2.Policy) -> dict
     return values
 
 
-def _field(kind: str, name: str) -> FieldDescriptor:
-    desc = policy_pb2.Policy.DESCRIPTOR.fields_by_name[kind].message_type
+def _field(desc: Descriptor, name: str) -> FieldDescriptor:
     for part in name.split(".")[:-1]:
         desc = desc.fields_by_name[part].message_type
     return desc.fields_by_name[name.split(".")[-1]]

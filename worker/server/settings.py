@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gearshift.v1 import policy_fields, policy_pb2
+from gearshift.v1 import policy_pb2
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.model.registry import default_served_name
-from gearshift.worker.policies.support import check_runnable
+from gearshift.worker.policies import checks
+from gearshift.worker.policies.support import check_supported
 from gearshift.worker.server import auth
 from gearshift.worker.server.engine_json import EngineJson
 
@@ -45,6 +46,7 @@ class EngineKnobs:
     num_threads: int | None = None
     prefill_threads: int | None = None
     attention_backend: str = "auto"
+    enforce_eager: bool = False
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,11 @@ def add_engine_args(
         help="auto (the C++ kernels on CPU, Triton on CUDA), torch (the reference), cpu, or "
         "triton (CUDA; on a CPU only under TRITON_INTERPRET=1)",
     )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="never replay decode steps from CUDA graphs (vLLM's flag; graphs run only on CUDA)",
+    )
 
 
 def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
@@ -133,6 +140,7 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         num_threads=args.num_threads,
         prefill_threads=args.prefill_threads,
         attention_backend=args.attention_backend or "auto",
+        enforce_eager=args.enforce_eager,
     )
     knobs.update(overrides)
     return EngineConfig(**knobs)
@@ -179,15 +187,14 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 
 def _policy(raw: Any, ranks: int) -> policy_pb2.Policy:
     from gearshift.worker.policies.flags import read_policy_text
-    from gearshift.worker.policies.registry import parse_policy
+    from gearshift.worker.policies.policy_json import parse_policy
 
     policy = parse_policy(read_policy_text(raw) if isinstance(raw, str) else raw)
-    errors = policy_fields.layout_errors(policy, ranks)
+    errors = checks.layout_errors(policy, ranks)
     if errors:
         raise InvalidRequestError("policy", "; ".join(errors))
     # Refused here, before any rank starts, with the operator's InvalidSpec message.
-    check_runnable(policy)
-    return policy_fields.with_defaults(policy, ranks)
+    return check_supported(policy, ranks)
 
 
 def load_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> WorkerSettings:
@@ -231,6 +238,7 @@ def load_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None
         num_threads=args.num_threads,
         prefill_threads=args.prefill_threads,
         attention_backend=attention_backend,
+        enforce_eager=args.enforce_eager,
     )
     return WorkerSettings(
         model=model,

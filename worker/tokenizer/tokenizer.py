@@ -122,7 +122,10 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `add_special_tokens` adds what the model's post-processor adds."""
-        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch releases the GIL while it works (encode holds it): the router tokenises
+        # in threads beside its event loop (operator/router/lanes.py). Same ids.
+        batch = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(batch[0].ids)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; incomplete UTF-8 sequences come out as U+FFFD."""

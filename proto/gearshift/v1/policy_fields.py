@@ -1,23 +1,37 @@
-"""Reads the policy schema's field options: live fields, defaults, layout checks.
+"""Reads the policy schema: which kind is set, its message, and its fields' options (live
+fields, constant defaults, bounds).
 
-The options are declared in options.proto and set in policy.proto. The operator, the router and
-the worker all decide "live or restart", "which default" and "does the layout fit the group" here,
-so the three never disagree.
+The options are declared in options.proto and set in policy.proto (or a policy package's own
+.proto). The operator, the router and the worker all decide "live or restart" and "which
+constant default" here, so the three never disagree. What depends on the kind (derived
+defaults, layout checks) is the kind's spec: worker/policies/checks.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from google.protobuf import text_format
+from google.protobuf import descriptor_pool, message_factory, text_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from gearshift.v1 import options_pb2, policy_pb2
 
+# A policy kind defined by a package outside gearshift.v1 travels packed in this oneof member;
+# its type URL names the kind and the message ("gearshift.dev/policy/<kind>/<message name>").
+PLUGIN_FIELD = "plugin"
+PLUGIN_URL_PREFIX = "gearshift.dev/policy/"
+
+# gearshift.v1's own kinds, in the oneof's order (a package's kinds: worker/policies/kinds.py).
 POLICY_KINDS: tuple[str, ...] = tuple(
-    f.name for f in policy_pb2.Policy.DESCRIPTOR.oneofs_by_name["kind"].fields
+    f.name
+    for f in policy_pb2.Policy.DESCRIPTOR.oneofs_by_name["kind"].fields
+    if f.name != PLUGIN_FIELD
 )
+
+
+class UnknownPolicyKind(ValueError):
+    """A packed policy whose message this process has not loaded (its package is missing)."""
 
 
 def is_live(field: FieldDescriptor) -> bool:
@@ -39,8 +53,51 @@ def bounds(field: FieldDescriptor) -> tuple[float | None, float | None]:
 
 
 def kind_of(policy: policy_pb2.Policy) -> str:
-    """The name of the set policy ("static", "shift", ...), or "" when none is set."""
-    return policy.WhichOneof("kind") or ""
+    """The name of the set policy ("static", "shift", a package's kind), or "" when none."""
+    which = policy.WhichOneof("kind") or ""
+    if which != PLUGIN_FIELD:
+        return which
+    kind, _, _ = policy.plugin.type_url.removeprefix(PLUGIN_URL_PREFIX).partition("/")
+    return kind
+
+
+def message_of(policy: policy_pb2.Policy) -> Message:
+    """The set policy's own message. A built-in kind's is the policy's sub-message itself; a
+    package's is an unpacked copy (change a copy, then build the policy with ``policy_of``)."""
+    which = policy.WhichOneof("kind")
+    if which is None:
+        raise UnknownPolicyKind("no policy kind is set")
+    if which != PLUGIN_FIELD:
+        return getattr(policy, which)  # type: ignore[no-any-return]
+    name = policy.plugin.type_url.rpartition("/")[2]
+    try:
+        cls = message_factory.GetMessageClass(descriptor_pool.Default().FindMessageTypeByName(name))
+    except KeyError as exc:
+        raise UnknownPolicyKind(
+            f"policy kind {kind_of(policy)!r} ({name}) is not installed in this process: install "
+            "its package or name it in GEARSHIFT_POLICY_PACKAGES (docs/parallelism.md)"
+        ) from exc
+    msg = cls()
+    policy.plugin.Unpack(msg)
+    return msg
+
+
+def policy_of(kind: str, message: Message) -> policy_pb2.Policy:
+    """A Policy holding ``message`` as ``kind``: in its oneof member, or packed for a package's."""
+    out = policy_pb2.Policy()
+    if kind in POLICY_KINDS:
+        getattr(out, kind).CopyFrom(message)
+    else:
+        out.plugin.Pack(message, PLUGIN_URL_PREFIX + kind, deterministic=True)
+    return out
+
+
+def copy_of(policy: policy_pb2.Policy) -> Message:
+    """A copy of the set policy's message, safe to change."""
+    src = message_of(policy)
+    out = type(src)()
+    out.CopyFrom(src)
+    return out
 
 
 def _is_set(msg: Message, field: FieldDescriptor) -> bool:
@@ -78,19 +135,17 @@ def changed_fields(old: policy_pb2.Policy, new: policy_pb2.Policy) -> list[str]:
     """Paths of the fields whose effective value differs, e.g. ["shift.threshold"].
 
     A different policy kind is reported as ["kind"]. Compare policies with defaults filled in
-    (`with_defaults`) so that "unset" and "set to the default" are the same.
+    (``with_defaults``) so that "unset" and "set to the default" are the same.
     """
     if kind_of(old) != kind_of(new):
         return ["kind"]
     kind = kind_of(new)
     if not kind:
         return []
+    a_msg, b_msg = message_of(old), message_of(new)
     changed = []
-    for path, _ in walk_fields(policy_pb2.Policy.DESCRIPTOR.fields_by_name[kind].message_type):
-        a, b = _get(getattr(old, kind), path), _get(getattr(new, kind), path)
-        va = _value(a)
-        vb = _value(b)
-        if va != vb:
+    for path, _ in walk_fields(b_msg.DESCRIPTOR):
+        if _value(_get(a_msg, path)) != _value(_get(b_msg, path)):
             changed.append(f"{kind}.{path}")
     return changed
 
@@ -118,9 +173,8 @@ def non_live_changes(old: policy_pb2.Policy, new: policy_pb2.Policy) -> list[str
         if path == "kind":
             out.append(path)
             continue
-        kind, rest = path.split(".", 1)
-        msg_desc = policy_pb2.Policy.DESCRIPTOR.fields_by_name[kind].message_type
-        found = _get_descriptor(msg_desc, rest)
+        _, rest = path.split(".", 1)
+        found = _get_descriptor(message_of(new).DESCRIPTOR, rest)
         if found is None or not is_live(found):
             out.append(path)
     return out
@@ -135,12 +189,11 @@ def _get_descriptor(desc: Descriptor, path: str) -> FieldDescriptor | None:
 
 def live_only(policy: policy_pb2.Policy) -> policy_pb2.Policy:
     """A copy holding only the live fields that are set (the payload of an ApplyPolicy call)."""
-    out = policy_pb2.Policy()
     kind = kind_of(policy)
     if not kind:
-        return out
-    src, dst = getattr(policy, kind), getattr(out, kind)
-    dst.SetInParent()
+        return policy_pb2.Policy()
+    src = message_of(policy)
+    dst = type(src)()
     for path, field in walk_fields(src.DESCRIPTOR):
         found = _get(src, path)
         if found is None or not is_live(field) or not _is_set(*found):
@@ -154,114 +207,50 @@ def live_only(policy: policy_pb2.Policy) -> policy_pb2.Policy:
             getattr(target, leaf).extend(value)
         else:
             setattr(target, leaf, value)
-    return out
+    return policy_of(kind, dst)
 
 
-def with_defaults(policy: policy_pb2.Policy, group_gpus: int | None = None) -> policy_pb2.Policy:
-    """A copy with every unset field given its default.
-
-    Constant defaults come from the `default_value` option; derived ones (e.g. shift.sp = G / tp)
-    need `group_gpus` and are left unset without it.
-    """
-    out = policy_pb2.Policy()
-    out.CopyFrom(policy)
-    kind = kind_of(out)
+def without_live(policy: policy_pb2.Policy) -> policy_pb2.Policy:
+    """A copy with every live field cleared: what a group must be restarted to change."""
+    kind = kind_of(policy)
     if not kind:
-        return out
-    msg = getattr(out, kind)
-    _fill_constants(msg)
-    if group_gpus is not None:
-        _fill_derived(kind, msg, group_gpus)
-    return out
+        return policy_pb2.Policy()
+    msg = copy_of(policy)
+    for path, field in walk_fields(msg.DESCRIPTOR):
+        if is_live(field):
+            *parents, leaf = path.split(".")
+            target = msg
+            for name in parents:
+                target = getattr(target, name)
+            target.ClearField(leaf)
+    return policy_of(kind, msg)
 
 
-def _fill_constants(msg: Message) -> None:
+def fill_constants(msg: Message) -> None:
+    """Give every unset field of ``msg`` (and its sub-messages) its ``default_value`` option."""
     for field in msg.DESCRIPTOR.fields:
         if field.type == FieldDescriptor.TYPE_MESSAGE:
             if not field.is_repeated:
-                _fill_constants(getattr(msg, field.name))
+                fill_constants(getattr(msg, field.name))
             continue
         text = default_text(field)
         if text and not _is_set(msg, field):
             text_format.Merge(f"{field.name}: {text}", msg)
 
 
-def _fill_derived(kind: str, msg: Message, g: int) -> None:
-    def setdefault(target: Message, name: str, value: int) -> None:
-        if not target.HasField(name):
-            setattr(target, name, max(value, 0))
-
-    if kind == "shift":
-        setdefault(msg, "sp", g // max(msg.tp, 1))
-    elif kind == "seesaw":
-        setdefault(msg.prefill, "tp", 1)
-        setdefault(msg.prefill, "pp", g // msg.prefill.tp)
-        setdefault(msg.decode, "pp", 1)
-        setdefault(msg.decode, "tp", g // msg.decode.pp)
-    elif kind == "sidp":
-        setdefault(msg, "dp", g // max(msg.tp, 1))
-        setdefault(msg, "was_cache_slots", max(msg.dp - 1, 1))
-        setdefault(msg, "prefetch_depth", msg.was_cache_slots)
-    elif kind == "tetris":
-        left = g - msg.decode_instances * msg.decode_tp
-        setdefault(msg, "prefill_instances", left // max(msg.prefill_tp, 1))
-        setdefault(msg, "max_sp", msg.prefill_instances)
-        setdefault(msg, "transfer_backends", msg.prefill_instances)
-
-
-def layout_gpus(policy: policy_pb2.Policy) -> int:
-    """GPUs (ranks) the layout of a defaults-filled policy occupies."""
-    kind = kind_of(policy)
-    msg = getattr(policy, kind) if kind else None
-    if kind == "static":
-        return msg.tp * msg.pp * msg.sp * msg.dp
-    if kind == "shift":
-        return msg.sp * msg.tp
-    if kind == "seesaw":
-        return msg.prefill.tp * msg.prefill.pp
-    if kind == "sidp":
-        return msg.dp * msg.tp
-    if kind == "tetris":
-        return msg.prefill_instances * msg.prefill_tp + msg.decode_instances * msg.decode_tp
-    return 0
-
-
-def layout_errors(policy: policy_pb2.Policy, group_gpus: int) -> list[str]:
-    """Why a policy's layout does not fit a group of `group_gpus` ranks; empty when it does.
-
-    Mirrors the CRD's CEL rules, so a policy that reaches a worker by another path (the Admin API,
-    `gearshift serve`) is checked the same way.
-    """
-    kind = kind_of(policy)
-    if not kind:
-        return ["policy: exactly one of " + ", ".join(POLICY_KINDS) + " must be set"]
-    if kind == "auto":
-        return []  # planned into a concrete policy first, which is checked in turn
-    full = with_defaults(policy, group_gpus)
-    msg = getattr(full, kind)
+def bound_errors(msg: Message, prefix: str) -> list[str]:
+    """Set fields outside their (minimum, maximum) options, named ``prefix.path``."""
     errors = []
-    if layout_gpus(full) != group_gpus:
-        errors.append(
-            f"policy.{kind}: layout uses {layout_gpus(full)} GPUs, group has {group_gpus}"
-        )
-    if kind == "seesaw" and msg.decode.tp * msg.decode.pp != group_gpus:
-        errors.append(f"policy.seesaw.decode: tp × pp must equal the group's {group_gpus} GPUs")
-    if (
-        kind == "seesaw"
-        and msg.switch_to_prefill_at_host_usage >= msg.switch_to_decode_at_host_usage
-    ):
-        errors.append(
-            "policy.seesaw: switchToPrefillAtHostUsage must be below switchToDecodeAtHostUsage"
-        )
-    if kind == "sidp" and msg.was_enter_batch_size <= msg.cas_enter_batch_size:
-        errors.append("policy.sidp: wasEnterBatchSize must be above casEnterBatchSize")
-    if kind == "sidp" and msg.prefetch_depth > msg.was_cache_slots:
-        errors.append("policy.sidp: prefetchDepth must not exceed wasCacheSlots")
-    if kind == "tetris" and msg.prefill_instances < 1:
-        errors.append(
-            f"policy.tetris: no prefill instance fits: the group's {group_gpus} GPUs minus "
-            f"decodeInstances × decodeTp = {msg.decode_instances * msg.decode_tp} leave none"
-        )
-    if kind == "tetris" and msg.max_sp > msg.prefill_instances:
-        errors.append("policy.tetris: maxSp must not exceed prefillInstances")
+    for path, field in walk_fields(msg.DESCRIPTOR):
+        found = _get(msg, path)
+        if found is None or field.is_repeated or not _is_set(*found):
+            continue
+        if field.type in (FieldDescriptor.TYPE_ENUM, FieldDescriptor.TYPE_BOOL):
+            continue
+        lo, hi = bounds(field)
+        value = getattr(found[0], field.name)
+        if lo is not None and value < lo:
+            errors.append(f"{prefix}.{path}: must be at least {lo:g}, got {value:g}")
+        elif hi is not None and value > hi:
+            errors.append(f"{prefix}.{path}: must be at most {hi:g}, got {value:g}")
     return errors

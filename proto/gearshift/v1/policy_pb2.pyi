@@ -1,3 +1,4 @@
+from google.protobuf import any_pb2 as _any_pb2
 from gearshift.v1 import options_pb2 as _options_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -9,20 +10,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Policy(_message.Message):
-    __slots__ = ("static", "shift", "seesaw", "sidp", "tetris", "auto")
+    __slots__ = ("static", "shift", "seesaw", "sidp", "tetris", "auto", "plugin")
     STATIC_FIELD_NUMBER: _ClassVar[int]
     SHIFT_FIELD_NUMBER: _ClassVar[int]
     SEESAW_FIELD_NUMBER: _ClassVar[int]
     SIDP_FIELD_NUMBER: _ClassVar[int]
     TETRIS_FIELD_NUMBER: _ClassVar[int]
     AUTO_FIELD_NUMBER: _ClassVar[int]
+    PLUGIN_FIELD_NUMBER: _ClassVar[int]
     static: StaticPolicy
     shift: ShiftPolicy
     seesaw: SeesawPolicy
     sidp: SidpPolicy
     tetris: TetrisPolicy
     auto: AutoPolicy
-    def __init__(self, static: _Optional[_Union[StaticPolicy, _Mapping]] = ..., shift: _Optional[_Union[ShiftPolicy, _Mapping]] = ..., seesaw: _Optional[_Union[SeesawPolicy, _Mapping]] = ..., sidp: _Optional[_Union[SidpPolicy, _Mapping]] = ..., tetris: _Optional[_Union[TetrisPolicy, _Mapping]] = ..., auto: _Optional[_Union[AutoPolicy, _Mapping]] = ...) -> None: ...
+    plugin: _any_pb2.Any
+    def __init__(self, static: _Optional[_Union[StaticPolicy, _Mapping]] = ..., shift: _Optional[_Union[ShiftPolicy, _Mapping]] = ..., seesaw: _Optional[_Union[SeesawPolicy, _Mapping]] = ..., sidp: _Optional[_Union[SidpPolicy, _Mapping]] = ..., tetris: _Optional[_Union[TetrisPolicy, _Mapping]] = ..., auto: _Optional[_Union[AutoPolicy, _Mapping]] = ..., plugin: _Optional[_Union[_any_pb2.Any, _Mapping]] = ...) -> None: ...
 
 class StaticPolicy(_message.Message):
     __slots__ = ("tp", "pp", "sp", "dp")

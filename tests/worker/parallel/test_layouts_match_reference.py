@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gearshift.worker.policies.registry import parse_policy
-from gearshift.worker.policies.shift import ShiftPolicy
+from gearshift.worker.policies.shift.policy import ShiftPolicy
 from gearshift.worker.sampling.params import SamplingParams
 from tests.worker.helpers import run_recording
 

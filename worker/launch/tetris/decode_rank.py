@@ -26,7 +26,7 @@ from gearshift.worker.launch.tetris.messages import (
     ToDecode,
     TransferFailed,
 )
-from gearshift.worker.policies.tetris.decode import DecodeAdmission
+from gearshift.worker.policies.tetris.admission import DecodeAdmission
 from gearshift.worker.policies.tetris.policy import TetrisPolicy
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from gearshift.worker import kernels
+from gearshift.worker.model.layers import fused_triton
 from gearshift.worker.model.weights import LazyWeight
 
 
@@ -17,6 +18,7 @@ class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.eps = eps
+        self.fused = False  # the Triton kernel on CUDA (model/fused_ops.py decides)
         self.weight = nn.Parameter(
             torch.empty(size, dtype=dtype, device=device), requires_grad=False
         )
@@ -25,9 +27,16 @@ class RMSNorm(nn.Module):
         self.weight.data.copy_(w.load())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and self._fusable(x):
+            return fused_triton.rms_norm(x, self.weight, self.eps)
         if self.weight.dtype == x.dtype and kernels.usable(x):
             return kernels.rms_norm(x, self.weight, self.eps)
         return self.reference(x)
+
+    def _fusable(self, *xs: torch.Tensor) -> bool:
+        # Rows of 2-D tensors with unit column stride (q/k norms over heads are 3-D). ``fused``
+        # is set on CUDA only (fused_ops); tests set it on CPU under Triton's interpreter.
+        return all(t.dim() == 2 and t.stride(-1) == 1 and t.dtype == self.weight.dtype for t in xs)
 
     def add_forward(
         self, x: torch.Tensor, residual: torch.Tensor
@@ -36,6 +45,8 @@ class RMSNorm(nn.Module):
 
         ``x`` is consumed: its storage may hold the sum afterwards. ``residual`` is not modified.
         """
+        if self.fused and x.shape == residual.shape and self._fusable(x, residual):
+            return fused_triton.add_rms_norm(x, residual, self.weight, self.eps)
         if (
             self.weight.dtype == x.dtype == residual.dtype
             and x.shape == residual.shape

@@ -1,5 +1,3 @@
-"""The ``seesaw`` policy: Seesaw's PP prefill ↔ TP decode re-sharding over a host KV tier."""
+"""The ``seesaw`` policy: Seesaw's PP prefill ↔ TP decode re-sharding over a host KV tier.
 
-from gearshift.worker.policies.seesaw.policy import SeesawPolicy
-
-__all__ = ["SeesawPolicy"]
+Torch-free on import: ``spec.py`` says the kind, ``policy.py`` runs it (kinds.py, registry.py)."""

@@ -95,7 +95,8 @@ class HostKVStore:
         self.pages = flat.view(shape.dtype).view(
             num_pages, shape.num_layers, 2, shape.num_kv_heads, shape.block_size, shape.head_dim
         )
-        self.board = ReadinessBoard(whole[board_at:].view(torch.int64))
+        tail = whole[board_at:].view(torch.int64)  # board_bytes: swap-out slots, then swap-in
+        self.board = ReadinessBoard(tail[world_size:], tail[:world_size])
         self._whole = whole
         self.pinned = False
 
@@ -168,8 +169,8 @@ class HostKVStore:
         self._whole = torch.empty(0, dtype=torch.uint8)
         self.pages = torch.empty(0)
         # In place: the leader's queue holds the board, and a live view would keep the mapping.
-        self.board.slots = torch.zeros_like(self.board.slots)
-        self.board.out_slots = torch.zeros_like(self.board.out_slots)
+        self.board.slots = [0] * len(self.board.slots)
+        self.board.out_slots = [0] * len(self.board.out_slots)
         if self._mmap is not None:
             # A tensor view still alive keeps the mapping; it goes with the process then.
             with contextlib.suppress(BufferError):
@@ -178,38 +179,3 @@ class HostKVStore:
         if self.owner:
             with contextlib.suppress(FileNotFoundError):
                 (SHM_DIR / self.name).unlink()
-
-
-class PageAllocator:
-    """The leader's bookkeeping of host pages: a free list and the pages each sequence holds."""
-
-    def __init__(self, num_pages: int) -> None:
-        self.num_pages = num_pages
-        self.free = list(range(num_pages - 1, -1, -1))
-        self.held: dict[str, list[int]] = {}
-
-    @property
-    def used(self) -> int:
-        return self.num_pages - len(self.free)
-
-    @property
-    def usage(self) -> float:
-        return self.used / self.num_pages if self.num_pages else 1.0
-
-    def allocate(self, request_id: str, count: int) -> list[int] | None:
-        if count > len(self.free) or request_id in self.held:
-            return None
-        pages = [self.free.pop() for _ in range(count)]
-        self.held[request_id] = pages
-        return pages
-
-    def release(self, request_id: str) -> int:
-        return self.give_back(self.detach(request_id))
-
-    def detach(self, request_id: str) -> list[int]:
-        """The pages ``request_id`` holds, no longer under its name (still not free)."""
-        return self.held.pop(request_id, [])
-
-    def give_back(self, pages: list[int]) -> int:
-        self.free.extend(reversed(pages))
-        return len(pages)

@@ -34,12 +34,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from gearshift.worker.engine.contract import QueueView, StepKind, StepRequest
 from gearshift.worker.engine.sequence import Sequence, SequenceStatus
-from gearshift.worker.policies.seesaw.host_kv import PageAllocator
-from gearshift.worker.policies.seesaw.rank_hook import AWAIT, OUT_NUMBER, SWAP_IN, SWAP_OUT
+from gearshift.worker.policies.seesaw.pages import PageAllocator
 from gearshift.worker.policies.seesaw.readiness import ReadinessBoard, SwapInQueue
 
 if TYPE_CHECKING:
@@ -47,6 +44,13 @@ if TYPE_CHECKING:
     from gearshift.worker.kv.block_manager import BlockManager
 
 PREFILL_GEAR, DECODE_GEAR = 0, 1
+# The plan sections this leader writes and every rank's hook (rank_hook.py) acts on.
+SWAP_OUT = "seesaw.swap_out"  # pairs (host page, device block), gear of the previous plan
+SWAP_IN = "seesaw.swap_in"  # the ticket, then pairs (host page, device block), gear of this plan
+AWAIT = "seesaw.await"  # no values: the leader waits for swap-ins (the plan proves ranks live)
+# The number of the swap-outs up to this plan's (readiness.py): reported once written, waited
+# for before a swap-in reads pages.
+OUT_NUMBER = "seesaw.out_number"
 # How long the leader sleeps on the board, with nothing else to run, before it sends a plan
 # without tokens (which fails if a rank died); and how long an abort waits for the copies of a
 # sequence being swapped in before leaving its blocks to a later step.
@@ -168,19 +172,19 @@ class SeesawLeader:
         leaving = frozenset(s.request_id for s in self._to_free)
         return frozenset(self.on_host) | leaving | frozenset(self.queue.pending)
 
-    def plan_sections(self) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
+    def plan_sections(self) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
         if self._out:
-            out[SWAP_OUT] = torch.tensor(self._out, dtype=torch.int64)
+            out[SWAP_OUT] = list(self._out)
         if self._in:
-            out[SWAP_IN] = torch.tensor([self._ticket, *self._in], dtype=torch.int64)
+            out[SWAP_IN] = [self._ticket, *self._in]
         if self._out or self._in:
             # Swap-outs are numbered (this plan's is outs + 1): ranks report theirs written on
             # the board, and a swap-in waits there for every swap-out up to this number.
             number = self.outs + (1 if self._out else 0)
-            out[OUT_NUMBER] = torch.tensor([number], dtype=torch.int64)
+            out[OUT_NUMBER] = [number]
         if self._await:
-            out[AWAIT] = torch.zeros(0, dtype=torch.int64)
+            out[AWAIT] = []
         return out
 
     def step_submitted(self) -> None:

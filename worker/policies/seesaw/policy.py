@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from gearshift.v1 import policy_pb2
-from gearshift.worker.engine.contract import QueueView, StepRequest
+from gearshift.worker.engine.contract import QueueView, SectionValues, StepRequest
 from gearshift.worker.engine.device_memory import DeviceLedger
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.model.config import ModelConfig
@@ -26,13 +28,7 @@ from gearshift.worker.parallel.layout import Layout
 from gearshift.worker.parallel.pipeline import logits_channel
 from gearshift.worker.policies.base import Policy, RankContext, RankModel
 from gearshift.worker.policies.gears import build_gear, pipeline_stage
-from gearshift.worker.policies.seesaw.host_kv import (
-    SHM_DIR,
-    HostKVStore,
-    PageAllocator,
-    PageShape,
-    group_tag,
-)
+from gearshift.worker.policies.seesaw.host_kv import SHM_DIR, HostKVStore, PageShape, group_tag
 from gearshift.worker.policies.seesaw.leader import (
     DECODE_GEAR,
     PREFILL_GEAR,
@@ -40,6 +36,7 @@ from gearshift.worker.policies.seesaw.leader import (
     SeesawLeader,
     Thresholds,
 )
+from gearshift.worker.policies.seesaw.pages import PageAllocator
 from gearshift.worker.policies.seesaw.rank_hook import DeviceKV, GearKV, SeesawRankHook
 from gearshift.worker.policies.seesaw.weights import WeightSet
 
@@ -66,11 +63,15 @@ def memory_limit() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def _activate(weights: WeightSet, gear: int) -> None:
+    """A start-up switch of the working set (graph capture): no transition, not recorded."""
+    weights.activate(gear, record=False)
+
+
 class SeesawPolicy(Policy):
     """Prefill gear c_p = (tp, pp) and decode gear c_d = (tp, pp) over the same ranks."""
 
     kind = "seesaw"
-    single_node = True  # the host KV tier is one node's shared memory (§4.2)
 
     def __init__(self, policy: policy_pb2.Policy, world_size: int) -> None:
         super().__init__(policy, world_size)
@@ -80,13 +81,8 @@ class SeesawPolicy(Policy):
             Layout(tp=m.decode.tp, pp=m.decode.pp),
         )
         self.gear_names = GEARS
+        # One rank for both gears: seesaw.spec refuses pipelines whose last stages differ.
         lasts = {(lay.pp - 1) * lay.stage_size for lay in self.layouts if lay.pp > 1}
-        if len(lasts) > 1:
-            raise InvalidRequestError(
-                "policy.seesaw.decode",
-                "policy.seesaw.decode: when both gears are pipelined their last stages must start "
-                "at the same rank ((pp - 1) x tp equal for prefill and decode)",
-            )
         self.logits_rank = lasts.pop() if lasts else 0
         self.leader: SeesawLeader | None = None
         self.hook: SeesawRankHook | None = None
@@ -195,6 +191,11 @@ class SeesawPolicy(Policy):
             return kv.views[PREFILL_GEAR]
 
         held.kv_allocator = allocate
+        # Decode-only steps of the decode gear may replay CUDA graphs; each gear's weights land
+        # at the same addresses at every re-shard (WeightSet), and its KV views never move.
+        held.graph_gears = (DECODE_GEAR,)
+        held.activate_gear = partial(_activate, weights)
+        held.gear_kv = self._gear_kv
         if ctx.rank == 0:
             self.leader = SeesawLeader(
                 PageAllocator(store.num_pages),
@@ -206,6 +207,10 @@ class SeesawPolicy(Policy):
                 self.message.async_swap,
             )
         return held
+
+    def _gear_kv(self, gear: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        assert self.hook is not None, "the KV cache is allocated before graphs are captured"
+        return self.hook.kv.views[gear]
 
     def _open_store(self, ctx: RankContext, page: PageShape) -> HostKVStore:
         """Rank 0 creates the segment; the others open it by the name it broadcasts."""
@@ -249,7 +254,7 @@ class SeesawPolicy(Policy):
     def held(self) -> frozenset[str]:
         return self._lead().held()
 
-    def plan_sections(self, batch: ScheduledBatch) -> dict[str, torch.Tensor]:
+    def plan_sections(self, batch: ScheduledBatch) -> Mapping[str, SectionValues]:
         del batch
         return self._lead().plan_sections()
 

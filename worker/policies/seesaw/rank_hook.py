@@ -33,17 +33,12 @@ from gearshift.worker.engine.plan import StepPlan
 from gearshift.worker.kv.cache import LayerKV, zeroed
 from gearshift.worker.policies.seesaw.async_copy import CopyWorker, Staging
 from gearshift.worker.policies.seesaw.host_kv import HostKVStore
+from gearshift.worker.policies.seesaw.leader import OUT_NUMBER, SWAP_IN, SWAP_OUT
 from gearshift.worker.policies.seesaw.readiness import ReadinessBoard
 from gearshift.worker.policies.seesaw.weights import WeightSet
 
 log = logging.getLogger(__name__)
 
-SWAP_OUT = "seesaw.swap_out"  # pairs (host page, device block), gear of the previous plan
-SWAP_IN = "seesaw.swap_in"  # the ticket, then pairs (host page, device block), gear of this plan
-AWAIT = "seesaw.await"  # no values: the leader waits for swap-ins (the plan proves ranks live)
-# The number of the swap-outs up to this plan's (readiness.py): reported once written, waited
-# for before a swap-in reads pages.
-OUT_NUMBER = "seesaw.out_number"
 HOLD_LIMIT_S = 5.0  # the longest a report waits for ``hold_plans`` (tests only)
 WRITTEN_WAIT_S = 60.0  # a swap-in waits this long at most for other ranks' swap-outs
 
@@ -186,7 +181,7 @@ class SeesawRankHook:
         if not self.board.wait_written(number, WRITTEN_WAIT_S):
             raise RuntimeError(
                 f"seesaw rank {self.rank}: a rank never wrote swap-out {number} within "
-                f"{WRITTEN_WAIT_S:.0f} s (board {self.board.out_slots.tolist()})"
+                f"{WRITTEN_WAIT_S:.0f} s (board {self.board.written()})"
             )
 
     def _stage(self, staged: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:

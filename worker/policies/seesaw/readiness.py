@@ -21,8 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
+from typing import Any, Protocol
 
 SLOT_BYTES = 8
 
@@ -33,27 +32,44 @@ def board_bytes(world_size: int) -> int:
     return SLOT_BYTES * (2 * world_size + 1)
 
 
-class ReadinessBoard:
-    """The shared slots, as an int64 tensor view of the segment's tail."""
+class Slots(Protocol):
+    """int64 slots: an int64 tensor view of the host KV segment's tail on a node, a plain list in
+    the simulator (which runs this board without torch)."""
 
-    def __init__(self, tail: torch.Tensor) -> None:
-        world = (int(tail.numel()) - 1) // 2
-        self.out_slots = tail[:world]
-        self.slots = tail[world:]  # the swap-in board: sent, then one slot per rank
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
+
+    def __setitem__(self, index: int, value: int) -> None: ...
+
+
+class ReadinessBoard:
+    """The shared slots: ``slots`` the swap-in board (sent, then one slot per rank),
+    ``out_slots`` the last swap-out each rank wrote."""
+
+    def __init__(self, slots: Slots, out_slots: Slots) -> None:
+        if len(out_slots) != len(slots) - 1:
+            raise ValueError(f"{len(out_slots)} swap-out slots for {len(slots) - 1} ranks")
+        self.slots = slots
+        self.out_slots = out_slots
 
     @property
     def world_size(self) -> int:
-        return int(self.slots.numel()) - 1
+        return len(self.slots) - 1
 
     def wrote_out(self, rank: int, number: int) -> None:
         """Rank ``rank`` has written the pages of every swap-out up to plan-number ``number``."""
         self.out_slots[rank] = number
 
+    def written(self) -> tuple[int, ...]:
+        """The last swap-out each rank wrote, rank by rank."""
+        return tuple(int(self.out_slots[r]) for r in range(len(self.out_slots)))
+
     def wait_written(self, number: int, timeout: float, poll: float = 0.0005) -> bool:
         """Until every rank has written swap-out ``number`` (and the ones before); False when
         ``timeout`` seconds pass first (a writer is gone)."""
         deadline = time.monotonic() + timeout
-        while int(self.out_slots.min()) < number:
+        while min(self.written()) < number:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(poll)
@@ -69,11 +85,11 @@ class ReadinessBoard:
 
     def finished(self) -> int:
         """The last ticket every rank has finished."""
-        return int(self.slots[1:].min())
+        return min(int(self.slots[r]) for r in range(1, len(self.slots)))
 
     def snapshot(self) -> tuple[int, ...]:
         """(sent, rank 0's, rank 1's, ...) at one moment."""
-        return tuple(int(v) for v in self.slots.tolist())
+        return tuple(int(self.slots[r]) for r in range(len(self.slots)))
 
 
 @dataclass(frozen=True)

@@ -92,8 +92,10 @@ class WeightSet:
     def _aligned(n: int) -> int:
         return -(-n // _ALIGN) * _ALIGN
 
-    def activate(self, gear: int) -> Reshard:
-        """Load ``gear``'s shards into the working set (the other gear is released)."""
+    def activate(self, gear: int, record: bool = True) -> Reshard:
+        """Load ``gear``'s shards into the working set (the other gear is released). Each gear's
+        shards land at the same offsets every time, so graphs captured on them stay valid;
+        ``record``: False for start-up switches (graph capture), which are no transitions."""
         start = time.perf_counter()
         if self.active is not None:
             for p, _ in self.host[self.active]:
@@ -110,15 +112,13 @@ class WeightSet:
         # Packed copies and the fused-decode arguments point at the weights: rebuild them.
         self.models[gear].pack_weights(self.packing)
         self.active = gear
-        record = Reshard(gear, self.gear_bytes[gear], time.perf_counter() - start)
-        self.history.append(record)
+        done = Reshard(gear, self.gear_bytes[gear], time.perf_counter() - start)
+        if record:
+            self.history.append(done)
         log.info(
-            "seesaw re-shard to gear %d: %.1f MiB in %.3f s",
-            gear,
-            record.bytes / 2**20,
-            record.seconds,
+            "seesaw re-shard to gear %d: %.1f MiB in %.3f s", gear, done.bytes / 2**20, done.seconds
         )
-        return record
+        return done
 
 
 def checksums(model: nn.Module) -> dict[str, str]:

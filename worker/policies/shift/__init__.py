@@ -1,5 +1,3 @@
-"""The ``shift`` policy: Shift Parallelism (SP ↔ TP per step over one KV cache)."""
+"""The ``shift`` policy: Shift Parallelism (SP ↔ TP per step over one KV cache).
 
-from gearshift.worker.policies.shift.policy import BASE, DEFAULT_THRESHOLD, SHIFT, ShiftPolicy
-
-__all__ = ["BASE", "DEFAULT_THRESHOLD", "SHIFT", "ShiftPolicy"]
+Torch-free on import: ``spec.py`` says the kind, ``policy.py`` runs it (kinds.py, registry.py)."""

@@ -1,5 +1,3 @@
-"""SiDP: data-parallel replicas that share FFN weights (WaS, CaS, group-wide mode)."""
+"""SiDP: data-parallel replicas that share FFN weights (WaS, CaS, group-wide mode).
 
-from gearshift.worker.policies.sidp.policy import SidpPolicy
-
-__all__ = ["SidpPolicy"]
+Torch-free on import: ``spec.py`` says the kind, ``policy.py`` runs it (kinds.py, registry.py)."""

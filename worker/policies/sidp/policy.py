@@ -60,29 +60,27 @@ def prefetcher(on_gpu: bool) -> type[Housekeeper]:
     return DevicePrefetch if on_gpu or raw == "1" else Housekeeper
 
 
+# Why SiDP's decode steps are not replayed from CUDA graphs (issue 27).
+GRAPH_NOTE = (
+    "sidp decode steps run eagerly. WaS: on CPU the housekeeper thread makes compute wait on the "
+    "host for each layer's copy; on a GPU the device-side prefetcher (device_prefetch.py) queues "
+    "the same copies every pass, which a graph could hold, but its capture has not run on a GPU, "
+    "so it stays eager until it has. CaS: the exchange with the layer's owner is decided on the "
+    "host each step (dummy skipping), which a replayed graph would not run."
+)
+
+
 class SidpPolicy(Policy):
     """dp replicas of tp ranks each sharing FFN weights; ``mode`` and thresholds are live."""
 
     kind = "sidp"
-    # The replicas share FFN weights through the host's shared memory (and the worker endpoint
-    # hosts every replica): a group spanning nodes is refused.
-    single_node = True
-    single_node_reason = "its replicas share FFN weights through the host's shared memory"
 
     def __init__(self, policy: policy_pb2.Policy, world_size: int) -> None:
         super().__init__(policy, world_size)
         msg = self.message
         self.dp = int(msg.dp)
         self.tp = int(msg.tp)
-        self.gear_names = ("sidp",)
-        if msg.peak_shifting and msg.was_cache_slots < self.dp - 1:
-            # A peak-shifted cycle is fetched out of layer order: all dp - 1 remote layers of a
-            # cycle must fit, or compute waits for a layer that no free slot can take (§4.4).
-            raise InvalidRequestError(
-                "policy.sidp.was_cache_slots",
-                f"policy.sidp.was_cache_slots must be at least dp - 1 = {self.dp - 1} with "
-                "peak_shifting",
-            )
+        self.gear_names = ("sidp",)  # sidp.spec refuses too few WaS slots for peak shifting
         self._service: FfnService | None = None
         self._world: CommGroup | None = None
         self._sync: GroupStep | None = None
@@ -290,6 +288,8 @@ class SidpPolicy(Policy):
             # A TP follower takes each step's mode from its replica's leader.
             hook=FollowerHook(service, cas) if tp_rank else None,
             extra={"service": service, "weight_bytes": self.bytes},
+            graph_gears=(),
+            graph_note=GRAPH_NOTE,
         )
 
     def replica_sync(

@@ -1,5 +1,3 @@
-"""The ``static`` policy: one fixed layout (TP × SP × PP) for every step."""
+"""The ``static`` policy: one fixed layout (TP × SP × PP) for every step.
 
-from gearshift.worker.policies.static.policy import StaticPolicy
-
-__all__ = ["StaticPolicy"]
+Torch-free on import: ``spec.py`` says the kind, ``policy.py`` runs it (kinds.py, registry.py)."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from gearshift.v1 import policy_pb2
 from gearshift.worker.engine.contract import pipeline_share
-from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.model.config import ModelConfig
 from gearshift.worker.parallel.groups import create_groups
 from gearshift.worker.parallel.layout import Layout
@@ -25,13 +24,8 @@ class StaticPolicy(Policy):
     kind = "static"
 
     def __init__(self, policy: policy_pb2.Policy, world_size: int) -> None:
-        super().__init__(policy, world_size)
+        super().__init__(policy, world_size)  # static.spec refuses dp != 1
         msg = self.message
-        if msg.dp != 1:
-            raise InvalidRequestError(
-                "policy.static.dp",
-                "policy.static.dp must be 1 with engine: gearshift (scale out with replicas)",
-            )
         self.layout = Layout(sp=msg.sp, tp=msg.tp, pp=msg.pp)
         self.gear_names = ("static",)
 

@@ -10,7 +10,7 @@ its last chunk's group hand their KV to the chosen decode instance piece by piec
 a transfer-slot handshake (``transfer.ReceiveManager``; with ``layerwise_transfer`` the handshake
 runs during the prefill and each layer's rows leave as soon as they are computed); the decode
 instance admits it into continuous batching once every piece has landed
-(``decode.DecodeAdmission``).
+(``admission.DecodeAdmission``).
 
 The group is not one engine: requests go to the pool. It is started and served by the Tetris
 group runtime at the launch/server floor (``group_runtime``: ``launch/tetris/`` runs the ranks
@@ -37,8 +37,9 @@ from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.model.config import ModelConfig
 from gearshift.worker.parallel.layout import Layout
 from gearshift.worker.policies.base import Policy, RankContext, RankModel
+from gearshift.worker.policies.tetris.admission import DecodeAdmission
 from gearshift.worker.policies.tetris.channels import TetrisChannels, open_channels
-from gearshift.worker.policies.tetris.decode import DecodeAdmission, ReceiveHook
+from gearshift.worker.policies.tetris.decode import ReceiveHook
 from gearshift.worker.policies.tetris.handoff import head_route, kv_heads_of
 
 TETRIS_RUNTIME = "tetris"  # the group runtime that serves this policy (server/runtimes.py)
@@ -98,28 +99,6 @@ class TetrisPolicy(Policy):
         """Not one engine: the pool and the decode instances are run by the Tetris runtime."""
         return TETRIS_RUNTIME
 
-    def check_nodes(self, nodes: int) -> None:
-        """Across nodes (§3.2): a ring of instances may cross nodes (point-to-point in the one
-        group), but each instance's TP ranks, prefill or decode, share a node."""
-        if nodes <= 1:
-            return
-        field = "spec.group.nodes"
-        if self.world_size % nodes:
-            raise InvalidRequestError(
-                field, f"{field}: {self.world_size} ranks do not split over {nodes} nodes"
-            )
-        per = self.world_size // nodes
-        instances = [("prefill", m, self.prefill_ranks(m)) for m in range(self.prefill)]
-        instances += [("decode", d, self.decode_ranks(d)) for d in range(self.decode)]
-        for role, i, ranks in instances:
-            if ranks[0] // per != ranks[-1] // per:
-                raise InvalidRequestError(
-                    field,
-                    f"{field}: with {nodes} nodes of {per} ranks, {role} instance {i} (ranks "
-                    f"{ranks[0]}-{ranks[-1]}) would span two nodes; an instance's TP ranks "
-                    "must share one (change nodes, the instance counts or their TP)",
-                )
-
     # ---- every rank ------------------------------------------------------------------------
 
     def check_model(self, cfg: ModelConfig) -> None:
@@ -177,6 +156,7 @@ class TetrisPolicy(Policy):
                 kv_allocator=lambda blocks: [],  # the pool keeps request KV in Holdings
                 extra={"world": world, "instance": index, "channels": channels},
                 closers=[channels.close],
+                graph_gears=(),  # the pool only prefills (ring attention): no decode steps
             )
         members = self.decode_ranks(index)
         tp = CommGroup(len(members), t, members, tp_pg) if tp_pg is not None else CommGroup.single()

@@ -100,7 +100,7 @@ def _raises(call) -> BaseException | None:
 
 
 def test_stream_sections_round_trip_posts_and_completes() -> None:
-    from gearshift.worker.policies.tetris.decode import decode_stream, encode_stream
+    from gearshift.worker.policies.tetris.admission import decode_stream, encode_stream
 
     posts = [(0, 1, 3, 12), (1, 0, 4, 5)]  # (src, slot, grant number, rows)
     completes = [(1, [7, 2, 9]), (2, [])]
