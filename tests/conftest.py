@@ -16,12 +16,6 @@ import pytest
 # gearshift.worker.p2p.rules.COMM_RULES_ENV, spelled out: this file imports no torch.
 COMM_RULES_ENV = "GEARSHIFT_COMM_RULES"
 
-# Issue 32 phase 2: Tetris's ring, rebalance and hand-off still tell messages apart by tag; they
-# move onto gearshift.worker.p2p next, and this exception (tests whose id names Tetris run their
-# groups without the NCCL rules; its files may still call torch's point-to-point functions, see
-# tests/worker/p2p/test_p2p_ownership.py) goes with it.
-NOT_YET_ON_P2P = "tetris"
-
 SLOW_FIXTURES = frozenset({"group_factory", "replica_factory", "operator_process", "victim"})
 
 
@@ -79,6 +73,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Every group a test starts (its rank processes inherit the environment) holds its gloo
     traffic to NCCL's point-to-point rules (worker/p2p/rules.py), set before any fixture of
-    the test starts one."""
-    exempt = NOT_YET_ON_P2P in item.nodeid.lower()
-    os.environ[COMM_RULES_ENV] = "gloo" if exempt else "nccl"
+    the test starts one. No test is exempt."""
+    os.environ[COMM_RULES_ENV] = "nccl"

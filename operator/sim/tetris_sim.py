@@ -220,7 +220,8 @@ def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> Sim
             start(rep)
 
     def land(rep: SimReplica, rid: str, tokens: int) -> None:
-        admission(rep).receive(rid, 0, tokens, 0)
+        # One whole piece from instance 0; the sim prices the transfer, not its slot.
+        admission(rep).receive(rid, 0, tokens, 0, slot=0, xfer=0)
         if rep.idle and rep.index not in waking:
             waking.add(rep.index)
             loop.at(loop.now, functools.partial(wake, rep))

@@ -90,23 +90,22 @@ class TorchAttention:
         out = q.new_zeros(q.shape)
         lse = torch.full((tokens, hq), float("-inf"), dtype=torch.float32, device=q.device)
         nd = meta.num_decodes
-        decode_lens = meta.seq_lens[:nd].tolist()
-        pieces = [(i, 1, n, meta.block_tables[i]) for i, n in enumerate(decode_lens)]
+        pieces = _decode_runs(meta)
+        # A prefill chunk's queries are its context's last positions: bottom-right causal.
         pieces += [
-            (start, qlen, seq_len, meta.block_tables[nd + i])
+            (start, qlen, seq_len, meta.block_tables[nd + i], True)
             for i, (start, qlen, seq_len) in enumerate(
                 zip(
                     meta.prefill_starts, meta.prefill_query_lens, meta.prefill_seq_lens, strict=True
                 )
             )
         ]
-        for start, qlen, seq_len, table in pieces:
+        for start, qlen, seq_len, table, causal in pieces:
             keys = gather_context(kv[0], table, seq_len)  # [Hkv, L, D]
             values = gather_context(kv[1], table, seq_len)
             rows = slice(start, start + qlen)
-            # The piece's queries are the context's last qlen positions: bottom-right causal.
             out[rows], lse[rows] = attention_lse(
-                q[rows], keys.transpose(0, 1), values.transpose(0, 1), self.scale, causal=True
+                q[rows], keys.transpose(0, 1), values.transpose(0, 1), self.scale, causal
             )
         return out, lse
 
@@ -214,3 +213,21 @@ class TorchAttention:
         scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         return torch.matmul(probs, values).reshape(nd, hq, dim)
+
+
+def _decode_runs(meta: AttentionMetadata) -> list[tuple[int, int, int, torch.Tensor, bool]]:
+    """The step's decode rows as (first row, rows, context length, block table, causal=False):
+    consecutive rows over one context (the same length and table; ring attention's query rows
+    over one block, policies/tetris/block_attention.py) attend in one call, each seeing all of
+    it."""
+    nd = meta.num_decodes
+    if not nd:
+        return []
+    lens, tables = meta.seq_lens[:nd], meta.block_tables[:nd]
+    starts = [0]
+    if nd > 1:
+        same = (lens[1:] == lens[:-1]) & (tables[1:] == tables[:-1]).all(dim=1)
+        starts += [i + 1 for i, s in enumerate(same.tolist()) if not s]
+    ends = [*starts[1:], nd]
+    firsts = lens[starts].tolist()
+    return [(a, b - a, n, tables[a], False) for a, b, n in zip(starts, ends, firsts, strict=True)]

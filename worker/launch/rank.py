@@ -53,19 +53,28 @@ class RankState:
     channel: ControlChannel | None = None
 
 
+def gpu_index(config: EngineConfig, local_rank: int) -> int | None:
+    """The GPU local rank ``local_rank`` runs on (None off CUDA); a GPU this host does not show
+    is refused naming ``device`` (a launcher may ask before it starts any rank)."""
+    if not config.device.startswith("cuda"):
+        return None
+    pinned = torch.device(config.device).index
+    index = local_rank if pinned is None else pinned
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise InvalidRequestError(
+            "device",
+            f"device {config.device}: local rank {local_rank} needs GPU {index}, but this "
+            f"host shows {count}",
+        )
+    return index
+
+
 def device_for(config: EngineConfig, local_rank: int) -> torch.device:
     """``cuda``: local rank i on GPU i; ``cuda:N``: every rank of the host on GPU N (ranks then
     share it, and the group runs over gloo, since NCCL refuses two ranks on one device)."""
-    if config.device.startswith("cuda"):
-        pinned = torch.device(config.device).index
-        index = local_rank if pinned is None else pinned
-        count = torch.cuda.device_count()
-        if index >= count:
-            raise InvalidRequestError(
-                "device",
-                f"device {config.device}: local rank {local_rank} needs GPU {index}, but this "
-                f"host shows {count}",
-            )
+    index = gpu_index(config, local_rank)
+    if index is not None:
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device(config.device)

@@ -47,8 +47,8 @@ def run_decode_leader(
             for out in engine.step():
                 link.send(Output(out))
             landed, failed = admission.take_reports()
-            for rid, piece in landed:
-                link.send(Landed(rid, piece))
+            for rid, piece, slot in landed:
+                link.send(Landed(rid, piece, slot))
             for rid, why in failed:
                 engine.abort_request(rid)
                 link.send(TransferFailed(rid, why))
@@ -74,11 +74,11 @@ def _handle(
             engine.abort_request(msg.rid)
             link.send(Refused(msg.rid, exc.field, exc.message))
     elif isinstance(msg, Receive):
-        admission.receive(msg.rid, msg.member, msg.rows, msg.piece)
+        admission.receive(msg.rid, msg.member, msg.rows, msg.piece, msg.slot, msg.xfer)
     elif isinstance(msg, Post):
-        admission.post(msg.rid, msg.member, msg.rows, msg.piece, msg.tag)
+        admission.post(msg.rid, msg.member, msg.rows, msg.piece, msg.slot, msg.xfer)
     elif isinstance(msg, Complete):
-        admission.complete(msg.rid, msg.member, msg.piece, msg.tag, int(msg.dropped))
+        admission.complete(msg.rid, msg.xfer, msg.dropped)
     elif isinstance(msg, Abort):
         engine.abort_request(msg.rid)
         admission.abort(msg.rid)

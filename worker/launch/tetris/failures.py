@@ -73,7 +73,7 @@ def rank_down(group: GroupState, rank: int, why: str, live: list[Link[Any, Any]]
             granted = group.granted.pop(key)
             if group.layerwise:  # posted receives from a dead rank fail: drop them
                 m, rid, piece = key
-                complete = Complete(rid, m, piece, granted.tag, True)
+                complete = Complete(rid, m, piece, granted.xfer, True)
                 group.send(group.decode_conns[granted.decode], complete)
     for link in group.pool_conns[index]:
         with contextlib.suppress(ValueError):

@@ -17,7 +17,6 @@ import time
 from gearshift.worker.errors import GroupFailure
 from gearshift.worker.launch.tetris.messages import Cancel, Go, Post, StreamGo
 from gearshift.worker.launch.tetris.state import Granted, GroupState
-from gearshift.worker.policies.tetris.handoff import stream_tag
 from gearshift.worker.policies.tetris.transfer import TransferError
 
 POLL_S = 0.2  # how often an idle handshake thread looks at the group's stop flag
@@ -37,7 +36,7 @@ def handshake_loop(group: GroupState, m: int) -> None:
             continue
         started = time.monotonic()
         try:
-            group.managers[req.decode].acquire(rid, group.timeout_s)
+            slot = group.managers[req.decode].acquire(rid, group.timeout_s)
         except TransferError as exc:
             group.to_pool(m, Cancel(rid))
             group.fail(rid, GroupFailure(f"KV transfer: {exc}"))
@@ -54,14 +53,13 @@ def handshake_loop(group: GroupState, m: int) -> None:
                 group.to_pool(m, Cancel(rid))
                 continue
             senders = len(group.pool_conns[m])
+            xfer = next(group.xfers)  # the piece's messages carry it (their labels)
+            group.granted[(m, rid, piece)] = Granted(req.decode, count, senders, slot, xfer)
             if not group.layerwise:
-                group.granted[(m, rid, piece)] = Granted(req.decode, count, senders)
-                group.to_pool(m, Go(rid, piece))
+                group.to_pool(m, Go(rid, piece, slot, xfer))
                 continue
             # Streamed: the decode ranks post the piece's receives now, and the member sends
-            # each layer as it is computed.
-            tag = stream_tag(next(group.xfers))
-            group.granted[(m, rid, piece)] = Granted(req.decode, count, senders, tag)
-            group.send(group.decode_conns[req.decode], Post(rid, m, count, piece, tag))
+            # each layer as it is computed, both on the slot's channel.
+            group.send(group.decode_conns[req.decode], Post(rid, m, count, piece, slot, xfer))
             receivers = tuple(group.policy.decode_ranks(req.decode))
-            group.to_pool(m, StreamGo(rid, piece, tag, count, receivers))
+            group.to_pool(m, StreamGo(rid, piece, slot, xfer, count, receivers))

@@ -79,20 +79,24 @@ class Prefill:
 
 @dataclass(frozen=True)
 class Go:
-    """Whole hand-off: piece ``piece`` has a transfer slot; send it."""
+    """Whole hand-off: piece ``piece`` has transfer slot ``slot``; send it there as grant
+    ``xfer`` (its messages' label)."""
 
     rid: str
     piece: int
+    slot: int
+    xfer: int
 
 
 @dataclass(frozen=True)
 class StreamGo:
-    """Layer-wise hand-off: the decode ranks posted the piece's receives under ``tag``; send
-    each layer of the piece's ``rows`` rows as it is computed."""
+    """Layer-wise hand-off: the decode ranks posted the receives of grant ``xfer`` on slot
+    ``slot``; send each layer of the piece's ``rows`` rows there as it is computed."""
 
     rid: str
     piece: int
-    tag: int
+    slot: int
+    xfer: int
     rows: int
     receivers: tuple[int, ...]
 
@@ -199,35 +203,40 @@ class Expect:
 
 @dataclass(frozen=True)
 class Receive:
-    """Whole hand-off: receive ``rows`` rows of piece ``piece`` from prefill instance
-    ``member`` in the next step (its sender is already sending)."""
+    """Whole hand-off: receive ``rows`` rows of piece ``piece`` (grant ``xfer``, on slot
+    ``slot``) from prefill instance ``member`` in the next step (its sender is already
+    sending)."""
 
     rid: str
     member: int
     rows: int
     piece: int
+    slot: int
+    xfer: int
 
 
 @dataclass(frozen=True)
 class Post:
-    """Layer-wise: post the receives of a granted piece under ``tag`` in the next step."""
+    """Layer-wise: post the receives of a granted piece (grant ``xfer``, on slot ``slot``) in
+    the next step."""
 
     rid: str
     member: int
     rows: int
     piece: int
-    tag: int
+    slot: int
+    xfer: int
 
 
 @dataclass(frozen=True)
 class Complete:
-    """Layer-wise: every layer of the piece under ``tag`` is sent (``dropped``: zeros, or the
-    member died); finish the receives in the next step."""
+    """Layer-wise: every layer of grant ``xfer`` is sent (``dropped``: zeros, or the member
+    died); finish the receives in the next step."""
 
     rid: str
     member: int
     piece: int
-    tag: int
+    xfer: int
     dropped: bool
 
 
@@ -251,8 +260,11 @@ class Output:
 
 @dataclass(frozen=True)
 class Landed:
+    """Piece ``piece`` of ``rid`` is in the decode instance's cache; its slot ``slot`` frees."""
+
     rid: str
     piece: int
+    slot: int
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import torch
 
-from gearshift.worker.comm import CommGroup
 from gearshift.worker.launch.rank import RankState
 from gearshift.worker.launch.tetris.links import MemberLink
 from gearshift.worker.launch.tetris.messages import (
@@ -49,10 +48,12 @@ from gearshift.worker.launch.tetris.messages import (
     WholeUnsent,
 )
 from gearshift.worker.model.llama import LlamaForCausalLM
-from gearshift.worker.policies.tetris.chunked_prefill import run_chunk_plan
-from gearshift.worker.policies.tetris.handoff import LayerStream, Sending, start_piece
+from gearshift.worker.policies.tetris.channels import TetrisChannels
+from gearshift.worker.policies.tetris.chunked_prefill import Pool, run_chunk_plan
+from gearshift.worker.policies.tetris.handoff import Sending, start_piece
 from gearshift.worker.policies.tetris.policy import TetrisPolicy
 from gearshift.worker.policies.tetris.rebalance import Holding
+from gearshift.worker.policies.tetris.stream import LayerStream
 
 
 def first_line(exc: BaseException) -> str:
@@ -74,21 +75,24 @@ class PoolMember:
     docstring)."""
 
     def __init__(self, state: RankState, policy: TetrisPolicy, link: MemberLink, rank: int) -> None:
-        model = state.model.gears[0].model
+        gear = state.model.gears[0]
+        model = gear.model
         assert isinstance(model, LlamaForCausalLM)
         self.model = model
-        self.world: CommGroup = state.model.extra["world"]
-        self.pool = policy.pool_comm(rank, self.world)
+        channels: TetrisChannels = state.model.extra["channels"]
+        self.slots = channels.slots  # the transfer slots' channels, by slot
+        self.pool = Pool(policy.pool_comm(rank, channels), channels.pool, gear.core)
         _, _, j = policy.role(rank)
         self.speaks = j == 0
         self.rank = rank
         self.link = link
         cfg = model.config
         self.kv_heads = cfg.num_kv_heads
-        self.scale = cfg.head_dim**-0.5
         self.layerwise = bool(policy.message.layerwise_transfer)
         self.layers = len(model.model.layers)
-        self.row = (model.num_kv_heads, cfg.head_dim, next(model.parameters()).dtype)
+        weight = next(model.parameters())
+        self.device = weight.device
+        self.row = (model.num_kv_heads, cfg.head_dim, weight.dtype, weight.device)
         self.tp = (j, policy.prefill_tp)
         self.offered: dict[str, Offered] = {}
         self.streams: dict[str, LayerStream] = {}  # layerwise: requests with pieces to send
@@ -119,7 +123,7 @@ class PoolMember:
     def _stream_of(self, rid: str, mine: Sequence[PieceRows], receivers: tuple[int, ...]) -> None:
         if rid not in self.streams:
             self.streams[rid] = LayerStream(
-                list(mine), receivers, self.world, self.tp, self.kv_heads, self.row, self.layers
+                list(mine), receivers, self.slots, self.tp, self.kv_heads, self.row, self.layers
             )
 
     def _report(self, rid: str, stream: LayerStream, pieces: list[int]) -> None:
@@ -136,16 +140,17 @@ class PoolMember:
             stream = LayerStream(
                 [(0, msg.rows)],
                 msg.receivers,
-                self.world,
+                self.slots,
                 self.tp,
                 self.kv_heads,
                 self.row,
                 self.layers,
             )
             stream.fail()
-            self._report(msg.rid, stream, [0] if stream.grant(0, msg.tag).done else [])
+            granted = stream.grant(0, msg.slot, msg.xfer).done
+            self._report(msg.rid, stream, [0] if granted else [])
             return
-        if stream.grant(msg.piece, msg.tag).done:
+        if stream.grant(msg.piece, msg.slot, msg.xfer).done:
             self._report(msg.rid, stream, [msg.piece])
 
     def _cancel(self, rid: str) -> None:
@@ -180,9 +185,10 @@ class PoolMember:
         start, count = held.pieces[msg.piece]
         kv, positions = held.holding.kv, held.holding.positions
         rows = Holding(kv[start : start + count], positions[start : start + count])
+        channel = self.slots[msg.slot]
         try:
             self.sending.append(
-                start_piece(rows, held.receivers, self.world, self.tp, self.kv_heads)
+                start_piece(rows, held.receivers, channel, msg.xfer, self.tp, self.kv_heads)
             )
         except Exception as exc:  # noqa: BLE001 - a decode rank is gone: this request fails
             self.offered.pop(msg.rid, None)
@@ -218,10 +224,10 @@ class PoolMember:
         started = time.perf_counter()
         on_layer = self._between_layers(stream) if stream is not None else None
         poll = self._grants_between_layers if not self.layerwise else None
-        ids = torch.tensor(msg.ids, dtype=torch.int64)
+        ids = torch.tensor(msg.ids, dtype=torch.int64, device=self.device)
         try:
             result = run_chunk_plan(
-                self.model, self.pool, list(msg.chunks), ids, self.scale, None, on_layer, poll
+                self.model, self.pool, list(msg.chunks), ids, None, on_layer, poll
             )
         except Exception as exc:  # noqa: BLE001 - a ring peer died or the plan broke: it fails
             if stream is not None:
@@ -250,7 +256,7 @@ class PoolMember:
         ids = torch.randint(0, vocab, (sum(c.length for c in msg.chunks),), generator=gen)
         timings: list[float] = []
         try:
-            run_chunk_plan(self.model, self.pool, list(msg.chunks), ids, self.scale, timings)
+            run_chunk_plan(self.model, self.pool, list(msg.chunks), ids.to(self.device), timings)
         except Exception as exc:  # noqa: BLE001 - a ring peer died: the probe fails
             if self.speaks:
                 self.link.send(ProbeFailed(msg.pid, first_line(exc)))

@@ -18,11 +18,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gearshift.worker.attention.torch_ref import TorchAttention
 from gearshift.worker.comm import CommGroup
 from gearshift.worker.config import EngineConfig
 from gearshift.worker.engine.loading import inspect_model, load_model
 from gearshift.worker.launch.processes import run_ranks
-from gearshift.worker.policies.tetris.chunked_prefill import PlannedChunk, run_chunk_plan
+from gearshift.worker.p2p import P2P, start_rules
+from gearshift.worker.policies.tetris.chunked_prefill import PlannedChunk, Pool, run_chunk_plan
 
 
 @dataclass(frozen=True)
@@ -54,14 +56,16 @@ def _member(
     rank: int, world: int, store_path: str, model: str, plans: list[list[PlannedChunk]], out: str
 ) -> None:
     torch.set_num_threads(1)
+    start_rules()
     store = dist.FileStore(store_path, world)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=600)
-    )
+    timeout = timedelta(seconds=600)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    cpu = torch.device("cpu")
     comm = CommGroup(world, rank, tuple(range(world)), dist.group.WORLD)
-    spec, source = inspect_model(EngineConfig(model=model, dtype="float32"), torch.device("cpu"))
-    net = load_model(spec, source, torch.device("cpu"))
-    scale = spec.config.head_dim**-0.5
+    spec, source = inspect_model(EngineConfig(model=model, dtype="float32"), cpu)
+    net = load_model(spec, source, cpu)
+    channel = P2P(comm, "tetris profile pool", cpu, timeout) if world > 1 else None
+    pool = Pool(comm, channel, TorchAttention(spec.config.head_dim**-0.5))
     gen = torch.Generator().manual_seed(0)
     seconds: list[list[float]] = []
     # Untimed: the first forward pays one-off costs (allocator growth, lazy initialisation).
@@ -70,13 +74,13 @@ def _member(
         ids = torch.randint(
             0, spec.config.vocab_size, (sum(c.length for c in warm),), generator=gen
         )
-        run_chunk_plan(net, comm, warm, ids, scale)
+        run_chunk_plan(net, pool, warm, ids)
     for plan in plans:
         length = sum(c.length for c in plan)
         ids = torch.randint(0, spec.config.vocab_size, (length,), generator=gen)
         timings: list[float] = []
         dist.barrier()
-        run_chunk_plan(net, comm, plan, ids, scale, timings)
+        run_chunk_plan(net, pool, plan, ids, timings)
         slowest = torch.tensor(timings, dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a chunk ends with its slowest member
         seconds.append(slowest.tolist())

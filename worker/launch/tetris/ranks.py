@@ -15,14 +15,18 @@ from collections.abc import Sequence
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
-import torch.distributed as dist
-
 from gearshift.worker.config import EngineConfig
 from gearshift.worker.engine.control import ControlChannel
 from gearshift.worker.launch.group_config import GroupConfig
 from gearshift.worker.launch.host import bind_rank_cores, die_with_parent, set_threads
 from gearshift.worker.launch.leader import leader_engine
-from gearshift.worker.launch.rank import RankState, device_for, group_backend, setup_rank
+from gearshift.worker.launch.rank import (
+    RankState,
+    device_for,
+    group_backend,
+    init_process_group,
+    setup_rank,
+)
 from gearshift.worker.launch.replica_rank import ReplicaExecutor
 from gearshift.worker.launch.tetris.decode_rank import follow_decode_leader, run_decode_leader
 from gearshift.worker.launch.tetris.links import LeaderLink, leader_link, member_link
@@ -68,10 +72,12 @@ def tetris_rank_main(
         store = group.join_store(world, port)
         if conn is None and speaks(policy, rank):
             conn = dial(store, rank)  # a rank of another node: the controller is on node 0
-        device = device_for(config, rank)
+        # cuda: local rank i on GPU i, over NCCL; cuda:N: every rank on GPU N, over gloo (NCCL
+        # refuses two ranks on one device), device tensors staged through host memory.
+        device = device_for(config, rank % group.local_ranks(world))
         timeout = timedelta(seconds=group.timeout_s)
         backend = group_backend(config, device)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        init_process_group(backend, store, rank, world, timeout, device)
         state = setup_rank(config, policy, rank, device, timeout)
         control = policy.instance_control(rank, timeout)
         channel = (

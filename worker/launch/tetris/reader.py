@@ -147,9 +147,10 @@ def _on_sent(group: GroupState, m: int, msg: WholeSent | WholeUnsent | StreamSen
         return
     decode = group.decode_conns[granted.decode]
     if group.layerwise:
-        group.send(decode, Complete(msg.rid, m, msg.piece, granted.tag, granted.unsent))
+        group.send(decode, Complete(msg.rid, m, msg.piece, granted.xfer, granted.unsent))
     elif sent:
-        group.send(decode, Receive(msg.rid, m, granted.rows, msg.piece))
+        receive = Receive(msg.rid, m, granted.rows, msg.piece, granted.slot, granted.xfer)
+        group.send(decode, receive)
     if granted.unsent or not sent:  # its prefill failed, or the member lost it: fail
         why = f"prefill instance {m} could not send piece {msg.piece}"
         group.fail(msg.rid, GroupFailure(why))
@@ -165,7 +166,7 @@ def on_decode(group: GroupState, d: int, msg: FromDecode) -> None:
         group.deliver(out.request_id, out)
     elif isinstance(msg, Landed):
         with contextlib.suppress(KeyError, TransferError):
-            group.managers[d].landed(msg.rid)
+            group.managers[d].landed(msg.rid, msg.slot)
         with group.lock:
             req = group.requests.get(msg.rid)
             if req is not None:

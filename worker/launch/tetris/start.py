@@ -20,6 +20,7 @@ from gearshift.worker.launch.group_config import GroupConfig
 from gearshift.worker.launch.host import usable_cores
 from gearshift.worker.launch.leader import check_group
 from gearshift.worker.launch.processes import rank_context, start_rank, stop_processes
+from gearshift.worker.launch.rank import check_comm_rules, gpu_index
 from gearshift.worker.launch.tetris.controller import TetrisGroup
 from gearshift.worker.launch.tetris.links import Link, decode_link, pool_link
 from gearshift.worker.launch.tetris.listener import ControlListener
@@ -38,15 +39,10 @@ def start_tetris(
 ) -> TetrisGroup:
     """Spawn the group's ranks on this host and wait until each has loaded."""
     world = policy.world_size
-    if torch.device(config.device).type != "cpu":
-        # The pool's prompts, Holdings and hand-off buffers are host tensors: the NCCL path of
-        # the ring and the hand-off is not built.
-        raise InvalidRequestError(
-            "device",
-            f"the tetris policy runs on CPU (gloo) in this engine; device {config.device!r} is "
-            "not supported yet",
-        )
+    check_comm_rules()
     check_group(config, policy, group)
+    for local_rank in range(group.local_ranks(world)):  # before any rank starts
+        gpu_index(config, local_rank)
     if group.node_rank != 0:
         raise InvalidRequestError(
             "node_rank", "only node 0 hosts the tetris endpoint; other nodes run run_node"

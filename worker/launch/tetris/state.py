@@ -72,7 +72,8 @@ class Granted:
     decode: int
     rows: int
     senders: int  # the member's ranks yet to report it
-    tag: int = 0  # a streamed piece's first tag (layerwise)
+    slot: int  # the decode instance's transfer slot: the channel the piece travels on
+    xfer: int  # the grant's number: its messages' labels
     unsent: bool = False  # a rank reported it could not send the KV
 
 
@@ -118,7 +119,7 @@ class GroupState:
     threads: list[threading.Thread] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
     granted: dict[tuple[int, str, int], Granted] = field(default_factory=dict)  # (m, rid, piece)
-    xfers: itertools.count[int] = field(default_factory=itertools.count)  # streamed grants
+    xfers: itertools.count[int] = field(default_factory=itertools.count)  # grant numbers
     # Probe replies by probe id, then member: each chunk's seconds, or why it failed.
     probes: dict[str, dict[int, tuple[float, ...] | str]] = field(default_factory=dict)
     probe_done: threading.Condition = field(default_factory=threading.Condition)

@@ -8,13 +8,16 @@ granted piece into a plan section, and, when the last piece has landed, puts the
 the running batch with all but its last prompt token computed. The first decode step then
 computes that token's row (the same KV the pool sent for it) and samples the first output token
 with the request's own sampling state, so the first token obeys every sampling parameter exactly
-as the rest do. On every rank, ``decode.ReceiveHook`` acts on the sections.
+as the rest do. On every rank, ``decode.ReceiveHook`` acts on the sections: each piece on its
+transfer slot's channel, its messages labelled with its grant number (``handoff.py``).
 
 Torch-free: the simulator (operator/sim/tetris_sim.py) admits requests with this same class.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -27,56 +30,57 @@ from gearshift.worker.kv.block_manager import BlockManager
 if TYPE_CHECKING:
     from gearshift.worker.policies.tetris.decode import ReceiveHook
 
-SECTION = "tetris_receive"  # [pieces, then per piece: src rank, rows, blocks, block ids...]
+log = logging.getLogger(__name__)
+
+# [pieces, then per piece: src, slot, xfer, rows, blocks, block ids...]
+SECTION = "tetris_receive"
+# [posts, per post: src, slot, xfer, rows; completes, per complete: xfer, blocks, block ids...]
+STREAM = "tetris_stream"
+
+Post = tuple[int, int, int, int]  # a streamed piece's receives to post: (src, slot, xfer, rows)
+Piece = tuple[int, int, int, int, list[int]]  # a whole piece: (src, slot, xfer, rows, blocks)
 
 
-STREAM = "tetris_stream"  # [posts, per post: src, rows, tag; completes, per: tag, blocks, ids...]
-
-
-def encode_stream(
-    posts: list[tuple[int, int, int]], completes: list[tuple[int, list[int]]]
-) -> list[int]:
-    """The plan section for streamed pieces: receives to post (source, rows, tag) and posted
-    pieces to finish (tag, block ids; none: receive and drop)."""
+def encode_stream(posts: list[Post], completes: list[tuple[int, list[int]]]) -> list[int]:
+    """The plan section for streamed pieces: receives to post and posted pieces to finish
+    (grant number, block ids; none: receive and drop)."""
     flat = [len(posts)]
     for post in posts:
         flat += list(post)
     flat.append(len(completes))
-    for tag, block_ids in completes:
-        flat += [tag, len(block_ids), *block_ids]
+    for xfer, block_ids in completes:
+        flat += [xfer, len(block_ids), *block_ids]
     return flat
 
 
-def decode_stream(
-    values: list[int],
-) -> tuple[list[tuple[int, int, int]], list[tuple[int, list[int]]]]:
-    posts = []
+def decode_stream(values: list[int]) -> tuple[list[Post], list[tuple[int, list[int]]]]:
+    posts: list[Post] = []
     for k in range(values[0]):
-        src, rows, tag = values[1 + 3 * k : 4 + 3 * k]
-        posts.append((src, rows, tag))
-    i = 1 + 3 * values[0]
+        src, slot, xfer, rows = values[1 + 4 * k : 5 + 4 * k]
+        posts.append((src, slot, xfer, rows))
+    i = 1 + 4 * values[0]
     completes = []
     for _ in range(values[i]):
-        tag, n = values[i + 1 : i + 3]
-        completes.append((tag, values[i + 3 : i + 3 + n]))
+        xfer, n = values[i + 1 : i + 3]
+        completes.append((xfer, values[i + 3 : i + 3 + n]))
         i += 2 + n
     return posts, completes
 
 
-def encode_pieces(pieces: list[tuple[int, int, list[int]]]) -> list[int]:
-    """The plan section for ``pieces`` of (source rank, rows, block ids)."""
+def encode_pieces(pieces: list[Piece]) -> list[int]:
+    """The plan section for whole ``pieces``."""
     flat = [len(pieces)]
-    for src, rows, block_ids in pieces:
-        flat += [src, rows, len(block_ids), *block_ids]
+    for src, slot, xfer, rows, block_ids in pieces:
+        flat += [src, slot, xfer, rows, len(block_ids), *block_ids]
     return flat
 
 
-def decode_pieces(values: list[int]) -> list[tuple[int, int, list[int]]]:
+def decode_pieces(values: list[int]) -> list[Piece]:
     out, i = [], 1
     for _ in range(values[0]):
-        src, rows, n = values[i : i + 3]
-        out.append((src, rows, values[i + 3 : i + 3 + n]))
-        i += 3 + n
+        src, slot, xfer, rows, n = values[i : i + 5]
+        out.append((src, slot, xfer, rows, values[i + 5 : i + 5 + n]))
+        i += 5 + n
     return out
 
 
@@ -88,6 +92,20 @@ class _Incoming:
     aborted: bool = False  # its blocks free once the receives already granted have run
 
 
+@dataclass(frozen=True)
+class _Granted:
+    """A granted piece on this instance: from prefill instance ``src``, on slot ``slot`` as
+    grant ``xfer``; ``dropped``: its sender failed it (zeros, or it died)."""
+
+    rid: str
+    src: int
+    piece: int
+    slot: int
+    xfer: int
+    rows: int = 0
+    dropped: bool = False
+
+
 @dataclass
 class DecodeAdmission:
     """A decode instance leader's requests in transfer (see the module docstring)."""
@@ -96,13 +114,12 @@ class DecodeAdmission:
     blocks: BlockManager
     hook: ReceiveHook | None = None
     incoming: dict[str, _Incoming] = field(default_factory=dict)
-    _queued: list[tuple[str, int, int, int]] = field(default_factory=list)  # rid, src, rows, piece
-    # Pieces whose receives this plan runs: (rid, src, piece, dropped: its sender failed it).
-    _submitted: list[tuple[str, int, int, bool]] = field(default_factory=list)
-    _posts: list[tuple[int, int, int]] = field(default_factory=list)  # src, rows, tag
-    _completes: list[tuple[str, int, int, int, bool]] = field(default_factory=list)
-    _streaming: dict[int, str] = field(default_factory=dict)  # posted tag -> rid
-    _landed: list[tuple[str, int]] = field(default_factory=list)  # (rid, piece), to report
+    _queued: list[_Granted] = field(default_factory=list)  # whole pieces for the next plan
+    _submitted: list[_Granted] = field(default_factory=list)  # pieces this plan receives
+    _posts: list[_Granted] = field(default_factory=list)  # streamed pieces to post
+    _completes: list[_Granted] = field(default_factory=list)  # streamed pieces to finish
+    _streaming: dict[int, _Granted] = field(default_factory=dict)  # posted, by grant number
+    _landed: list[tuple[str, int, int]] = field(default_factory=list)  # (rid, piece, slot)
     _failed: list[tuple[str, str]] = field(default_factory=list)  # (rid, why), to report
     admitted: int = 0
 
@@ -122,28 +139,34 @@ class DecodeAdmission:
             )
         self.incoming[request_id] = _Incoming(seq, pieces)
 
-    def receive(self, request_id: str, src: int, rows: int, piece: int) -> None:
+    def receive(
+        self, request_id: str, src: int, rows: int, piece: int, slot: int, xfer: int
+    ) -> None:
         """A granted piece: its receive goes into the next plan. Its sender is already sending,
         so a piece of a request this instance no longer holds is still received (and dropped):
         no sender is ever left blocked."""
-        self._queued.append((request_id, src, rows, piece))
+        self._queued.append(_Granted(request_id, src, piece, slot, xfer, rows))
 
-    def post(self, request_id: str, src: int, rows: int, piece: int, tag: int) -> None:
+    def post(self, request_id: str, src: int, rows: int, piece: int, slot: int, xfer: int) -> None:
         """A streamed piece was granted: its receives go into the next plan (posted on every
         rank; they finish with ``complete``)."""
-        del piece
-        self._posts.append((src, rows, tag))
-        self._streaming[tag] = request_id
+        granted = _Granted(request_id, src, piece, slot, xfer, rows)
+        self._posts.append(granted)
+        self._streaming[xfer] = granted
 
-    def complete(self, request_id: str, src: int, piece: int, tag: int, dropped: int) -> None:
+    def complete(self, request_id: str, xfer: int, dropped: bool) -> None:
         """A streamed piece's member has sent every layer (``dropped``: it sent zeros, its
         prefill failed, or it died): the next plan waits for the rows and writes them."""
-        self._completes.append((request_id, src, piece, tag, bool(dropped)))
+        granted = self._streaming.get(xfer)
+        if granted is None or granted.rid != request_id:  # the controller's mistake: say so
+            log.error("%s: no streamed piece %d was posted here", request_id, xfer)
+            return
+        self._completes.append(dataclasses.replace(granted, dropped=bool(dropped)))
 
     def _pending(self, request_id: str) -> bool:
         """Receives of ``request_id`` still to run (they hold its blocks until they have)."""
-        queued = [q[0] for q in self._queued + self._submitted + self._completes]
-        return request_id in queued or request_id in self._streaming.values()
+        waiting = self._queued + self._submitted + self._completes
+        return any(g.rid == request_id for g in (*waiting, *self._streaming.values()))
 
     def abort(self, request_id: str) -> None:
         """Forget a request in transfer and free its blocks (no-op if admitted or unknown); a
@@ -161,25 +184,27 @@ class DecodeAdmission:
     def has_work(self) -> bool:
         return bool(self._queued or self._posts or self._completes or self._landed or self._failed)
 
-    def _blocks(self, request_id: str, dropped: bool = False) -> list[int]:
-        entry = self.incoming.get(request_id)
-        return entry.seq.blocks.block_ids if entry is not None and not dropped else []
+    def _blocks(self, granted: _Granted) -> list[int]:
+        entry = self.incoming.get(granted.rid)
+        return entry.seq.blocks.block_ids if entry is not None and not granted.dropped else []
 
     def plan_sections(self) -> dict[str, list[int]]:
         sections = {}
         if self._queued:
             queued, self._queued = self._queued, []
-            self._submitted = [(rid, src, piece, False) for rid, src, _, piece in queued]
-            pieces = [(src, rows, self._blocks(rid)) for rid, src, rows, _ in queued]
+            self._submitted = list(queued)
+            pieces = [(g.src, g.slot, g.xfer, g.rows, self._blocks(g)) for g in queued]
             sections[SECTION] = encode_pieces(pieces)
         if self._posts or self._completes:
             posts, self._posts = self._posts, []
             completes, self._completes = self._completes, []
-            for _, _, _, tag, _ in completes:
-                self._streaming.pop(tag, None)
-            self._submitted += [(rid, src, piece, drop) for rid, src, piece, _, drop in completes]
-            finish = [(tag, self._blocks(rid, drop)) for rid, _, _, tag, drop in completes]
-            sections[STREAM] = encode_stream(posts, finish)
+            for g in completes:
+                self._streaming.pop(g.xfer, None)
+            self._submitted += completes
+            sections[STREAM] = encode_stream(
+                [(g.src, g.slot, g.xfer, g.rows) for g in posts],
+                [(g.xfer, self._blocks(g)) for g in completes],
+            )
         return sections
 
     def step_submitted(self) -> None:
@@ -188,24 +213,24 @@ class DecodeAdmission:
         failed = set(self.hook.failed_sources) if self.hook is not None else set()
         if self.hook is not None:
             self.hook.failed_sources.clear()
-        for rid, src, piece, dropped in submitted:
-            entry = self.incoming.get(rid)
+        for g in submitted:
+            entry = self.incoming.get(g.rid)
             if entry is None:
                 continue  # received and dropped
             if entry.aborted:
-                if not self._pending(rid):
-                    del self.incoming[rid]
+                if not self._pending(g.rid):
+                    del self.incoming[g.rid]
                     self.scheduler.finish(entry.seq, FinishReason.ABORT)
                 continue
-            if src in failed or dropped:
-                self.incoming.pop(rid)
+            if g.src in failed or g.dropped:
+                self.incoming.pop(g.rid)
                 self.scheduler.finish(entry.seq, FinishReason.ERROR)
-                self._failed.append((rid, f"the KV transfer from prefill rank {src} failed"))
+                self._failed.append((g.rid, f"the KV transfer from prefill rank {g.src} failed"))
                 continue
             entry.landed += 1
-            self._landed.append((rid, piece))
+            self._landed.append((g.rid, g.piece, g.slot))
             if entry.landed == entry.pieces:
-                self._admit(self.incoming.pop(rid).seq)
+                self._admit(self.incoming.pop(g.rid).seq)
 
     def _admit(self, seq: Sequence) -> None:
         """Into the running batch: the prompt's KV is all here; its last token runs as the
@@ -216,7 +241,7 @@ class DecodeAdmission:
         self.scheduler.running.append(seq)
         self.admitted += 1
 
-    def take_reports(self) -> tuple[list[tuple[str, int]], list[tuple[str, str]]]:
+    def take_reports(self) -> tuple[list[tuple[str, int, int]], list[tuple[str, str]]]:
         landed, self._landed = self._landed, []
         failed, self._failed = self._failed, []
         return landed, failed

@@ -5,7 +5,8 @@ A plan is a list of chunks, each with its instance group; each group contains th
 
 1. The KV of the tokens before it (the history) is rebalanced evenly onto the chunk's group
    (``rebalance.py``): members that just joined receive their share by point-to-point from the
-   members that hold more than theirs, layer by layer, while the chunk's earlier layers compute.
+   members that hold more than theirs, layer by layer (layer i+1's after layer i's ring, Fig.
+   6-b), while the chunk's earlier layers compute.
    History attention does not depend on the order of the history's tokens (all precede the
    chunk; keys already carry their RoPE rotation), so any even split is exact; the
    token positions travel with the KV so the request's KV can be handed to a decode instance in
@@ -17,7 +18,9 @@ A plan is a list of chunks, each with its instance group; each group contains th
 
 The member that holds the prompt's last token returns that token's logits (the first output
 token comes from them). Every pool member calls ``run_chunk_plan`` with the same plan; a member
-sits a chunk out until its group includes it.
+sits a chunk out until its group includes it. Everything stays on the model's device: the
+prompt's rows, the holding, the ring's blocks (``Pool``: the pool group's p2p channel stages
+them through host memory only where the group runs over gloo).
 
 The hand-off of the finished KV to a decode instance is ``handoff.py``.
 """
@@ -31,14 +34,27 @@ from typing import Any, cast
 
 import torch
 
+from gearshift.worker.attention.core import AttentionCore
 from gearshift.worker.attention.metadata import AttentionMetadata
 from gearshift.worker.comm import CommGroup
 from gearshift.worker.model.llama import LlamaForCausalLM
+from gearshift.worker.p2p import P2P
 from gearshift.worker.policies.tetris.rebalance import Holding, Rebalanced, rebalance
 from gearshift.worker.policies.tetris.ring import History, Ring, ring_attention_with_history
 from gearshift.worker.policies.tetris.zigzag import ZigZag, even_split
 
-__all__ = ["Holding", "PlannedChunk", "PrefillResult", "RingCore", "run_chunk_plan"]
+__all__ = ["Holding", "PlannedChunk", "Pool", "PrefillResult", "RingCore", "run_chunk_plan"]
+
+
+@dataclass(frozen=True)
+class Pool:
+    """The prefill pool as one member sees it: its group (``comm``), the group's point-to-point
+    channel (None for a pool of one) and the attention core ring steps run on (the rank's
+    selected backend; its scale is the model's)."""
+
+    comm: CommGroup
+    channel: P2P | None
+    core: AttentionCore
 
 
 @dataclass(frozen=True)
@@ -95,10 +111,12 @@ class RingCore:
         layout: ZigZag,
         lengths: tuple[int, ...],
         scale: float,
+        core: AttentionCore,
         on_layer: Callable[[torch.Tensor], None] | None = None,
         poll: Callable[[], None] | None = None,
     ):
-        self.ring, self.layout, self.lengths, self.scale = ring, layout, lengths, scale
+        self.ring, self.layout, self.lengths, self.core = ring, layout, lengths, core
+        self.scale = scale
         self.on_layer = on_layer
         self.poll = poll
 
@@ -115,7 +133,12 @@ class RingCore:
             rows = layer.history.layer(layer.index)
             self.on_layer(torch.cat((rows, torch.stack((k, v), dim=1))))
         history = History(*layer.kv(), self.lengths)
-        return ring_attention_with_history(q, k, v, history, self.ring, self.layout, self.scale)
+        out = ring_attention_with_history(
+            q, k, v, history, self.ring, self.layout, self.scale, self.core, f"ring L{layer.index}"
+        )
+        # Fig. 6-b: the ring's channel is free again, the next layer's history goes now.
+        layer.history.post(layer.index + 1)
+        return out
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Any, meta: Any
@@ -123,13 +146,13 @@ class RingCore:
         return self.forward_lse(q, k, v, kv, meta)[0]
 
 
-def _metadata(tokens: int) -> AttentionMetadata:
+def _metadata(tokens: int, device: torch.device) -> AttentionMetadata:
     """One prefill chunk of ``tokens`` rows; ``RingCore`` reads none of it (the model only
     checks that the step is not all decodes)."""
-    empty = torch.empty(0, dtype=torch.int64)
+    empty = torch.empty(0, dtype=torch.int64, device=device)
     return AttentionMetadata(
         num_decodes=0,
-        slot_mapping=torch.zeros(tokens, dtype=torch.int64),
+        slot_mapping=torch.zeros(tokens, dtype=torch.int64, device=device),
         block_tables=empty.view(0, 0),
         seq_lens=empty,
         max_decode_seq_len=0,
@@ -151,28 +174,30 @@ class PrefillResult:
 @torch.no_grad()
 def run_chunk_plan(
     model: LlamaForCausalLM,
-    comm: CommGroup,
+    pool: Pool,
     plan: list[PlannedChunk],
     prompt: torch.Tensor,
-    scale: float,
     timings: list[float] | None = None,
     on_layer: Callable[[torch.Tensor], None] | None = None,
     poll: Callable[[], None] | None = None,
 ) -> PrefillResult:
-    """Prefill ``prompt`` (int64 [L]) chunk by chunk over the pool ``comm`` (§4.1). ``model``
-    is this member's model: the whole model at TP 1, or this TP rank's head shard of an instance
-    of TP > 1 (``comm`` then joins the same TP rank of every instance, and the model all-reduces
-    in its instance); ``scale`` the attention scale.
+    """Prefill ``prompt`` (int64 [L]) chunk by chunk over the pool (§4.1). ``model`` is this
+    member's model: the whole model at TP 1, or this TP rank's head shard of an instance of
+    TP > 1 (the pool then joins the same TP rank of every instance, and the model all-reduces
+    in its instance).
     ``timings`` gets each chunk's seconds on this member (rebalance included; 0 when it sat the
     chunk out). ``on_layer`` gets, during the plan's last chunk, each layer's final rows of
     this member ([n, 2, Hkv, D], in the order of the returned holding) as soon as the layer has
     projected them (layer-wise hand-off). ``poll`` is called at every layer of every chunk (the
     member's messages that must not wait for the prefill to end)."""
+    comm = pool.comm
     check_plan(plan, int(prompt.shape[0]), comm.size)
     cfg = model.config
     layers = len(model.model.layers)
-    dtype = next(model.parameters()).dtype
-    holding = Holding.empty(layers, model.num_kv_heads, cfg.head_dim, dtype)
+    weight = next(model.parameters())
+    device = weight.device
+    prompt = prompt.to(device)
+    holding = Holding.empty(layers, model.num_kv_heads, cfg.head_dim, weight.dtype, device)
     counts: dict[int, int] = {}
     done = 0
     last_logits = None
@@ -184,25 +209,26 @@ def run_chunk_plan(
                 timings.append(0.0)
             continue
         started = time.perf_counter()
-        ring = Ring(comm, chunk.group)
-        history = rebalance(holding, counts, ring)  # posted; lands layer by layer
+        ring = Ring(comm, chunk.group, pool.channel if len(chunk.group) > 1 else None)
+        history = rebalance(holding, counts, ring)  # layer 0 posted; the rest layer by layer
         lengths = even_split(done, ring.size)
         layout = ZigZag(chunk.length, ring.size)
-        rows = torch.tensor(layout.positions(ring.index), dtype=torch.int64) + done
+        local = layout.positions(ring.index)
+        rows = torch.tensor(local, dtype=torch.int64, device=device) + done
         stores = [_LayerHistory(history, i) for i in range(layers)]
         last_chunk = on_layer if chunk is plan[-1] else None
-        core = RingCore(ring, layout, lengths, scale, last_chunk, poll)
-        hidden = model(prompt[rows], rows, cast(Any, stores), _metadata(len(rows)), core)
+        core = RingCore(ring, layout, lengths, cfg.head_dim**-0.5, pool.core, last_chunk, poll)
+        hidden = model(prompt[rows], rows, cast(Any, stores), _metadata(len(rows), device), core)
         holding = history.finish()
         if len(rows):
             fresh = torch.stack(
                 [torch.stack(s.chunk, dim=1) for s in stores if s.chunk is not None], dim=1
             )
             holding = Holding(torch.cat((holding.kv, fresh)), torch.cat((holding.positions, rows)))
-        last = int(prompt.shape[0]) - 1
-        hit = (rows == last).nonzero()
-        if len(hit):
-            last_logits = model.compute_logits(hidden[int(hit[0, 0])].unsqueeze(0))
+        last = int(prompt.shape[0]) - 1 - done
+        if last in local:  # this member holds the prompt's last token
+            row = hidden[local.index(last)].unsqueeze(0)
+            last_logits = model.compute_logits(row)
         counts = _after(counts, chunk)
         done += chunk.length
         if timings is not None:

@@ -2,7 +2,8 @@
 pieces its leader's ``admission.DecodeAdmission`` granted.
 
 On every rank of the instance, ``ReceiveHook`` posts the receives a plan's section names, before
-the plan's forward pass, and writes the rows into the rank's paged cache.
+the plan's forward pass, on the piece's slot channel (``handoff.py``), and writes the rows into
+the rank's paged cache.
 
 A streamed piece (``layerwise_transfer``) takes two plans: the first posts its per-layer receives
 on every rank as soon as its slot is granted (they fill in the background while the pool still
@@ -15,9 +16,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gearshift.worker.comm import CommGroup
 from gearshift.worker.engine.model_runner import ModelRunner
 from gearshift.worker.engine.plan import StepPlan
+from gearshift.worker.p2p import P2P
 from gearshift.worker.policies.tetris.admission import (
     SECTION,
     STREAM,
@@ -36,17 +37,18 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ReceiveHook:
-    """Every decode rank: the plan's pieces, received before its forward pass (``world``: the
-    group's global ranks). A piece that fails (its sender died mid-send) is recorded, and the
-    step goes on so the instance's ranks stay in step."""
+    """Every decode rank: the plan's pieces, received before its forward pass on their slots'
+    ``channels`` (one per transfer slot, over the group's global ranks). A piece that fails
+    (its sender died mid-send) is recorded, and the step goes on so the instance's ranks stay
+    in step."""
 
-    world: CommGroup
+    channels: list[P2P]
     failed_sources: list[int] = field(default_factory=list)
     # A prefill instance's index -> what ``receive_piece`` takes as its source (its ranks and
     # the heads each sends this rank, for TP > 1); None: the index is the rank (TP 1).
     sources: Callable[[int], int | list[tuple[int, int]]] | None = None
 
-    posted: dict[int, tuple[int, Posted]] = field(default_factory=dict)  # tag -> (src, recvs)
+    posted: dict[int, tuple[int, Posted]] = field(default_factory=dict)  # xfer -> (src, recvs)
 
     def _source(self, src: int) -> int | list[tuple[int, int]]:
         return src if self.sources is None else self.sources(src)
@@ -54,9 +56,10 @@ class ReceiveHook:
     def before_step(self, runner: ModelRunner, plan: StepPlan) -> None:
         section = plan.section(SECTION)
         pieces = decode_pieces(section.tolist()) if section is not None else []
-        for src, rows, block_ids in pieces:
+        for src, slot, xfer, rows, block_ids in pieces:
             try:
-                receive_piece(self._source(src), rows, self.world, runner.kv_caches, block_ids)
+                source, channel = self._source(src), self.channels[slot]
+                receive_piece(source, rows, channel, runner.kv_caches, block_ids, xfer)
             except RuntimeError as exc:
                 log.error("KV piece from rank %d failed: %s", src, str(exc).splitlines()[0])
                 self.failed_sources.append(src)
@@ -64,11 +67,12 @@ class ReceiveHook:
         if section is None:
             return
         posts, completes = decode_stream(section.tolist())
-        for src, rows, tag in posts:
-            post = post_piece(self._source(src), rows, self.world, runner.kv_caches, tag)
-            self.posted[tag] = (src, post)
-        for tag, block_ids in completes:
-            src, post = self.posted.pop(tag)
+        for src, slot, xfer, rows in posts:
+            channel = self.channels[slot]
+            post = post_piece(self._source(src), rows, channel, runner.kv_caches, xfer)
+            self.posted[xfer] = (src, post)
+        for xfer, block_ids in completes:
+            src, post = self.posted.pop(xfer)
             try:
                 complete_piece(post, runner.kv_caches, block_ids)
             except RuntimeError as exc:

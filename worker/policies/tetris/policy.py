@@ -1,15 +1,15 @@
 """Tetris (CDSP): a prefill pool and decode instances in one group (Tetris §3.2, Fig. 4).
 
-Ranks ``0 .. P·Tp-1`` are the prefill pool: ``P`` instances of TP ``Tp`` (instance ``m`` is
-ranks ``m·Tp ..``), each holding the whole model over its TP ranks, all in the group's one process
-group, so any subset of instances can form a ring by point-to-point (per TP index: rank ``j`` of
-each) without creating groups on the hot path (``chunked_prefill.run_chunk_plan``). The ranks
-after the pool are the decode instances, ``T`` ranks each: an engine of its own (scheduler, paged
-KV, sampler) whose leader is its first rank. A request runs its chunk plan on the pool; the members
-of its last chunk's group hand their KV to the chosen decode instance piece by piece, each piece
-after a transfer-slot handshake (``transfer.ReceiveManager``; with ``layerwise_transfer`` the
-handshake runs during the prefill and each layer's rows leave as soon as they are computed);
-the decode instance admits it into continuous batching once every piece has landed
+Ranks ``0 .. P·Tp-1`` are the prefill pool: ``P`` instances of TP ``Tp`` (instance ``m`` is ranks
+``m·Tp ..``), each holding the whole model over its TP ranks; rank ``j`` of every instance shares
+one point-to-point channel (``channels.py``), so any subset of instances can form a ring (per TP
+index) without creating groups on the hot path (``chunked_prefill.run_chunk_plan``). The ranks after
+the pool are the decode instances, ``T`` ranks each: an engine of its own (scheduler, paged KV,
+sampler) whose leader is its first rank. A request runs its chunk plan on the pool; the members of
+its last chunk's group hand their KV to the chosen decode instance piece by piece, each piece after
+a transfer-slot handshake (``transfer.ReceiveManager``; with ``layerwise_transfer`` the handshake
+runs during the prefill and each layer's rows leave as soon as they are computed); the decode
+instance admits it into continuous batching once every piece has landed
 (``admission.DecodeAdmission``).
 
 The group is not one engine: requests go to the pool. It is started and served by the Tetris
@@ -38,12 +38,9 @@ from gearshift.worker.model.config import ModelConfig
 from gearshift.worker.parallel.layout import Layout
 from gearshift.worker.policies.base import Policy, RankContext, RankModel
 from gearshift.worker.policies.tetris.admission import DecodeAdmission
+from gearshift.worker.policies.tetris.channels import TetrisChannels, open_channels
 from gearshift.worker.policies.tetris.decode import ReceiveHook
-from gearshift.worker.policies.tetris.handoff import (
-    check_stream_layers,
-    head_route,
-    kv_heads_of,
-)
+from gearshift.worker.policies.tetris.handoff import head_route, kv_heads_of
 
 TETRIS_RUNTIME = "tetris"  # the group runtime that serves this policy (server/runtimes.py)
 
@@ -87,13 +84,16 @@ class TetrisPolicy(Policy):
         first = self.pool_ranks + instance * self.decode_tp
         return tuple(range(first, first + self.decode_tp))
 
-    def pool_comm(self, rank: int, world: CommGroup) -> CommGroup:
-        """A prefill rank's pool: the ranks of the same TP index in every prefill instance, in
-        instance order (a chunk's ring of instances runs per head shard; point-to-point in the
-        one world group, so any subset forms a ring)."""
-        m, j = divmod(rank, self.prefill_tp)
-        ranks = tuple(i * self.prefill_tp + j for i in range(self.prefill))
-        return CommGroup(self.prefill, m, ranks, world.group)
+    def pool_ranks_of(self, j: int) -> tuple[int, ...]:
+        """TP index ``j``'s pool: rank ``j`` of every prefill instance, in instance order (a
+        chunk's ring of instances runs per head shard, on its channel)."""
+        return tuple(i * self.prefill_tp + j for i in range(self.prefill))
+
+    def pool_comm(self, rank: int, channels: TetrisChannels) -> CommGroup:
+        """A prefill rank's pool as a group (a pool of one instance has no channel)."""
+        if channels.pool is not None:
+            return channels.pool.comm
+        return CommGroup.single()
 
     def group_runtime(self) -> str:
         """Not one engine: the pool and the decode instances are run by the Tetris runtime."""
@@ -102,12 +102,6 @@ class TetrisPolicy(Policy):
     # ---- every rank ------------------------------------------------------------------------
 
     def check_model(self, cfg: ModelConfig) -> None:
-        if self.message.layerwise_transfer:
-            try:
-                check_stream_layers(cfg.num_layers)
-            except ValueError as exc:
-                field = "policy.tetris.layerwiseTransfer"
-                raise InvalidRequestError(field, f"{field}: {exc}") from exc
         for name, tp in (("prefillTp", self.prefill_tp), ("decodeTp", self.decode_tp)):
             try:
                 Layout(tp=tp).check_model(cfg.num_heads, cfg.num_kv_heads)
@@ -137,6 +131,9 @@ class TetrisPolicy(Policy):
         self.check_model(cfg)
         role, index, t = self.role(ctx.rank)
         tp_pg = self._instance_groups(ctx.rank, ctx.timeout, None)
+        pools = [self.pool_ranks_of(j) for j in range(self.prefill_tp)]
+        slots = int(self.message.transfer_backends)
+        channels = open_channels(ctx.rank, self.world_size, pools, slots, ctx.device, ctx.timeout)
         world = CommGroup(
             self.world_size, ctx.rank, tuple(range(self.world_size)), dist.group.WORLD
         )
@@ -157,7 +154,8 @@ class TetrisPolicy(Policy):
                 kv_layers=cfg.num_layers,
                 kv_heads=heads,
                 kv_allocator=lambda blocks: [],  # the pool keeps request KV in Holdings
-                extra={"world": world, "instance": index},
+                extra={"world": world, "instance": index, "channels": channels},
+                closers=[channels.close],
                 graph_gears=(),  # the pool only prefills (ring attention): no decode steps
             )
         members = self.decode_ranks(index)
@@ -165,13 +163,15 @@ class TetrisPolicy(Policy):
         model = load_model(
             ctx.spec, ctx.open_source(), ctx.device, tp=tp, show_progress=ctx.show_progress
         )
-        self.hook = ReceiveHook(world, sources=self._piece_sources(t, cfg.num_kv_heads))
+        sources = self._piece_sources(t, cfg.num_kv_heads)
+        self.hook = ReceiveHook(list(channels.slots), sources=sources)
         return RankModel(
             gears=[Gear("decode", model, ctx.make_core(), CommGroup.single())],
             kv_layers=cfg.num_layers,
             kv_heads=model.num_kv_heads,
             hook=self.hook,
-            extra={"world": world, "instance": index},
+            extra={"world": world, "instance": index, "channels": channels},
+            closers=[channels.close],
         )
 
     def _piece_sources(self, t: int, kv_heads: int) -> Callable[[int], list[tuple[int, int]]]:

@@ -10,10 +10,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gearshift.worker.attention.torch_ref import TorchAttention
 from gearshift.worker.comm import CommGroup
 from gearshift.worker.config import EngineConfig
 from gearshift.worker.engine.loading import inspect_model, load_model
-from gearshift.worker.policies.tetris.chunked_prefill import PlannedChunk, run_chunk_plan
+from gearshift.worker.p2p import P2P, start_rules
+from gearshift.worker.policies.tetris.chunked_prefill import PlannedChunk, Pool, run_chunk_plan
 
 PROMPT_LENGTH = 61
 
@@ -41,18 +43,18 @@ def prompt(vocab: int) -> torch.Tensor:
 
 def run_rank(rank: int, world: int, store_path: str, checkpoint: str, out_dir: str) -> None:
     torch.set_num_threads(1)
+    start_rules()
     store = dist.FileStore(store_path, world)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120)
-    )
+    timeout = timedelta(seconds=120)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    cpu = torch.device("cpu")
     comm = CommGroup(world, rank, tuple(range(world)), dist.group.WORLD)
-    spec, source = inspect_model(
-        EngineConfig(model=checkpoint, dtype="float32"), torch.device("cpu")
-    )
-    model = load_model(spec, source, torch.device("cpu"))
+    spec, source = inspect_model(EngineConfig(model=checkpoint, dtype="float32"), cpu)
+    model = load_model(spec, source, cpu)
+    pool = Pool(comm, P2P(comm, "pool", cpu, timeout), TorchAttention(spec.config.head_dim**-0.5))
     ids = prompt(spec.config.vocab_size)
     for name, plan in cases(world).items():
-        result = run_chunk_plan(model, comm, plan, ids, spec.config.head_dim**-0.5)
+        result = run_chunk_plan(model, pool, plan, ids)
         torch.save(
             {
                 "kv": result.holding.kv,

@@ -1,11 +1,14 @@
 """One rank of the prefill → decode test: global ranks 0 and 1 are the prefill pool (TP 1 each,
 whole model), 2 and 3 one decode instance of TP 2. The pool runs a chunk plan and hands the KV
-over; the decode instance writes it into its paged cache and decodes greedily. Saves the decode
-ranks' cached prompt KV and the tokens to ``<out>``.
+over on the group's channels (``channels.open_channels``: the pool's ring channel and one per
+transfer slot); the decode instance writes it into its paged cache and decodes greedily. Saves
+the decode ranks' cached prompt KV and the tokens to ``<out>``.
 
-``mode`` "stream": the layer-wise hand-off. Each member's one piece is granted before its
-prefill, the decode ranks post its receives at once, and every layer leaves as the last chunk
-computes it (``LayerStream``); the first token travels on its own."""
+``mode`` "stream": the layer-wise hand-off with several pieces per member. Each member's rows
+are two pieces, both granted before its prefill (piece k on slot k), so one member streams two
+pieces at once, on two channels; the decode ranks post every receive first, and every layer
+leaves as the last chunk computes it (``LayerStream``). The first token goes after them on
+slot 0."""
 
 from __future__ import annotations
 
@@ -21,21 +24,24 @@ from gearshift.worker.comm import CommGroup
 from gearshift.worker.config import EngineConfig
 from gearshift.worker.engine.loading import inspect_model, load_model
 from gearshift.worker.kv.cache import KVCacheSpec, allocate_kv_cache
+from gearshift.worker.p2p import P2P, start_rules
+from gearshift.worker.policies.tetris.channels import open_channels
 from gearshift.worker.policies.tetris.chunked_prefill import (
     PlannedChunk,
+    Pool,
     last_token_member,
     rows_after,
     run_chunk_plan,
 )
 from gearshift.worker.policies.tetris.handoff import (
-    LayerStream,
     Transfer,
     complete_piece,
+    piece_label,
     post_piece,
     receive_kv,
     send_kv,
-    stream_tag,
 )
+from gearshift.worker.policies.tetris.stream import LayerStream
 from tests.worker.policies.tetris.chunk_driver import PROMPT_LENGTH, prompt
 
 PLAN = [PlannedChunk(24, (1,)), PlannedChunk(PROMPT_LENGTH - 24, (1, 0))]
@@ -58,64 +64,83 @@ def _decode_meta(position: int, table: torch.Tensor) -> AttentionMetadata:
     )
 
 
-TOKEN_TAG = 7
+SLOTS = 2  # transfer slots: each member's two streamed pieces travel at once
+
+
+def _pieces(rows: int) -> list[tuple[int, int]]:
+    """A member's rows as two pieces (start, count), as a transfer buffer would cut them."""
+    half = rows // 2
+    return [(0, half), (half, rows - half)]
+
+
+def _xfer(member: int, piece: int) -> int:
+    """The grant number of a member's piece (the controller counts grants; here, fixed)."""
+    return member * SLOTS + piece
 
 
 def run_rank(
     rank: int, store_path: str, checkpoint: str, out_dir: str, mode: str = "whole"
 ) -> None:
     torch.set_num_threads(1)
+    start_rules()  # GEARSHIFT_COMM_RULES, as a rank of a group reads it
     store = dist.FileStore(store_path, 4)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=4, timeout=timedelta(seconds=120)
-    )
-    pool_pg, decode_pg = dist.new_group(list(POOL)), dist.new_group(list(DECODE))
-    world = CommGroup(4, rank, (0, 1, 2, 3), dist.group.WORLD)
+    timeout = timedelta(seconds=120)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=4, timeout=timeout)
+    cpu = torch.device("cpu")
+    decode_pg = dist.new_group(list(DECODE))
+    channels = open_channels(rank, 4, [POOL], SLOTS, cpu, timeout)
     config = EngineConfig(model=checkpoint, dtype="float32")
-    spec, source = inspect_model(config, torch.device("cpu"))
+    spec, source = inspect_model(config, cpu)
     cfg = spec.config
     ids = prompt(cfg.vocab_size)
     transfer = Transfer(rows_after(PLAN), DECODE, last_token_member(PLAN))
     if rank in POOL:
-        pool = CommGroup(2, rank, POOL, pool_pg)
-        model = load_model(spec, source, torch.device("cpu"))
+        assert channels.pool is not None
+        pool = Pool(channels.pool.comm, channels.pool, TorchAttention(cfg.head_dim**-0.5))
+        model = load_model(spec, source, cpu)
         if mode == "whole":
-            result = run_chunk_plan(model, pool, PLAN, ids, cfg.head_dim**-0.5)
+            result = run_chunk_plan(model, pool, PLAN, ids)
             first = None if result.last_logits is None else int(result.last_logits[0].argmax())
-            send_kv(result.holding, first, transfer, world)
+            send_kv(result.holding, first, transfer, channels.slots[0])
         else:
-            rows = transfer.senders[rank]
-            row = (cfg.num_kv_heads, cfg.head_dim, torch.float32)
+            pieces = _pieces(transfer.senders[rank])
+            row = (cfg.num_kv_heads, cfg.head_dim, torch.float32, cpu)
             stream = LayerStream(
-                [(0, rows)], DECODE, world, (0, 1), cfg.num_kv_heads, row, cfg.num_layers
+                pieces, DECODE, channels.slots, (0, 1), cfg.num_kv_heads, row, cfg.num_layers
             )
-            grant = stream.grant(0, stream_tag(rank))  # granted before the prefill starts
-            result = run_chunk_plan(
-                model, pool, PLAN, ids, cfg.head_dim**-0.5, on_layer=stream.add_layer
-            )
-            assert grant.early == cfg.num_layers, "a layer waited for the prefill's end"
-            assert stream.finish(result.holding.positions) == [0] and stream.settled
+            # Both granted before the prefill starts: one member, two pieces in flight.
+            grants = [stream.grant(k, k, _xfer(rank, k)) for k in range(len(pieces))]
+            result = run_chunk_plan(model, pool, PLAN, ids, on_layer=stream.add_layer)
+            assert all(g.early == cfg.num_layers for g in grants), "a layer waited"
+            assert stream.finish(result.holding.positions) == [0, 1] and stream.settled
             if result.last_logits is not None:
                 token = torch.tensor([int(result.last_logits[0].argmax())])
                 for dst in DECODE:
-                    dist.send(token, dst, tag=TOKEN_TAG)
-            grant.sending.wait()
+                    channels.slots[0].send(token, dst, piece_label(0, "first token")).wait()
+            for grant in grants:
+                grant.sending.wait()
     else:
         tp = CommGroup(2, rank - 2, DECODE, decode_pg)
-        model = load_model(spec, source, torch.device("cpu"), tp=tp)
+        model = load_model(spec, source, cpu, tp=tp)
         blocks = -(-(PROMPT_LENGTH + NEW_TOKENS) // BLOCK) + 1
         kv_spec = KVCacheSpec(
             cfg.num_layers, model.num_kv_heads, cfg.head_dim, BLOCK, torch.float32
         )
-        cache = allocate_kv_cache(kv_spec, blocks, torch.device("cpu"))
+        cache = allocate_kv_cache(kv_spec, blocks, cpu)
         block_ids = list(range(blocks))[::-1][: blocks - 1]  # not the identity: the table counts
         table = torch.tensor(block_ids)
         if mode == "whole":
-            token = receive_kv(transfer, world, cache, block_ids, cfg.num_kv_heads)
+            # Every member's rows as one piece (grant 0 on each pair) on slot 0.
+            token = receive_kv(transfer, channels.slots[0], cache, block_ids, cfg.num_kv_heads)
         else:
-            posted = [post_piece(m, transfer.senders[m], world, cache, stream_tag(m)) for m in POOL]
+            posted = [
+                post_piece(m, count, channels.slots[k], cache, _xfer(m, k))
+                for m in POOL
+                for k, (_, count) in enumerate(_pieces(transfer.senders[m]))
+            ]
             first = torch.empty(1, dtype=torch.int64)
-            dist.recv(first, transfer.token_sender, tag=TOKEN_TAG)
+            src = transfer.token_sender
+            channels.slots[0].recv(first, src, piece_label(0, "first token")).wait()
             for post in posted:
                 complete_piece(post, cache, block_ids)
             token = int(first[0])
@@ -143,6 +168,7 @@ def run_rank(
                 tokens.append(int(nxt[0]))
         torch.save({"prompt_kv": prompt_kv, "tokens": tokens}, Path(out_dir, f"decode{rank}.pt"))
     dist.barrier()
+    channels.close()
     dist.destroy_process_group()
 
 
@@ -153,16 +179,17 @@ def run_dead_sender(rank: int, store_path: str, out_dir: str) -> None:
     import os
     import time
 
+    start_rules()
     store = dist.FileStore(store_path, 2)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30)
-    )
+    timeout = timedelta(seconds=30)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
+    world = CommGroup(2, rank, (0, 1), dist.group.WORLD)
+    channel = P2P(world, "transfer slot", torch.device("cpu"), timeout)  # collective: both
     if rank == 0:
         os._exit(0)
     time.sleep(1.5)
-    world = CommGroup(2, 1, (0, 1), dist.group.WORLD)
     cache = allocate_kv_cache(KVCacheSpec(2, 1, 4, 4, torch.float32), 4, torch.device("cpu"))
-    posted = post_piece(0, 3, world, cache, stream_tag(0))
+    posted = post_piece(0, 3, channel, cache, 0)
     try:
         complete_piece(posted, cache, [0])
         outcome = "completed"

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from gearshift.worker.comm import CommGroup
+from gearshift.worker.p2p import P2P, start_rules
 from gearshift.worker.policies.tetris.ring import History, Ring, ring_attention_with_history
 from gearshift.worker.policies.tetris.zigzag import ZigZag, even_split
 
@@ -70,9 +71,9 @@ def reference(case: Case, seed: int) -> tuple[torch.Tensor, ...]:
     return q, k, v, out, lse.transpose(0, 1)
 
 
-def run_case(case: Case, comm: CommGroup, seed: int) -> dict[str, float]:
+def run_case(case: Case, channel: P2P, seed: int) -> dict[str, float]:
     q, k, v, want_out, want_lse = reference(case, seed)
-    ring = Ring(comm, case.members)
+    ring = Ring(channel.comm, case.members, channel)
     me = ring.index
     layout = ZigZag(case.length, ring.size)
     lengths = even_split(case.history, ring.size)
@@ -103,21 +104,23 @@ def _max_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def run_rank(rank: int, world: int, store_path: str, out_dir: str) -> None:
     torch.set_num_threads(1)
+    start_rules()  # GEARSHIFT_COMM_RULES, as a rank of a group reads it
     store = dist.FileStore(store_path, world)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
+    timeout = timedelta(seconds=60)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    cpu = torch.device("cpu")
     world_comm = CommGroup(world, rank, tuple(range(world)), dist.group.WORLD)
-    pool_comm = None
+    world_channel = P2P(world_comm, "ring test", cpu, timeout)
+    pool_channel = None
     if world == 4:  # new_group is collective: every rank creates it
         pg = dist.new_group([1, 2, 3])
         if rank >= 1:
-            pool_comm = CommGroup(3, rank - 1, (1, 2, 3), pg)
+            pool_channel = P2P(CommGroup(3, rank - 1, (1, 2, 3), pg), "ring pool", cpu, timeout)
     results: dict[str, dict[str, float]] = {}
     for seed, case in enumerate(cases(world)):
-        comm = pool_comm if pool_case(case) else world_comm
-        if comm is not None and comm.rank in case.members:
-            results[case.name] = run_case(case, comm, seed)
+        channel = pool_channel if pool_case(case) else world_channel
+        if channel is not None and channel.comm.rank in case.members:
+            results[case.name] = run_case(case, channel, seed)
         dist.barrier()
     dist.destroy_process_group()
     Path(out_dir, f"rank-{rank}.json").write_text(json.dumps(results))

@@ -166,15 +166,24 @@ def test_chunk_plans_hand_over_to_a_tp2_decode_instance_with_one_process_tokens(
     assert group.managers[0].grants  # granted in first-handshake order (transfer.py's tests)
 
 
-def test_a_gpu_device_is_refused_before_any_rank_starts(
-    tiny_checkpoint: Callable[..., Path],
+def test_a_gpu_the_host_lacks_is_refused_naming_device_before_any_rank_starts(
+    tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """``cuda`` and ``cuda:N`` are accepted as for every policy (one GPU per local rank, or
+    every rank on GPU N); a rank with no GPU to take is refused before any process starts."""
+    import multiprocessing
+
     folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=2)
-    config = EngineConfig(model=str(folder), **{**ENGINE, "device": "cuda"})
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # 3 ranks, 2 GPUs
     policy = make_policy({"tetris": {"prefill_instances": 2, "decode_instances": 1}})
-    with pytest.raises(InvalidRequestError) as info:
-        start_tetris(config, policy, GroupConfig(timeout_s=TIMEOUT_S), Outputs())  # type: ignore[arg-type]
-    assert info.value.field == "device"
+    before = set(multiprocessing.active_children())
+    for device, gpu in (("cuda", "GPU 2"), ("cuda:5", "GPU 5")):
+        config = EngineConfig(model=str(folder), **{**ENGINE, "device": device})
+        with pytest.raises(InvalidRequestError, match=gpu) as info:
+            start_tetris(config, policy, GroupConfig(timeout_s=TIMEOUT_S), Outputs())  # type: ignore[arg-type]
+        assert info.value.field == "device"
+        assert "shows 2" in str(info.value) and "not supported" not in str(info.value)
+    assert set(multiprocessing.active_children()) == before, "a rank started"
 
 
 def test_bad_plans_are_refused_naming_the_field(

@@ -73,8 +73,8 @@ EVERY_MESSAGE = {
     m.HELLO: [m.Hello(3)],
     m.TO_POOL: [
         m.Prefill("r", (1, 2, 3), CHUNKS, ((0, 2),), (4,)),
-        m.Go("r", 0),
-        m.StreamGo("r", 1, 1 << 24, 5, (4, 5)),
+        m.Go("r", 0, 1, 7),
+        m.StreamGo("r", 1, 0, 8, 5, (4, 5)),
         m.Cancel("r"),
         m.Probe("p", CHUNKS[1:], 7),
         m.Stop(),
@@ -93,9 +93,9 @@ EVERY_MESSAGE = {
     ],
     m.TO_DECODE: [
         m.Expect("r", (5, 6), PARAMS, 3),
-        m.Receive("r", 1, 9, 0),
-        m.Post("r", 1, 9, 0, 1 << 24),
-        m.Complete("r", 1, 0, 1 << 24, True),
+        m.Receive("r", 1, 9, 0, 1, 7),
+        m.Post("r", 1, 9, 0, 0, 8),
+        m.Complete("r", 1, 0, 8, True),
         m.Abort("r"),
         m.AskSnapshot(),
         m.Stop(),
@@ -103,7 +103,7 @@ EVERY_MESSAGE = {
     m.FROM_DECODE: [
         m.Loaded(128, 512),
         m.Output(OUTPUT),
-        m.Landed("r", 1),
+        m.Landed("r", 1, 0),
         m.Refused("r", "max_tokens", "max_tokens too large"),
         m.TransferFailed("r", "the KV transfer from prefill rank 1 failed"),
         m.Snapshot(STATS, 40, 4),
@@ -125,7 +125,7 @@ def test_every_message_round_trips_exactly_in_its_direction() -> None:
 
 def test_a_message_of_another_direction_is_refused() -> None:
     with pytest.raises(WireError):
-        m.FROM_POOL.decode(m.TO_POOL.encode(m.Go("r", 0)))  # a member never sends a grant
+        m.FROM_POOL.decode(m.TO_POOL.encode(m.Go("r", 0, 0, 0)))  # a member never sends a grant
     with pytest.raises(WireError):
         m.TO_POOL.encode(m.Expect("r", (1,), PARAMS, 1))  # nor is a pool told to expect
     with pytest.raises(WireError):

@@ -101,15 +101,21 @@ def _raises(call) -> BaseException | None:
 
 def test_stream_sections_round_trip_posts_and_completes() -> None:
     from gearshift.worker.policies.tetris.admission import decode_stream, encode_stream
-    from gearshift.worker.policies.tetris.handoff import STREAM_TAG, TAG_STRIDE, stream_tag
 
-    posts = [(0, 12, stream_tag(3)), (1, 5, stream_tag(4))]
-    completes = [(stream_tag(1), [7, 2, 9]), (stream_tag(2), [])]
+    posts = [(0, 1, 3, 12), (1, 0, 4, 5)]  # (src, slot, grant number, rows)
+    completes = [(1, [7, 2, 9]), (2, [])]
     assert decode_stream(encode_stream(posts, completes)) == (posts, completes)
     assert decode_stream(encode_stream([], [])) == ([], [])
-    # Tags of streamed pieces never meet the ring's (0) or the rebalance's (1 << 20 ..), and
-    # wrap only after 65,536 pieces, each with a tag per layer and one for the positions.
-    assert stream_tag(0) == STREAM_TAG > (1 << 21)
-    assert stream_tag(1) - stream_tag(0) == TAG_STRIDE
-    assert stream_tag(1 << 16) == stream_tag(0)
-    assert stream_tag((1 << 16) - 1) + TAG_STRIDE < 2**31
+
+
+def test_granted_pieces_hold_distinct_slots_and_a_landed_slot_is_granted_again() -> None:
+    """A granted piece travels on its slot's channel (handoff.py): two pieces in flight never
+    share one, and the slot a piece landed on is the one the next grant gets."""
+    manager = ReceiveManager(slots=2)
+    manager.announce("a", pieces=3, rows=30)
+    first, second = manager.acquire("a", 1), manager.acquire("a", 1)
+    assert {first, second} == {0, 1}
+    manager.landed("a", second)
+    assert manager.acquire("a", 1) == second
+    with pytest.raises(TransferError, match="without a slot"):
+        manager.landed("a", 5)
