@@ -2,6 +2,7 @@
 
 - SiDP WaS's device-side prefetcher: a whole pass (copies on the side stream, waits on events)
   captured as a CUDA graph replays the eager pass's FFN outputs: no host wait is left in it.
+- Tetris 2 prefill + 1 decode instances sharing the GPU over gloo: one process's greedy tokens.
 - Seesaw on the GPU: the host KV store is page-locked (cudaHostRegister), the start-up peak
   counted by the engine's ledger is one shard plus the KV cache, and torch's allocator agrees;
   the greedy text equals one process's.
@@ -95,3 +96,46 @@ def test_seesaw_on_one_gpu_pins_its_store_and_starts_with_one_shard(
     tables = sum(storage_bytes(m.buffers(), device) for m in weights.models)
     assert seesaw.ledger.peak <= shard + kv + tables
     assert [o.token_ids for o in engine.generate(prompts, params)] == want
+
+
+def test_tetris_two_prefill_one_decode_on_one_gpu_gives_one_process_tokens(tiny_checkpoint):
+    """Three ranks sharing GPU 0 over gloo (device tensors through host memory in p2p): the
+    pool's KV on the device, ring steps through the core's forward_lse, the hand-off on its slot
+    channels; greedy tokens equal one process on the same GPU."""
+    from gearshift.worker.config import EngineConfig
+    from gearshift.worker.launch import start_engine
+    from gearshift.worker.launch.group_config import GroupConfig
+    from gearshift.worker.launch.tetris.start import start_tetris
+    from gearshift.worker.policies.registry import make_policy
+    from tests.worker.policies.tetris.test_tetris_group import (
+        ENGINE,
+        TIMEOUT_S,
+        Outputs,
+        _greedy,
+        _plan,
+        _prompts,
+    )
+
+    gpu = {"device": "cuda:0", "attention_backend": "torch"}
+    folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=2)
+    prompts = _prompts([37, 23, 30])
+    ref = start_engine(EngineConfig(model=str(folder), **{**ENGINE, **gpu}))
+    try:
+        want = [o.token_ids for o in ref.generate(prompts, _greedy(6))]
+    finally:
+        ref.shutdown()
+    config = EngineConfig(model=str(folder), **{**ENGINE, "kv_cache_bytes": 64 << 20, **gpu})
+    policy = make_policy(
+        {"tetris": {"prefill_instances": 2, "decode_instances": 1, "transfer_backends": 1}}
+    )
+    outputs = Outputs()
+    group = start_tetris(config, policy, GroupConfig(timeout_s=TIMEOUT_S), outputs)  # type: ignore[arg-type]
+    try:
+        plans = [_plan([(16, [0]), (21, [0, 1])]), _plan([(23, [1])]), None]
+        for i, (ids, plan) in enumerate(zip(prompts, plans, strict=True)):
+            group.submit(f"r{i}", ids, _greedy(6), plan)
+        got = outputs.collect({f"r{i}" for i in range(3)})
+        assert [got[f"r{i}"] for i in range(3)] == want
+    finally:
+        reports = group.shutdown()
+    assert reports and all(r["leaked_blocks"] == 0 for r in reports), reports
