@@ -196,7 +196,10 @@ def test_requests_spread_by_least_outstanding_tokens(tokenizer: Tokenizer) -> No
         long = asyncio.create_task(
             s.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 400})
         )
-        await asyncio.sleep(0.1)
+        for _ in range(500):  # until the long request reached its group (bounded: 10 s)
+            if any(w.requests for w in s.workers):
+                break
+            await asyncio.sleep(0.02)
         busy = next(w for w in s.workers if w.requests)
         other = next(w for w in s.workers if w is not busy)
         await asyncio.gather(
