@@ -6,6 +6,8 @@ time is split by phase (prefill / decode), and the re-shard and swap seconds and
 transitions come from the policy's stats. Same random model as benchmarks/pipeline.py (fp32).
 
     python benchmarks/seesaw.py                  # writes seesaw.{json,png} next to this file
+    python benchmarks/seesaw.py --pressure       # host-store pressure (seesaw_pressure.py)
+    python benchmarks/seesaw.py --pressure --quick   # the same, small: checks that it runs
 """
 
 from __future__ import annotations
@@ -99,8 +101,27 @@ def main() -> None:
     ap.add_argument("--balanced-len", type=int, default=96)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--passes", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=HERE / "seesaw.json")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--pressure", action="store_true", help="device KV and host store < work")
+    ap.add_argument("--quick", action="store_true", help="--pressure, small sizes")
+    ap.add_argument("--repetitions", type=int, default=3, help="--pressure: interleaved")
+    ap.add_argument("--device-kv-tokens", type=int, default=2048, help="--pressure, per rank")
+    ap.add_argument("--host-kv-tokens", type=int, default=4096, help="--pressure")
+    ap.add_argument("--batched-tokens", type=int, default=512, help="--pressure")
+    ap.add_argument("--note", default="", help="--pressure: saved in the JSON")
     args = ap.parse_args()
+    if args.quick:
+        args.pressure = True
+        args.requests, args.long_prompt, args.short_output, args.balanced_len = 12, 64, 4, 24
+        args.layers, args.device_kv_tokens, args.host_kv_tokens = 2, 256, 384
+        args.batched_tokens = 128
+    if args.pressure:
+        from seesaw_pressure import run_pressure
+
+        name = "seesaw_pressure_quick.json" if args.quick else "seesaw_pressure.json"
+        run_pressure(args, make_model, workloads, args.out or HERE / name)
+        return
+    args.out = args.out or HERE / "seesaw.json"
 
     from gearshift.worker.config import EngineConfig
     from gearshift.worker.launch import start_engine

@@ -39,6 +39,10 @@ class StepRequest:
 
     kind: StepKind = StepKind.ANY
     max_seqs: int | None = None  # most sequences in this step (None: the scheduler's limit)
+    # Most KV blocks the sequences this step admits may hold in all once prefilled, counted at
+    # their whole length (None: no limit). A policy with a tier of its own (Seesaw's host
+    # store) admits only what that tier can take, so nothing is recomputed for lack of room.
+    admit_blocks: int | None = None
 
 
 @dataclass(frozen=True)

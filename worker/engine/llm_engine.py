@@ -79,6 +79,8 @@ class EngineStats:
     steps: int
     prompt_tokens: int
     generation_tokens: int
+    # KV tokens discarded by preemptions (recomputed on re-admission, less prefix hits).
+    preempted_tokens: int = 0
     gear_steps: dict[str, int] = field(default_factory=dict)
     gear_tokens: dict[str, int] = field(default_factory=dict)
     gear: str = ""
@@ -550,6 +552,7 @@ class LLMEngine:
             kv_usage=self.blocks.usage,
             outstanding_tokens=outstanding,
             num_preemptions=self.scheduler.num_preemptions,
+            preempted_tokens=self.scheduler.preempted_tokens,
             prefix_cache_hit_tokens=self.blocks.prefix_hit_tokens,
             steps=self._step,
             prompt_tokens=self.prompt_tokens,

@@ -55,6 +55,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # KV tokens thrown away by preemptions: what re-admission recomputes (less any prefix
+        # hits), the cost a policy's admission control exists to avoid.
+        self.preempted_tokens = 0
         # Called with every sequence that ends (finished, aborted, failed): a policy holding
         # state of its own per sequence (a host KV slot) frees it here.
         self.on_finish: list[Callable[[Sequence], None]] = []
@@ -128,7 +131,7 @@ class Scheduler:
                 batch.prefills.append((seq, n))
         if not batch.preempted and request.kind is not StepKind.DECODE:
             seats -= len(batch.decodes) + len(batch.prefills)
-            budget = self._admit(batch, budget, now, seats)
+            budget = self._admit(batch, budget, now, seats, request.admit_blocks)
         return batch
 
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch, busy: frozenset[str]) -> bool:
@@ -148,6 +151,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free_table(seq.blocks)
         seq.status = SequenceStatus.WAITING
+        self.preempted_tokens += seq.num_computed_tokens
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -158,7 +162,9 @@ class Scheduler:
             batch.decodes.remove(seq)
         batch.prefills = [(s, n) for s, n in batch.prefills if s is not seq]
 
-    def _admit(self, batch: ScheduledBatch, budget: int, now: float, seats: int) -> int:
+    def _admit(
+        self, batch: ScheduledBatch, budget: int, now: float, seats: int, room: int | None
+    ) -> int:
         while (
             self.waiting
             and budget > 0
@@ -166,6 +172,10 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             seq = self.waiting[0]
+            # In arrival order: a prompt the policy's tier cannot take stops admission.
+            whole = self.blocks.blocks_needed(seq.num_tokens)
+            if room is not None and whole > room:
+                break
             # At least one token must run to produce logits, so the last prompt token never hits.
             # prompt_logprobs need every prompt row computed: no prefix hit for them.
             limit = 0 if seq.needs_prompt_logprobs else seq.num_tokens - 1
@@ -184,4 +194,5 @@ class Scheduler:
             batch.prefills.append((seq, n))
             budget -= n
             seats -= 1
+            room = None if room is None else room - whole
         return budget

@@ -94,7 +94,8 @@ def test_switches_only_at_its_thresholds_and_fewer_times_than_prefill_first(
     engine_factory,
 ):
     folder = _model(tiny_checkpoint)
-    prompts = _prompts(24, seed=5)
+    # 40 prompts: 155 host pages, more than the 96-page store holds (24 would fit at once).
+    prompts = _prompts(40, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     # Prefill-first (the engine's own scheduler) with the same device KV per token.
     ref = engine_factory(folder, kv_cache_bytes=2 * DEVICE_KV, **ENGINE)

@@ -2,18 +2,23 @@
 Fig. 6).
 
 Prefill phase: only prefill steps run (on the prefill gear); every prompt whose prefill is done
-moves to the host store and its device blocks free. The phase ends when the host store's usage
-reaches ``switch_to_decode_at_host_usage``, a finished prompt finds no room there, no prompt
-waits, or every sequence seat (``max_num_seqs``) is held; partial prefills finish first (no new
-admissions) and no step may be in flight.
+moves to the host store and its device blocks free. A prompt is admitted only if its whole KV
+fits the host pages and the device blocks the prompts being prefilled leave free (the step's
+``admit_blocks``), so no prefill is preempted and none finds the store full: nothing is
+recomputed. The phase ends when the host store's usage reaches
+``switch_to_decode_at_host_usage``, the next prompt (arrival order) does not fit the pages left,
+no prompt waits, or every sequence seat (``max_num_seqs``) is held; partial prefills finish
+first (no new admissions) and no step may be in flight.
 
 Decode phase: decode steps with continuous batching (on the decode gear); sequences are
 on-boarded from the host store as device blocks free (up to ``prefetch_max_sequences`` a
-step). The phase ends when the host usage has fallen to ``switch_to_prefill_at_host_usage``,
-prompts wait, a sequence seat is free for them, and parking the sequences still decoding in the
-host store keeps its usage below ``switch_to_decode_at_host_usage`` (else the next prefill phase
-would end at once): those sequences move to the host store (they resume in the next decode
-phase), so the device holds no KV when the gear changes.
+step). A decode step whose sequences need more new blocks than are free parks the youngest in
+the host store instead of letting the scheduler preempt them. The phase ends when the host
+usage has fallen to ``switch_to_prefill_at_host_usage``, prompts wait, a sequence seat is free
+for them, and parking the sequences still decoding costs the next prefill phase no prompt (else
+it would end sooner and a later phase, two more switches, would take what it leaves): those
+sequences move to the host store (they resume in the next decode phase), so the device holds no
+KV when the gear changes (the two gears view the device buffer differently: rank_hook.DeviceKV).
 
 Host usage counts the pages of sequences whose KV lives only on the host. A swapped-in sequence
 keeps its pages until its first decode step has come back (then every rank has read them).
@@ -118,6 +123,7 @@ class SeesawLeader:
         self._switched = False
         self.swap_out_bytes = 0
         self.swap_in_bytes = 0
+        self.parked = 0  # decoding sequences parked in the decode phase, not preempted
         self.scheduler: Scheduler | None = None
         self.blocks: BlockManager | None = None
 
@@ -234,6 +240,21 @@ class SeesawLeader:
         # (and those of the sequences leaving with this plan go once they are freed).
         self.blocks.reset_prefix_cache()
 
+    def _pages(self, seq: Sequence) -> int:
+        """Host pages (= device blocks) ``seq``'s KV takes once its current tokens are computed."""
+        return -(-seq.num_tokens // self.block_size)
+
+    def _admission(self, prefilling: list[Sequence]) -> tuple[int, int]:
+        """(host pages, device blocks) left for new prompts once the prompts being prefilled
+        have all of theirs: a prompt is admitted only if its whole KV fits both, so no prefill
+        is preempted for device blocks and none finds the host store full (recomputed)."""
+        assert self.blocks is not None
+        host = len(self.pages.free) - sum(self._pages(s) for s in prefilling)
+        device = self.blocks.num_free_blocks - sum(
+            max(0, self._pages(s) - len(s.blocks.block_ids)) for s in prefilling
+        )
+        return host, device
+
     def _prefill_step(self, queues: QueueView) -> StepRequest:
         assert self.scheduler is not None
         t = self.thresholds()
@@ -241,10 +262,11 @@ class SeesawLeader:
         resident = self._resident()
         for seq in resident:
             if seq.num_tokens - seq.num_computed_tokens == 1 and not self._swap_out(seq):
-                full = True
+                full = True  # never with admission by free pages (below); kept as a guard
                 break
         partial = [s for s in self._resident() if s.num_tokens - s.num_computed_tokens > 1]
         waiting = len(self.scheduler.waiting)
+        host, device = self._admission(partial)
         usage = self.host_usage
         reason = ""
         if usage >= t.to_decode and usage > 0:
@@ -257,12 +279,17 @@ class SeesawLeader:
             # Sequences parked on the host still hold their seats: no waiting prompt can start
             # until some decode and finish (found by the simulator: the phase never ended).
             reason = f"all {self.scheduler.config.max_num_seqs} sequence seats taken"
+        elif waiting and (need := self._pages(self.scheduler.waiting[0])) > host:
+            # The next prompt (arrival order) does not fit what the store has left: the
+            # store is as full as this trace lets it be (§4.2: switch when it is full).
+            reason = f"next prompt needs {need} host pages, {max(0, host)} free"
         if not reason:
             pp = self.depths[PREFILL_GEAR]
             seats = -(-(len(partial) + waiting) // pp) if pp > 1 else None
-            return StepRequest(StepKind.PREFILL, max_seqs=seats or None)
+            room = max(0, min(host, device))
+            return StepRequest(StepKind.PREFILL, max_seqs=seats or None, admit_blocks=room)
         if partial:  # finish started prompts, admit no new one
-            return StepRequest(StepKind.PREFILL, max_seqs=len(partial))
+            return StepRequest(StepKind.PREFILL, max_seqs=len(partial), admit_blocks=0)
         if queues.in_flight:
             return StepRequest(StepKind.NONE)
         for seq in self._resident():
@@ -280,7 +307,13 @@ class SeesawLeader:
         # so a prefill phase would only park and switch back (with async swaps, before the
         # sequences just swapped in had decoded once, over and over). Decode frees seats.
         seat = len(self.scheduler.running) < self.scheduler.config.max_num_seqs
-        if waiting and seat and usage <= t.to_prefill and self._parked_usage() < t.to_decode:
+        if (
+            waiting
+            and seat
+            and usage <= t.to_prefill
+            and self._parked_usage() < t.to_decode
+            and self._parking_is_free(t)
+        ):
             if queues.in_flight or self.queue.busy:
                 return self._wait(queues)  # no copy may run into the next gear's view
             for seq in self._resident():
@@ -292,6 +325,8 @@ class SeesawLeader:
             # This plan only parks the decoding sequences and re-shards: the blocks they free
             # still carry prefix hashes of the decode gear's view until it has been submitted.
             return StepRequest(StepKind.NONE)
+        if not self._park_for_growth(queues):
+            return StepRequest(StepKind.NONE)  # let the steps in flight finish first
         self._swap_in(t.prefetch_max)
         if not self._in and self.queue and not self._resident():
             return self._wait(queues)
@@ -310,6 +345,48 @@ class SeesawLeader:
             self._await = True
         self.stall_seconds += time.monotonic() - start
         return StepRequest(StepKind.NONE)
+
+    def _park_for_growth(self, queues: QueueView) -> bool:
+        """Decoding sequences whose next token opens a block, more of them than free blocks:
+        park the youngest in the host store (their blocks free with this plan) rather than let
+        the scheduler preempt them (recompute). False: wait for the steps in flight first."""
+        assert self.blocks is not None and self.scheduler is not None
+        decoding = [s for s in self._resident() if s.num_tokens - s.num_computed_tokens == 1]
+        grows = [s for s in decoding if self._pages(s) > len(s.blocks.block_ids)]
+        need = len(grows)
+        if need <= self.blocks.num_free_blocks:
+            return True
+        if queues.in_flight:
+            return False  # a sequence in flight may not move: its step still writes its KV
+        while decoding and need > self.blocks.num_free_blocks:
+            victim = decoding.pop()
+            if not self._swap_out(victim):
+                break  # the store is full too: the scheduler preempts (counted)
+            self.parked += 1
+            need -= victim in grows
+        return True
+
+    def _parking_is_free(self, t: Thresholds) -> bool:
+        """Park the sequences still decoding only where that costs the next prefill phase no
+        prompt: their pages would otherwise shrink it, and a later phase (two more switches)
+        would take the prompts it leaves. Until then decoding goes on and they finish."""
+        assert self.scheduler is not None
+        held = sum(len(self.pages.held.get(r, ())) for r in self.on_host)
+        parked = sum(-(-s.num_computed_tokens // self.block_size) for s in self._resident())
+        alone = self._admits(held, t)
+        return alone > 0 and self._admits(held + parked, t) == alone
+
+    def _admits(self, used: int, t: Thresholds) -> int:
+        """Waiting prompts (arrival order) a prefill phase that starts with ``used`` host pages
+        takes before the store is full or reaches switch_to_decode_at_host_usage."""
+        assert self.scheduler is not None
+        total, n = self.pages.num_pages, 0
+        for seq in self.scheduler.waiting:
+            pages = self._pages(seq)
+            if (used > 0 and used >= t.to_decode * total) or used + pages > total:
+                break
+            used, n = used + pages, n + 1
+        return n
 
     def _parked_usage(self) -> float:
         """Host usage once the sequences decoding now are parked there: switching to prefill

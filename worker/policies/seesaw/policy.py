@@ -284,4 +284,5 @@ class SeesawPolicy(Policy):
             "swap_waiting_sequences": float(len(lead.queue)),
             "swap_stall_seconds": lead.stall_seconds,
             "host_kv_usage": lead.host_usage,
+            "parked_sequences": float(lead.parked),
         }
