@@ -67,7 +67,7 @@ def tetris_rank_main(
     try:
         store = group.join_store(world, port)
         if conn is None and speaks(policy, rank):
-            conn = dial(store, rank)  # a rank of another node: the controller is on node 0
+            conn = dial(store, rank, group.control_token)  # another node's: the controller is on 0
         device = device_for(config, rank)
         timeout = timedelta(seconds=group.timeout_s)
         backend = group_backend(config, device)
