@@ -29,6 +29,7 @@ FLOORS: list[tuple[str, ...]] = [
         "errors",
         "config",
         "wire",
+        "typed_collectives",
         "device_copy",
         "step_phases",
         "p2p",

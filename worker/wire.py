@@ -9,8 +9,8 @@ wrong type when a message is encoded or decoded. Decoding builds nothing but tho
 
 On the wire a dataclass is ``[name, field values in declaration order]``; both ends of a pipe
 run the same code, so the order is the schema. A mapping with non-string keys is a list of
-pairs, a protobuf message its serialised bytes in base64. NaN and infinities pass (a logprob
-may be -inf).
+pairs; ``bytes`` and a protobuf message's serialised bytes are base64 text. NaN and infinities
+pass (a logprob may be -inf).
 """
 
 from __future__ import annotations
@@ -77,6 +77,23 @@ def _scalar(tp: type) -> _Shape:
         return x
 
     return _Shape(None, check, tp, tp)
+
+
+def _bytes() -> _Shape:
+    def decode(x: Any) -> Any:
+        if type(x) is not str:
+            raise _fail("base64 bytes", x)
+        try:
+            return base64.b64decode(x, validate=True)
+        except ValueError:
+            raise _fail("base64 bytes", x) from None
+
+    def encode(v: Any) -> Any:
+        if type(v) is not bytes:
+            raise _fail("bytes", v)
+        return base64.b64encode(v).decode("ascii")
+
+    return _Shape(encode, decode, str)
 
 
 def _field_error(name: str, shapes: list[tuple[str, _Shape]], x: list[Any]) -> WireError:
@@ -150,7 +167,7 @@ class Codec(Generic[M]):
         """The message in ``data``; WireError saying what is wrong with it."""
         try:
             tree = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # nesting too deep too
             raise WireError(f"not a message: {exc}") from exc
         if type(tree) is not list or not tree or tree[0] not in self._messages:
             raise WireError(f"not a message of this protocol: {str(tree)[:80]}")
@@ -170,6 +187,8 @@ class Codec(Generic[M]):
     def _shape(self, tp: Any) -> _Shape:
         if tp is None or tp in (type(None), *_EXACT, float):
             return _scalar(type(None) if tp is None else tp)
+        if tp is bytes:
+            return _bytes()
         origin = typing.get_origin(tp)
         if origin is typing.Union or origin is types.UnionType:
             return self._union(typing.get_args(tp))

@@ -34,6 +34,7 @@ from gearshift.v1 import router_pb2_grpc
 from gearshift.worker.model.registry import resolve_model_path
 from gearshift.worker.policies import kinds
 from gearshift.worker.server import auth
+from gearshift.worker.server.undecodable import RefuseUndecodable
 from gearshift.worker.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,10 @@ class RouterServer:
         if cfg.grpc_port is not None:
             # The HTTP body cap is the gRPC message cap (RESOURCE_EXHAUSTED beyond it).
             size = cfg.limits.max_body_bytes
-            server = grpc.aio.server(options=[("grpc.max_receive_message_length", size)])
+            server = grpc.aio.server(
+                options=[("grpc.max_receive_message_length", size)],
+                interceptors=[RefuseUndecodable()],  # bytes that are not the message: 400-like
+            )
             router_pb2_grpc.add_GenerationServicer_to_server(
                 GenerationService(router, preparation), server
             )
@@ -171,7 +175,10 @@ class RouterServer:
             self._grpc.append(server)
         if cfg.admin_port is not None:
             server = grpc.aio.server(
-                interceptors=auth.interceptors(admin_token, "admin", cfg.insecure_no_auth)
+                interceptors=[
+                    *auth.interceptors(admin_token, "admin", cfg.insecure_no_auth),
+                    RefuseUndecodable(),
+                ]
             )
             router_pb2_grpc.add_AdminServicer_to_server(AdminService(router), server)
             admin_port = server.add_insecure_port(f"{cfg.admin_host}:{cfg.admin_port}")

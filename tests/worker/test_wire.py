@@ -206,3 +206,26 @@ class _Plain:
 def test_a_codec_refuses_fields_it_could_not_check(cls: type) -> None:
     with pytest.raises(TypeError, match="wire codec cannot"):
         Codec([cls])
+
+
+@dataclass(frozen=True)
+class _Blob:
+    data: bytes
+    maybe: bytes | None
+
+
+def test_bytes_travel_as_base64_and_anything_else_is_refused() -> None:
+    codec: Codec[_Blob] = Codec([_Blob])
+    raw = bytes(range(256))
+    assert codec.decode(codec.encode(_Blob(raw, None))) == _Blob(raw, None)
+    assert codec.decode(codec.encode(_Blob(b"", b"\x00"))) == _Blob(b"", b"\x00")
+    for bad in ('["_Blob", "not base64!", null]', '["_Blob", [1, 2], null]', '["_Blob", 7, null]'):
+        with pytest.raises(WireError, match=re.escape("_Blob.data: expected base64 bytes")):
+            codec.decode(bad.encode())
+    with pytest.raises(WireError, match="expected bytes"):
+        codec.encode(_Blob("text", None))  # type: ignore[arg-type]
+
+
+def test_nesting_too_deep_for_the_parser_is_refused_not_raised() -> None:
+    with pytest.raises(WireError, match="not a message"):
+        em.TO_ENGINE.decode(b"[" * 200_000 + b"]" * 200_000)

@@ -4,7 +4,7 @@ is the policy's)."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -34,6 +34,9 @@ class GroupConfig:
     # CPU: pin each of this host's ranks to its own cores when together they use exactly the
     # cores this process may run on (host.bind_rank_cores).
     cpu_bind: bool = True
+    # The deployment's control token (None with --insecure-no-auth): what a group's own
+    # listeners authenticate their peers with (Tetris's control listener). Never printed.
+    control_token: str | None = field(default=None, repr=False, compare=False)
 
     def local_ranks(self, world_size: int) -> int:
         return self.ranks_per_node or world_size

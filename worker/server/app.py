@@ -27,6 +27,7 @@ from gearshift.worker.server.handle import EngineHandle
 from gearshift.worker.server.runtimes import run_follower_node, runtime_for
 from gearshift.worker.server.service import WorkerInfo, WorkerService
 from gearshift.worker.server.settings import WorkerSettings
+from gearshift.worker.server.undecodable import RefuseUndecodable
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +60,14 @@ class WorkerProcess:
         self.service = WorkerService()
         self.server = grpc.aio.server(
             options=GRPC_OPTIONS,
-            interceptors=auth.interceptors(
-                auth.token_source(settings.control_token, settings.control_token_file),
-                f"worker {settings.group_name}",
-                settings.insecure_no_auth,
-            ),
+            interceptors=[
+                *auth.interceptors(
+                    auth.token_source(settings.control_token, settings.control_token_file),
+                    f"worker {settings.group_name}",
+                    settings.insecure_no_auth,
+                ),
+                RefuseUndecodable(),  # after the token check: strangers are refused unparsed
+            ],
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if settings.is_leader:

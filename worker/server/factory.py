@@ -24,9 +24,11 @@ def group_config(
     policy: Policy,
     env: Mapping[str, str] | None = None,
     heartbeat_timeout_s: float | None = None,
+    control_token: str | None = None,
 ) -> GroupConfig:
-    """The rendezvous for ``policy``'s ranks, from the pod's environment."""
-    group = GroupConfig()
+    """The rendezvous for ``policy``'s ranks, from the pod's environment; ``control_token``
+    authenticates the group's own listeners (None: ``--insecure-no-auth``)."""
+    group = GroupConfig(control_token=control_token)
     if heartbeat_timeout_s is not None:
         # Heartbeats several times per timeout, so one late beat is not a verdict.
         group = replace(

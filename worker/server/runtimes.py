@@ -103,5 +103,9 @@ def run_follower_node(settings: WorkerSettings) -> int:
     """``gearshift worker`` on a non-leader pod: run its ranks until the group ends; returns the
     exit code."""
     policy = make_policy(settings.policy, settings.ranks)
-    group = group_config(policy, heartbeat_timeout_s=settings.heartbeat_timeout_s)
+    group = group_config(
+        policy,
+        heartbeat_timeout_s=settings.heartbeat_timeout_s,
+        control_token=settings.control_token,
+    )
     return run_group_node(engine_config(settings), policy, group)

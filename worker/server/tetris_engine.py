@@ -55,7 +55,11 @@ class TetrisGroupEngine:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         config = engine_config(self.settings)
-        group = group_config(self._policy, heartbeat_timeout_s=self.settings.heartbeat_timeout_s)
+        group = group_config(
+            self._policy,
+            heartbeat_timeout_s=self.settings.heartbeat_timeout_s,
+            control_token=self.settings.control_token,
+        )
         try:
             self._group = await asyncio.to_thread(
                 start_tetris, config, self._policy, group, self._deliver

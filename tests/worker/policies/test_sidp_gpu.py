@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +23,23 @@ import pytest
 import torch
 
 from gearshift.worker.config import EngineConfig
+from gearshift.worker.errors import GroupFailure
 from gearshift.worker.launch import start_engine
 from gearshift.worker.policies.sidp.ffn import run_ffn
+from gearshift.worker.policies.sidp.handles import (
+    SEGMENTS,
+    Expect,
+    RankSegments,
+    SegmentAddress,
+    check_rank,
+)
 from gearshift.worker.policies.sidp.housekeeper import Housekeeper
-from gearshift.worker.policies.sidp.shared_weights import DeviceSegment, FfnLayout, segments
+from gearshift.worker.policies.sidp.shared_weights import (
+    DeviceSegment,
+    FfnLayout,
+    new_segment_name,
+    segments,
+)
 from tests.worker.policies.test_sidp_replicas import (  # noqa: F401 - the fixture
     ENGINE,
     _assert_all_equal,
@@ -91,20 +105,40 @@ def test_slots_are_refilled_only_after_the_ffn_that_read_them_ran():
         hk.close()
 
 
-def _read_shared(address: Any, out: Any) -> None:
-    seg = DeviceSegment.attach(address)
+PROBE = Expect("local", {0: [0]}, 1, 4096, torch.float32, True)
+
+
+def _read_shared(data: bytes, out: Any) -> None:
+    """What a reader does with a peer's bytes: decode, check every field, map with torch's
+    rebuild function (never one from the wire)."""
+    msg = SEGMENTS.decode(data)
+    check_rank(0, msg, PROBE)
+    address = msg.segments[0]
+    assert address.cuda is not None
+    seg = DeviceSegment.attach(address.name, address.cuda)
     t = seg.tensor(torch.float32)
     out.put((str(t.device), float(t.sum().item()), t.numel()))
     seg.close()
 
 
-def test_a_device_segment_is_read_by_another_process_over_cuda_ipc():
-    seg = DeviceSegment.create("probe", 4096, torch.float32, torch.device("cuda", 0))
+def test_a_device_segment_is_read_by_another_process_over_cuda_ipc() -> None:
+    """The typed address of a real allocation: it passes the reader's checks, crosses as JSON
+    bytes and maps the owner's memory in another process; tampered, it is refused."""
+    name = new_segment_name("local", 0, 0)
+    seg = DeviceSegment.create(name, 4096, torch.float32, torch.device("cuda", 0))
     seg.tensor(torch.float32).copy_(torch.arange(4096, dtype=torch.float32))
     torch.cuda.synchronize()
+    msg = RankSegments(0, 0, [SegmentAddress(0, 0, name, seg.address())])
+    data = SEGMENTS.encode(msg)
+    assert SEGMENTS.decode(data) == msg
+    cuda = msg.segments[0].cuda
+    assert cuda is not None and cuda.dtype == "float32" and cuda.numel == 4096
+    for bad in (replace(cuda, dtype="float16"), replace(cuda, numel=8192)):
+        with pytest.raises(GroupFailure, match="sidp handle exchange: rank 0's segments"):
+            check_rank(0, replace(msg, segments=[replace(msg.segments[0], cuda=bad)]), PROBE)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_read_shared, args=(seg.address(), out))
+    proc = ctx.Process(target=_read_shared, args=(data, out))
     proc.start()
     try:
         device, total, numel = out.get(timeout=120)

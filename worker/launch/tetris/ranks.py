@@ -71,7 +71,7 @@ def tetris_rank_main(
     try:
         store = group.join_store(world, port)
         if conn is None and speaks(policy, rank):
-            conn = dial(store, rank)  # a rank of another node: the controller is on node 0
+            conn = dial(store, rank, group.control_token)  # another node's: the controller is on 0
         # cuda: local rank i on GPU i, over NCCL; cuda:N: every rank on GPU N, over gloo (NCCL
         # refuses two ranks on one device), device tensors staged through host memory.
         device = device_for(config, rank % group.local_ranks(world))

@@ -21,13 +21,16 @@ import contextlib
 import logging
 import mmap
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from gearshift.worker import shm_segments
+from gearshift.worker.errors import GroupFailure
 from gearshift.worker.policies.seesaw.readiness import ReadinessBoard, board_bytes
+from gearshift.worker.wire import Codec
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,30 @@ def group_tag(env: dict[str, str] | None = None) -> str:
 
 def segment_name(tag: str) -> str:
     return shm_segments.segment_name(PREFIX, tag)
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    """What rank 0 tells the group's other ranks of the store it created (a typed message,
+    ``typed_collectives.broadcast_message``; never a pickle)."""
+
+    name: str
+    pages: int
+
+
+STORE_ADDRESS: Codec[StoreAddress] = Codec([StoreAddress])
+
+
+def check_address(address: StoreAddress, tag: str) -> None:
+    """Refuse an address that is not a segment of this group (a path, another group's)."""
+    pattern = rf"{re.escape(PREFIX)}{re.escape(tag)}-\d{{1,10}}-[0-9a-f]{{12}}"
+    if not re.fullmatch(pattern, address.name):
+        raise GroupFailure(
+            f"seesaw host KV store: rank 0's name refused: {address.name[:80]!r} is not a "
+            "segment of this group"
+        )
+    if not 0 < address.pages < 1 << 40:
+        raise GroupFailure(f"seesaw host KV store: rank 0's pages refused: {address.pages}")
 
 
 def clean_stale(tag: str, shm_dir: Path = SHM_DIR) -> list[str]:

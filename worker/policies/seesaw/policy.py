@@ -28,7 +28,15 @@ from gearshift.worker.parallel.layout import Layout
 from gearshift.worker.parallel.pipeline import logits_channel
 from gearshift.worker.policies.base import Policy, RankContext, RankModel
 from gearshift.worker.policies.gears import build_gear, pipeline_stage
-from gearshift.worker.policies.seesaw.host_kv import SHM_DIR, HostKVStore, PageShape, group_tag
+from gearshift.worker.policies.seesaw.host_kv import (
+    SHM_DIR,
+    STORE_ADDRESS,
+    HostKVStore,
+    PageShape,
+    StoreAddress,
+    check_address,
+    group_tag,
+)
 from gearshift.worker.policies.seesaw.leader import (
     DECODE_GEAR,
     PREFILL_GEAR,
@@ -39,6 +47,7 @@ from gearshift.worker.policies.seesaw.leader import (
 from gearshift.worker.policies.seesaw.pages import PageAllocator
 from gearshift.worker.policies.seesaw.rank_hook import DeviceKV, GearKV, SeesawRankHook
 from gearshift.worker.policies.seesaw.weights import WeightSet
+from gearshift.worker.typed_collectives import broadcast_message
 
 if TYPE_CHECKING:
     from gearshift.worker.engine.scheduler import ScheduledBatch, Scheduler
@@ -214,7 +223,7 @@ class SeesawPolicy(Policy):
 
     def _open_store(self, ctx: RankContext, page: PageShape) -> HostKVStore:
         """Rank 0 creates the segment; the others open it by the name it broadcasts."""
-        info: list[object] = [None, 0]
+        address: StoreAddress | None = None
         if ctx.rank == 0:
             pages = self.host_capacity_bytes() // page.nbytes
             need = -(-ctx.spec.max_model_len // ctx.block_size)
@@ -226,11 +235,13 @@ class SeesawPolicy(Policy):
                     f"({ctx.spec.max_model_len} tokens) needs ({need})",
                 )
             store = HostKVStore.create(group_tag(), page, pages, self.world_size)
-            info = [store.name, pages]
+            address = StoreAddress(store.name, pages)
         if self.world_size > 1:
-            dist.broadcast_object_list(info, src=0)
+            address = broadcast_message(STORE_ADDRESS, address, 0, what="seesaw host KV store")
         if ctx.rank != 0:
-            store = HostKVStore(str(info[0]), page, int(str(info[1])), False, self.world_size)
+            assert address is not None
+            check_address(address, group_tag())
+            store = HostKVStore(address.name, page, address.pages, False, self.world_size)
         if ctx.device.type == "cuda":
             store.pin()  # each rank its own mapping
         return store

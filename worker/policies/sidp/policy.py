@@ -34,6 +34,7 @@ from gearshift.worker.policies.sidp.ffn import FfnService, Mode, SidpFFN
 from gearshift.worker.policies.sidp.followers import FollowerHook, SendToFollowers
 from gearshift.worker.policies.sidp.gpu_topology import check_peer_access
 from gearshift.worker.policies.sidp.group_step import GroupStep, request_mode
+from gearshift.worker.policies.sidp.handles import Expect, RankSegments, SegmentAddress, exchange
 from gearshift.worker.policies.sidp.housekeeper import Housekeeper
 from gearshift.worker.policies.sidp.ownership import Ownership, WeightBytes, weight_bytes
 from gearshift.worker.policies.sidp.shared_weights import (
@@ -46,6 +47,13 @@ from gearshift.worker.policies.sidp.shared_weights import (
 from gearshift.worker.policies.sidp.source import HideRemoteFfn
 
 log = logging.getLogger(__name__)
+
+
+def _attach(address: SegmentAddress, nbytes: int) -> Segment | DeviceSegment:
+    """Map a peer's checked shard: GPU memory over CUDA IPC, or a host segment by its name."""
+    if address.cuda is not None:
+        return DeviceSegment.attach(address.name, address.cuda)
+    return Segment(address.name, nbytes, create=False)
 
 
 def prefetcher(on_gpu: bool) -> type[Housekeeper]:
@@ -166,17 +174,32 @@ class SidpPolicy(Policy):
                 mine[layer] = Segment(name, nbytes, create=True)
         segments = list(mine.values())
         try:
-            addresses: dict[tuple[int, int], Any] = {
-                (layer, tp_rank): seg.address() if isinstance(seg, DeviceSegment) else seg.name
-                for layer, seg in mine.items()
-            }
-            devices: dict[int, int] = {ctx.rank: ctx.device.index or 0} if on_gpu else {}
-            if self.world_size > 1:
-                everyone: list[Any] = [None] * self.world_size
-                dist.all_gather_object(everyone, (addresses, devices))
-                for part, device_of in everyone:
-                    addresses.update(part)
-                    devices.update(device_of)
+            everyone = exchange(
+                RankSegments(
+                    ctx.rank,
+                    (ctx.device.index or 0) if on_gpu else None,
+                    [
+                        SegmentAddress(
+                            layer,
+                            tp_rank,
+                            seg.name,
+                            seg.address() if isinstance(seg, DeviceSegment) else None,
+                        )
+                        for layer, seg in mine.items()
+                    ],
+                ),
+                Expect(
+                    key,
+                    {r: own.owned(r) for r in range(self.dp)},
+                    self.tp,
+                    layout.numel,
+                    dtype,
+                    on_gpu,
+                ),
+                self.world_size,
+            )
+            addresses = {(s.layer, s.tp_rank): s for msg in everyone for s in msg.segments}
+            devices = {msg.rank: msg.device for msg in everyone if msg.device is not None}
             if on_gpu:
                 owners = {
                     devices[own.owner(layer) * self.tp + tp_rank] for layer in own.remote(replica)
@@ -195,12 +218,7 @@ class SidpPolicy(Policy):
             free_before = torch.cuda.mem_get_info(ctx.device)[0] if on_gpu else 0
             # TP rank t reads TP rank t's shard of each owner (§4.2 per TP rank).
             remote: dict[int, Segment | DeviceSegment] = {
-                layer: (
-                    DeviceSegment.attach(addresses[(layer, tp_rank)])
-                    if on_gpu
-                    else Segment(addresses[(layer, tp_rank)], nbytes, create=False)
-                )
-                for layer in own.remote(replica)
+                layer: _attach(addresses[(layer, tp_rank)], nbytes) for layer in own.remote(replica)
             }
             segments += list(remote.values())
             if on_gpu and self.world_size > 1:

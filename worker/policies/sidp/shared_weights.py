@@ -15,12 +15,13 @@ import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from gearshift.worker import shm_segments
+from gearshift.worker.errors import GroupFailure
 from gearshift.worker.model.config import ModelConfig
+from gearshift.worker.policies.sidp.handles import DTYPES, CudaIpcTensor
 
 PREFIX = "gearshift-sidp-"
 SHM_DIR = shm_segments.SHM_DIR
@@ -125,8 +126,9 @@ class DeviceSegment:
     (SiDP §4.2 on GPUs: a one-sided read of the owner's memory, no collective).
 
     The owner allocates the flat tensor on its device and publishes ``address()`` (the CUDA IPC
-    handle torch's multiprocessing reductions make, picklable) with the group's other segment
-    names; a reader ``attach``es it and gets a tensor on the owner's memory. The owner keeps the
+    handle torch's multiprocessing reductions make, as plain data: ``handles.py``) with the
+    group's other segment names; a reader ``attach``es it and gets a tensor on the owner's
+    memory. The owner keeps the
     allocation until ``close``; torch's IPC reference counts keep it mapped while a reader holds
     a view.
     """
@@ -141,18 +143,63 @@ class DeviceSegment:
     def create(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> DeviceSegment:
         return DeviceSegment(name, torch.empty(numel, dtype=dtype, device=device), owner=True)
 
-    def address(self) -> tuple[str, Any]:
-        """What a reader needs to map it: the name and torch's (rebuild, IPC handle args)."""
-        from torch.multiprocessing.reductions import reduce_tensor
+    def address(self) -> CudaIpcTensor:
+        """What a reader needs to map it: torch's CUDA IPC description of the allocation, as
+        plain data (``handles.py``), never a callable."""
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
         assert self._flat is not None
-        return (self.name, reduce_tensor(self._flat))
+        # reduce_tensor, not storage._share_cuda_() alone: it also records the storage in
+        # torch's IPC cache, as sending the tensor to a torch.multiprocessing child would.
+        rebuild, args = reduce_tensor(self._flat)
+        assert rebuild is rebuild_cuda_tensor, rebuild
+        # rebuild_cuda_tensor's parameters, in its order (torch/multiprocessing/reductions.py).
+        size, offset, dtype = args[1], args[3], args[5]
+        device, handle, nbytes, at = args[6:10]
+        counter, counter_at, event, sync = args[11:15]
+        return CudaIpcTensor(
+            device=int(device),
+            storage_handle=bytes(handle),
+            storage_size_bytes=int(nbytes),
+            storage_offset_bytes=int(at),
+            tensor_offset=int(offset),
+            numel=int(size[0]),
+            dtype=str(dtype).removeprefix("torch."),
+            ref_counter_handle=bytes(counter),
+            ref_counter_offset=int(counter_at),
+            event_handle=None if event is None else bytes(event),
+            event_sync_required=bool(sync),
+        )
 
     @staticmethod
-    def attach(address: tuple[str, Any]) -> DeviceSegment:
-        name, reduced = address
-        rebuild, args = reduced
-        return DeviceSegment(name, rebuild(*args), owner=False)
+    def attach(name: str, ipc: CudaIpcTensor) -> DeviceSegment:
+        """Map a peer's shard; ``ipc`` has passed ``handles.check_rank``. The rebuild function
+        is torch's, chosen here; only its data arguments come from the peer."""
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        if ipc.device >= torch.cuda.device_count():
+            raise GroupFailure(
+                f"sidp segment {name}: device {ipc.device} is not a device of this host "
+                f"({torch.cuda.device_count()} GPUs)"
+            )
+        flat = rebuild_cuda_tensor(
+            torch.Tensor,
+            torch.Size([ipc.numel]),
+            (1,),
+            ipc.tensor_offset,
+            torch.storage.TypedStorage,
+            DTYPES[ipc.dtype],
+            ipc.device,
+            ipc.storage_handle,
+            ipc.storage_size_bytes,
+            ipc.storage_offset_bytes,
+            False,  # requires_grad
+            ipc.ref_counter_handle,
+            ipc.ref_counter_offset,
+            ipc.event_handle,
+            ipc.event_sync_required,
+        )
+        return DeviceSegment(name, flat, owner=False)
 
     def tensor(self, dtype: torch.dtype) -> torch.Tensor:
         assert self._flat is not None

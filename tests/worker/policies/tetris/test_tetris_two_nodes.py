@@ -29,6 +29,7 @@ from gearshift.worker.launch import GroupConfig
 from gearshift.worker.launch.tetris.start import start_tetris
 from gearshift.worker.policies.registry import make_policy
 from gearshift.worker.policies.support import check_runnable
+from gearshift.worker.server import auth
 from tests.worker.policies.tetris.test_tetris_group import (
     ENGINE,
     Outputs,
@@ -78,7 +79,7 @@ def _free_port() -> int:
 
 
 def test_a_group_over_two_nodes_serves_one_process_tokens(
-    tiny_checkpoint: Callable[..., Path],
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path
 ) -> None:
     folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=2)
     prompts = _prompts([30, 19, 25])
@@ -92,6 +93,10 @@ def test_a_group_over_two_nodes_serves_one_process_tokens(
         "GEARSHIFT_RANKS_PER_NODE": "2",
     }
     policy_json = json.dumps({"tetris": TETRIS})
+    # Both pods hold the deployment's control token: node 1's leaders dial node 0's listener
+    # with a key derived from it (launch/tetris/listener.py).
+    token = auth.generate_token()
+    token_file = auth.write_token(tmp_path / "control-token", token)
     node1 = subprocess.Popen(
         [
             sys.executable,
@@ -102,13 +107,18 @@ def test_a_group_over_two_nodes_serves_one_process_tokens(
             json.dumps(engine),
         ],
         cwd=REPO,
-        env={**os.environ, **env, "GEARSHIFT_NODE_RANK": "1"},
+        env={
+            **os.environ,
+            **env,
+            "GEARSHIFT_NODE_RANK": "1",
+            auth.TOKEN_FILE_ENV: str(token_file),
+        },
         stderr=subprocess.PIPE,
         text=True,
     )
     group = None
     try:
-        leader = GroupConfig(timeout_s=60.0).with_environment(
+        leader = GroupConfig(timeout_s=60.0, control_token=token).with_environment(
             4, {**env, "GEARSHIFT_NODE_RANK": "0"}
         )
         policy = make_policy({"tetris": TETRIS})
