@@ -479,7 +479,7 @@ def test_more_requests_than_slots_are_granted_in_first_handshake_order(
         # first and asks first (b before a) must not jump the queue.
         for name, ids, m in zip(names[1:], prompts[1:], members[1:], strict=True):
             group.submit(name, ids, _greedy(4), _plan([(len(ids), [m])]))
-        stats = wait_for(lambda s: s["prefills"] == 5 and s["handshake_queue"] == 4)
+        wait_for(lambda s: s["prefills"] == 5 and s["handshake_queue"] == 4)
         assert group.managers[0].grants == ["z"], group.managers[0].grants
     finally:
         os.kill(decode.pid, signal.SIGCONT)
