@@ -14,6 +14,8 @@ on a small random Llama instead (hidden 256, 4 layers, 8 heads, 2 KV heads: atte
 at these lengths, as it does for a real model at the paper's lengths), written next to the JSON.
 
     .venv/bin/python benchmarks/tetris_prefill.py          # writes tetris_prefill.{json,png}
+    .venv/bin/python benchmarks/tetris_prefill.py --ttft [--quick]   # issue 29: TTFT of CDSP
+        # with fitted models vs fixed SP 1/2/3 and single-chunk on one trace (tetris_ttft.py)
     .venv/bin/python benchmarks/tetris_prefill.py --random --lengths 1024,2048,4096 \
         --histories 0,4096 --prompts 2048,4096,8192,16384 --out benchmarks/tetris_prefill_long.json
 """
@@ -37,6 +39,14 @@ HERE = Path(__file__).resolve().parent
 
 
 def main() -> None:
+    import sys
+
+    if "--ttft" in sys.argv[1:]:
+        # Issue 29: CDSP with fitted models vs fixed SP and single-chunk, TTFT on one trace.
+        from tetris_ttft import main as ttft_main
+
+        ttft_main([a for a in sys.argv[1:] if a != "--ttft"])
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--instances", type=int, default=3)

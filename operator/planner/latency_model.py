@@ -52,19 +52,7 @@ class LatencyModel:
 
 def fit_latency_model(sp: int, samples: Iterable[tuple[float, float, float]]) -> LatencyModel:
     """Least-squares Eq. (1) from (C, L, seconds) samples (§5.1: fitted offline per SP size)."""
-    import numpy as np  # the fit is offline; planning itself needs no numpy
+    # The fit is offline (numpy); the group's own start-up fit uses the same function.
+    from gearshift.worker.policies.tetris.latency_fit import fit_eq1
 
-    rows = [
-        (1.0, length, history * length, length * length, secs) for history, length, secs in samples
-    ]
-    if len(rows) < 4:
-        raise ValueError(f"fitting Eq. (1) needs at least 4 samples, got {len(rows)}")
-    data = np.asarray(rows, dtype=np.float64)
-    x, y = data[:, :4], data[:, 4]
-    if np.linalg.matrix_rank(x) < 4:
-        raise ValueError("the samples do not determine Eq. (1): vary both C and L")
-    # Columns differ by orders of magnitude (1 vs L²); scale them so lstsq is well conditioned.
-    norms = np.linalg.norm(x, axis=0)
-    coef, *_ = np.linalg.lstsq(x / norms, y, rcond=None)
-    a, b, c, d = (float(v) for v in coef / norms)
-    return LatencyModel(sp, a, b, c, d)
+    return LatencyModel(sp, *fit_eq1(samples))

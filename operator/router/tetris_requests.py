@@ -7,13 +7,14 @@ time passed (Eq. (2)), every plan it makes books its chunks onto the prefill ins
 onto the decode instance as virtual usage (§5.2), so a burst of requests between polls is spread
 as the paper's planner spreads it. Parameters (latency models, candidates, improvement rate and
 its table, decode placement) come from the group's active ``TetrisPolicy``: a live change applies
-at the next request.
+at the next request. A policy without latency models takes the ones the group fitted itself at
+start (``WorkerStats.tetris_models``, source AUTO_FITTED).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gearshift.operator.planner.cdsp import ChunkPlan, plan_request
@@ -21,10 +22,21 @@ from gearshift.operator.planner.decode_placement import DecodeLoad, DecodePlacer
 from gearshift.operator.planner.improvement_rate import ImprovementRate
 from gearshift.operator.planner.instance_pool import Pool
 from gearshift.operator.planner.settings import PlannerSettings
-from gearshift.v1 import worker_pb2
+from gearshift.v1 import policy_pb2, worker_pb2
 
 PREFILL = worker_pb2.InstanceStats.PREFILL
 DECODE = worker_pb2.InstanceStats.DECODE
+
+
+def _models_of(
+    stats: worker_pb2.WorkerStats,
+) -> Sequence[policy_pb2.TetrisPolicy.LatencyModel]:
+    """The group's Eq. (1) models: its policy's, else those it fitted at start, else none."""
+    if stats.policy.tetris.latency_models:
+        return stats.policy.tetris.latency_models
+    if stats.tetris_models.source == worker_pb2.TetrisModelStatus.AUTO_FITTED:
+        return stats.tetris_models.models
+    return ()
 
 
 class TetrisPlanningError(ValueError):
@@ -49,10 +61,11 @@ class TetrisRequestPlanner:
     def plan_into(
         self, stats: worker_pb2.WorkerStats, wire: worker_pb2.WorkerGenerateRequest, max_tokens: int
     ) -> None:
-        """Set the request's ``tetris_plan`` (raises TetrisPlanningError). A policy without
-        Eq. (1) models gets no plan: the group runs the prompt as one chunk over its whole
-        pool and places decode itself (WorkerGenerateRequest.tetris_plan)."""
-        if stats.policy.WhichOneof("kind") == "tetris" and not stats.policy.tetris.latency_models:
+        """Set the request's ``tetris_plan`` (raises TetrisPlanningError). A group with no
+        Eq. (1) models, neither in its policy nor fitted at start, gets no plan: it runs the
+        prompt as one chunk over its whole pool and places decode itself
+        (WorkerGenerateRequest.tetris_plan)."""
+        if stats.policy.WhichOneof("kind") == "tetris" and not _models_of(stats):
             return
         wire.tetris_plan.CopyFrom(self.plan(stats, len(wire.prompt_token_ids), max_tokens))
 
@@ -90,11 +103,16 @@ class TetrisRequestPlanner:
     def _configure(self, stats: worker_pb2.WorkerStats) -> None:
         if stats.policy.WhichOneof("kind") != "tetris":
             raise TetrisPlanningError("the group does not run the tetris policy")
-        raw = stats.policy.tetris.SerializeToString(deterministic=True)
+        tetris = stats.policy.tetris
+        if not tetris.latency_models and _models_of(stats):
+            tetris = policy_pb2.TetrisPolicy()
+            tetris.CopyFrom(stats.policy.tetris)
+            tetris.latency_models.extend(_models_of(stats))
+        raw = tetris.SerializeToString(deterministic=True)
         if raw == self._policy and self._settings is not None:
             return
         try:
-            settings = PlannerSettings.from_proto(stats.policy.tetris)
+            settings = PlannerSettings.from_proto(tetris)
         except ValueError as exc:
             raise TetrisPlanningError(str(exc)) from exc
         self._policy, self._settings = raw, settings

@@ -153,3 +153,38 @@ def test_requests_to_a_tetris_group_carry_their_plan(tokenizer: Tokenizer) -> No
         assert len(worker.requests) == sent
 
     run(tokenizer, scenario, groups=1)
+
+
+def _fitted(stats: worker_pb2.WorkerStats, source: int) -> worker_pb2.WorkerStats:
+    """The same group reporting MODELS as fitted at start (WorkerStats.tetris_models)."""
+    stats.tetris_models.source = source  # type: ignore[assignment]
+    for sp, (a, b, c, d) in MODELS.items():
+        stats.tetris_models.models.add(sp=sp, a=a, b=b, c=c, d=d)
+    return stats
+
+
+def test_a_group_without_policy_models_is_planned_with_the_models_it_fitted_at_start():
+    queues = [0.0, 2.0, 0.5, 3.0]
+    bare = _policy(latency_models=[])
+    fitted = _fitted(_stats(queues, [5000, 4500], bare), worker_pb2.TetrisModelStatus.AUTO_FITTED)
+    wire = worker_pb2.WorkerGenerateRequest(prompt_token_ids=[7] * 2000)
+    TetrisRequestPlanner().plan_into(fitted, wire, 16)
+    want = _reference(2000, queues)
+    assert _chunks(wire.tetris_plan) == [(c.length, c.group) for c in want.chunks]
+    assert wire.tetris_plan.planned_prefill_seconds == pytest.approx(want.ttft)
+    # The policy's own models win over fitted ones; models the group says are not usable
+    # (NONE: its fit failed) are not taken, and the group gets no plan.
+    scaled = _policy(
+        latency_models=[
+            policy_pb2.TetrisPolicy.LatencyModel(sp=sp, a=a * 2, b=b * 2, c=c * 2, d=d * 2)
+            for sp, (a, b, c, d) in MODELS.items()
+        ]
+    )
+    own = _fitted(_stats(queues, [5000, 4500], scaled), worker_pb2.TetrisModelStatus.AUTO_FITTED)
+    wire = worker_pb2.WorkerGenerateRequest(prompt_token_ids=[7] * 2000)
+    TetrisRequestPlanner().plan_into(own, wire, 16)
+    assert wire.tetris_plan.planned_prefill_seconds != pytest.approx(want.ttft)
+    failed = _fitted(_stats(queues, [5000, 4500], bare), worker_pb2.TetrisModelStatus.NONE)
+    wire = worker_pb2.WorkerGenerateRequest(prompt_token_ids=[7] * 2000)
+    TetrisRequestPlanner().plan_into(failed, wire, 16)
+    assert not wire.HasField("tetris_plan")

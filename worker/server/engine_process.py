@@ -26,7 +26,7 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from gearshift.v1 import policy_pb2
+from gearshift.v1 import policy_pb2, worker_pb2
 from gearshift.worker.engine.contract import LiveValue
 from gearshift.worker.engine.llm_engine import EngineStats
 from gearshift.worker.engine.outputs import RequestOutput
@@ -323,6 +323,10 @@ class ProcessEngine:
     @property
     def snapshot(self) -> EngineStats:
         return self._snapshot or EngineStats(0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0)
+
+    @property
+    def stats_extra(self) -> worker_pb2.WorkerStats | None:
+        return None
 
     @property
     def dead(self) -> str | None:

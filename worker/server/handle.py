@@ -12,7 +12,7 @@ from typing import Protocol
 
 from google.protobuf.message import Message
 
-from gearshift.v1 import policy_pb2
+from gearshift.v1 import policy_pb2, worker_pb2
 from gearshift.worker.engine.contract import LiveValue
 from gearshift.worker.engine.llm_engine import EngineStats, LLMEngine
 from gearshift.worker.sampling.params import SamplingParams
@@ -34,6 +34,10 @@ class EngineHandle(Protocol):
 
     @property
     def snapshot(self) -> EngineStats: ...
+
+    @property
+    def stats_extra(self) -> worker_pb2.WorkerStats | None:
+        """Fields GetStats reports beyond the engine's stats (merged in), if any."""
 
     @property
     def dead(self) -> str | None: ...
@@ -90,6 +94,10 @@ class ThreadEngine:
     @property
     def snapshot(self) -> EngineStats:
         return self.loop.snapshot
+
+    @property
+    def stats_extra(self) -> worker_pb2.WorkerStats | None:
+        return None
 
     @property
     def dead(self) -> str | None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from gearshift.v1 import policy_pb2
+from gearshift.v1 import policy_pb2, worker_pb2
 from gearshift.worker.engine.contract import LiveValue
 from gearshift.worker.engine.llm_engine import EngineStats, ReplicaLoad
 from gearshift.worker.errors import GroupFailure, InvalidRequestError
@@ -184,6 +184,10 @@ class ReplicaGroupEngine:
             self._group.kill()  # the rest of the group: one failure domain
 
     # ---- EngineHandle ----------------------------------------------------------------------
+
+    @property
+    def stats_extra(self) -> worker_pb2.WorkerStats | None:
+        return None
 
     @property
     def snapshot(self) -> EngineStats:

@@ -163,7 +163,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerStats:
         await self._check_ready(context)
-        return convert.worker_stats(
+        out = convert.worker_stats(
             self.engine.snapshot,
             model=self.info.model,
             max_model_len=self.info.max_model_len,
@@ -171,6 +171,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             ranks=self.info.ranks,
             revision=self.info.revision,
         )
+        extra = self.engine.stats_extra
+        if extra is not None:
+            out.MergeFrom(extra)
+        return out
 
     async def ApplyPolicy(
         self, request: worker_pb2.ApplyPolicyRequest, context: grpc.aio.ServicerContext

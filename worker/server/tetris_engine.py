@@ -2,7 +2,9 @@
 Tetris group runtime's endpoint, ``runtimes.py``; the group itself is ``launch/tetris/``).
 
 A request carries the router's chunk plan (``WorkerGenerateRequest.tetris_plan``); without one
-the group plans one chunk over every live prefill instance. Stats are the decode instances'
+the group plans one chunk over every live prefill instance. A policy without latency models gets
+them measured and fitted on the group's own pool before it serves (``launch/tetris/autofit.py``),
+reported in ``WorkerStats.tetris_models`` for the router's planner. Stats are the decode instances'
 engine stats summed, with ``instances`` (the planner's view, §5.1–5.2) and the hand-off's figures
 (measured vs planned prefill seconds, transfer waits, the handshake queue) as policy stats.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import replace
 
 from google.protobuf.message import Message
@@ -20,7 +23,8 @@ from gearshift.v1 import policy_pb2, worker_pb2
 from gearshift.worker.engine.contract import LiveValue
 from gearshift.worker.engine.llm_engine import EngineStats
 from gearshift.worker.engine.outputs import RequestOutput
-from gearshift.worker.errors import GroupFailure
+from gearshift.worker.errors import GroupFailure, InvalidRequestError
+from gearshift.worker.launch.tetris import autofit
 from gearshift.worker.launch.tetris.controller import TetrisGroup
 from gearshift.worker.launch.tetris.start import start_tetris
 from gearshift.worker.policies.registry import make_policy
@@ -51,6 +55,7 @@ class TetrisGroupEngine:
         self._group: TetrisGroup | None = None
         self._sinks: dict[str, OutputSink] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._models = autofit.off_status("the group has not started")
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -67,6 +72,48 @@ class TetrisGroupEngine:
         except Exception as exc:
             raise EngineStartError(f"{type(exc).__name__}: {exc}") from exc
         self.max_model_len = self._group.max_model_len
+        await self._fit_models(self._group)
+
+    async def _fit_models(self, group: TetrisGroup) -> None:
+        """Before serving: measure and fit Eq. (1) when the policy has no latency models."""
+        tetris = self.policy.tetris
+        try:
+            tokens = autofit.profile_tokens(tetris, group.max_model_len)
+        except InvalidRequestError as exc:
+            raise EngineStartError(exc.message) from exc
+        if tetris.latency_models:
+            return  # reported as POLICY (stats_extra)
+        if not tokens:
+            self._models = autofit.off_status(
+                "autoProfileTokens is 0 (or the model's context is under 8 tokens): no models, "
+                "each prompt runs as one chunk over the whole pool"
+            )
+            return
+        stop = threading.Event()
+
+        def profile(
+            sizes: Sequence[int], histories: Sequence[int], lengths: Sequence[int], repeats: int
+        ) -> list[tuple[int, int, int, float]]:
+            return group.profile(sizes, histories, lengths, repeats, stop)
+
+        try:
+            self._models = await asyncio.to_thread(autofit.fit_pool, profile, tokens)
+        except GroupFailure as exc:
+            raise EngineStartError(f"tetris start-up profile: {exc}") from exc
+        except asyncio.CancelledError:
+            stop.set()  # stopped while starting: the profile ends at its next point
+            raise
+        log.info("tetris latency models: %s", self._models.message)
+
+    @property
+    def stats_extra(self) -> worker_pb2.WorkerStats:
+        """Where the router's planner gets Eq. (1) from (``WorkerStats.tetris_models``)."""
+        out = worker_pb2.WorkerStats()
+        if self.policy.tetris.latency_models:
+            out.tetris_models.source = worker_pb2.TetrisModelStatus.POLICY
+        else:
+            out.tetris_models.CopyFrom(self._models)
+        return out
 
     def _deliver(self, rid: str, item: RequestOutput | BaseException) -> None:
         assert self._loop is not None

@@ -118,7 +118,7 @@ class SidpPolicy(_message.Message):
     def __init__(self, dp: _Optional[int] = ..., tp: _Optional[int] = ..., mode: _Optional[_Union[SidpPolicy.Mode, str]] = ..., was_cache_slots: _Optional[int] = ..., cas_slots: _Optional[int] = ..., prefetch_depth: _Optional[int] = ..., peak_shifting: _Optional[bool] = ..., dummy_skipping: _Optional[bool] = ..., cas_enter_batch_size: _Optional[int] = ..., was_enter_batch_size: _Optional[int] = ..., window_steps: _Optional[int] = ..., min_dwell_steps: _Optional[int] = ...) -> None: ...
 
 class TetrisPolicy(_message.Message):
-    __slots__ = ("prefill_instances", "prefill_tp", "decode_instances", "decode_tp", "chunk_granularity", "max_sp", "power_of_two_sp", "max_chunks", "improvement_rate", "improvement_rate_table", "rate_window_seconds", "decode_placement", "transfer_backends", "transfer_buffer_bytes", "layerwise_transfer", "latency_models")
+    __slots__ = ("prefill_instances", "prefill_tp", "decode_instances", "decode_tp", "chunk_granularity", "max_sp", "power_of_two_sp", "max_chunks", "improvement_rate", "improvement_rate_table", "rate_window_seconds", "decode_placement", "transfer_backends", "transfer_buffer_bytes", "layerwise_transfer", "latency_models", "auto_profile_tokens")
     class DecodePlacement(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         PLACEMENT_UNSPECIFIED: _ClassVar[TetrisPolicy.DecodePlacement]
@@ -165,6 +165,7 @@ class TetrisPolicy(_message.Message):
     TRANSFER_BUFFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAYERWISE_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     LATENCY_MODELS_FIELD_NUMBER: _ClassVar[int]
+    AUTO_PROFILE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prefill_instances: int
     prefill_tp: int
     decode_instances: int
@@ -181,7 +182,8 @@ class TetrisPolicy(_message.Message):
     transfer_buffer_bytes: int
     layerwise_transfer: bool
     latency_models: _containers.RepeatedCompositeFieldContainer[TetrisPolicy.LatencyModel]
-    def __init__(self, prefill_instances: _Optional[int] = ..., prefill_tp: _Optional[int] = ..., decode_instances: _Optional[int] = ..., decode_tp: _Optional[int] = ..., chunk_granularity: _Optional[int] = ..., max_sp: _Optional[int] = ..., power_of_two_sp: _Optional[bool] = ..., max_chunks: _Optional[int] = ..., improvement_rate: _Optional[float] = ..., improvement_rate_table: _Optional[_Iterable[_Union[TetrisPolicy.ImprovementRateStep, _Mapping]]] = ..., rate_window_seconds: _Optional[int] = ..., decode_placement: _Optional[_Union[TetrisPolicy.DecodePlacement, str]] = ..., transfer_backends: _Optional[int] = ..., transfer_buffer_bytes: _Optional[int] = ..., layerwise_transfer: _Optional[bool] = ..., latency_models: _Optional[_Iterable[_Union[TetrisPolicy.LatencyModel, _Mapping]]] = ...) -> None: ...
+    auto_profile_tokens: int
+    def __init__(self, prefill_instances: _Optional[int] = ..., prefill_tp: _Optional[int] = ..., decode_instances: _Optional[int] = ..., decode_tp: _Optional[int] = ..., chunk_granularity: _Optional[int] = ..., max_sp: _Optional[int] = ..., power_of_two_sp: _Optional[bool] = ..., max_chunks: _Optional[int] = ..., improvement_rate: _Optional[float] = ..., improvement_rate_table: _Optional[_Iterable[_Union[TetrisPolicy.ImprovementRateStep, _Mapping]]] = ..., rate_window_seconds: _Optional[int] = ..., decode_placement: _Optional[_Union[TetrisPolicy.DecodePlacement, str]] = ..., transfer_backends: _Optional[int] = ..., transfer_buffer_bytes: _Optional[int] = ..., layerwise_transfer: _Optional[bool] = ..., latency_models: _Optional[_Iterable[_Union[TetrisPolicy.LatencyModel, _Mapping]]] = ..., auto_profile_tokens: _Optional[int] = ...) -> None: ...
 
 class AutoPolicy(_message.Message):
     __slots__ = ("model", "gpu", "traffic", "goodput", "policies", "requests")

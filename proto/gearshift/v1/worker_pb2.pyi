@@ -156,7 +156,7 @@ class InstanceStats(_message.Message):
     def __init__(self, role: _Optional[_Union[InstanceStats.Role, str]] = ..., index: _Optional[int] = ..., queued_seconds: _Optional[float] = ..., kv_slots_free: _Optional[int] = ..., kv_slots_reserved: _Optional[int] = ..., batch_size: _Optional[int] = ..., node: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("model", "max_model_len", "running", "waiting", "kv_blocks_total", "kv_blocks_used", "kv_usage", "outstanding_tokens", "gear", "policy", "gears", "gear_switches", "host_kv_usage", "reshard_seconds", "fetched_weight_bytes", "preemptions", "ranks", "instances", "revision", "policy_stats", "replicas")
+    __slots__ = ("model", "max_model_len", "running", "waiting", "kv_blocks_total", "kv_blocks_used", "kv_usage", "outstanding_tokens", "gear", "policy", "gears", "gear_switches", "host_kv_usage", "reshard_seconds", "fetched_weight_bytes", "preemptions", "ranks", "instances", "revision", "policy_stats", "replicas", "tetris_models")
     class PolicyStatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,7 @@ class WorkerStats(_message.Message):
     REVISION_FIELD_NUMBER: _ClassVar[int]
     POLICY_STATS_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    TETRIS_MODELS_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     running: int
@@ -206,7 +207,41 @@ class WorkerStats(_message.Message):
     revision: str
     policy_stats: _containers.ScalarMap[str, float]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStats]
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_usage: _Optional[float] = ..., outstanding_tokens: _Optional[int] = ..., gear: _Optional[str] = ..., policy: _Optional[_Union[_policy_pb2.Policy, _Mapping]] = ..., gears: _Optional[_Iterable[_Union[GearStats, _Mapping]]] = ..., gear_switches: _Optional[int] = ..., host_kv_usage: _Optional[float] = ..., reshard_seconds: _Optional[float] = ..., fetched_weight_bytes: _Optional[int] = ..., preemptions: _Optional[int] = ..., ranks: _Optional[int] = ..., instances: _Optional[_Iterable[_Union[InstanceStats, _Mapping]]] = ..., revision: _Optional[str] = ..., policy_stats: _Optional[_Mapping[str, float]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ...) -> None: ...
+    tetris_models: TetrisModelStatus
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_usage: _Optional[float] = ..., outstanding_tokens: _Optional[int] = ..., gear: _Optional[str] = ..., policy: _Optional[_Union[_policy_pb2.Policy, _Mapping]] = ..., gears: _Optional[_Iterable[_Union[GearStats, _Mapping]]] = ..., gear_switches: _Optional[int] = ..., host_kv_usage: _Optional[float] = ..., reshard_seconds: _Optional[float] = ..., fetched_weight_bytes: _Optional[int] = ..., preemptions: _Optional[int] = ..., ranks: _Optional[int] = ..., instances: _Optional[_Iterable[_Union[InstanceStats, _Mapping]]] = ..., revision: _Optional[str] = ..., policy_stats: _Optional[_Mapping[str, float]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ..., tetris_models: _Optional[_Union[TetrisModelStatus, _Mapping]] = ...) -> None: ...
+
+class TetrisModelStatus(_message.Message):
+    __slots__ = ("source", "models", "fit_rms_error", "samples", "profile_seconds", "message")
+    class Source(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        SOURCE_UNSPECIFIED: _ClassVar[TetrisModelStatus.Source]
+        POLICY: _ClassVar[TetrisModelStatus.Source]
+        AUTO_FITTED: _ClassVar[TetrisModelStatus.Source]
+        NONE: _ClassVar[TetrisModelStatus.Source]
+    SOURCE_UNSPECIFIED: TetrisModelStatus.Source
+    POLICY: TetrisModelStatus.Source
+    AUTO_FITTED: TetrisModelStatus.Source
+    NONE: TetrisModelStatus.Source
+    class FitRmsErrorEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    FIT_RMS_ERROR_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    source: TetrisModelStatus.Source
+    models: _containers.RepeatedCompositeFieldContainer[_policy_pb2.TetrisPolicy.LatencyModel]
+    fit_rms_error: _containers.ScalarMap[int, float]
+    samples: int
+    profile_seconds: float
+    message: str
+    def __init__(self, source: _Optional[_Union[TetrisModelStatus.Source, str]] = ..., models: _Optional[_Iterable[_Union[_policy_pb2.TetrisPolicy.LatencyModel, _Mapping]]] = ..., fit_rms_error: _Optional[_Mapping[int, float]] = ..., samples: _Optional[int] = ..., profile_seconds: _Optional[float] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ReplicaStats(_message.Message):
     __slots__ = ("index", "running", "waiting", "outstanding_tokens")

@@ -443,6 +443,51 @@ def test_a_member_prefills_its_next_request_while_its_pieces_wait_for_a_slot(
     assert [got["a"], got["b"]] == expected
 
 
+def test_more_requests_than_slots_are_granted_in_first_handshake_order(
+    tiny_checkpoint: Callable[..., Path],
+    tetris_factory: Callable[..., tuple[TetrisGroup, Outputs]],
+) -> None:
+    """§4.2 under a shortage: one transfer slot, five requests. The first (z) takes the slot and
+    cannot land while the decode instance is stopped; the other four prefill on their own
+    members and all wait for the slot at once. Released, the slot goes to them in the order of
+    their first handshakes (the order they were submitted), not in the order their members
+    happen to ask, and every request ends with the one-process tokens."""
+    folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=2)
+    names = ["z", "a", "b", "c", "d"]
+    members = [0, 1, 2, 3, 0]  # d shares z's member: it asks once z's piece is granted
+    prompts = _prompts([19, 26, 11, 23, 15], seed=17)
+    expected = _reference(folder, prompts, 4)
+    group, outputs = tetris_factory(
+        folder, {"prefill_instances": 4, "decode_instances": 1, "transfer_backends": 1}
+    )
+    decode = group.procs[4]
+
+    def wait_for(what: Callable[[dict[str, float]], bool]) -> dict[str, float]:
+        deadline = time.monotonic() + 60
+        stats = group.stats()
+        while not what(stats):
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.05)
+            stats = group.stats()
+        return stats
+
+    os.kill(decode.pid, signal.SIGSTOP)
+    try:
+        group.submit("z", prompts[0], _greedy(4), _plan([(19, [0])]))
+        wait_for(lambda s: s["transfer_slots_free"] == 0)  # z holds the one slot
+        # Announced (the first handshake) in this order; a member whose shorter prefill ends
+        # first and asks first (b before a) must not jump the queue.
+        for name, ids, m in zip(names[1:], prompts[1:], members[1:], strict=True):
+            group.submit(name, ids, _greedy(4), _plan([(len(ids), [m])]))
+        wait_for(lambda s: s["prefills"] == 5 and s["handshake_queue"] == 4)
+        assert group.managers[0].grants == ["z"], group.managers[0].grants
+    finally:
+        os.kill(decode.pid, signal.SIGCONT)
+    got = outputs.collect(set(names))
+    assert [got[n] for n in names] == expected
+    assert group.managers[0].grants == names
+
+
 @pytest.mark.parametrize(
     ("decode_tp", "layerwise"), [(1, False), (2, False), (2, True)], ids=["1", "2", "2-layerwise"]
 )
