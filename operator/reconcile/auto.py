@@ -149,7 +149,7 @@ def needs_plan(before: dict[str, Any], key: str) -> bool:
     return not (running or recommended)
 
 
-def request(spec: DeploymentSpec, gpu: str, profile: str | None = None) -> PlanRequest:
+def request(spec: DeploymentSpec, gpu: str) -> PlanRequest:
     shape = _shape(spec)
     return PlanRequest(
         spec.policy.auto.SerializeToString(),
@@ -158,13 +158,12 @@ def request(spec: DeploymentSpec, gpu: str, profile: str | None = None) -> PlanR
         shape.gpus_per_node,
         shape.replicas,
         shape.max_model_len,
-        profile,
     )
 
 
-def plan_now(spec: DeploymentSpec, gpu: str, profile: str | None = None) -> dict[str, Any]:
+def plan_now(spec: DeploymentSpec, gpu: str) -> dict[str, Any]:
     """Plan in this process (``runnable``; the operator plans in a child, auto_planner.py)."""
-    answer = run_plan(request(spec, gpu, profile))
+    answer = run_plan(request(spec, gpu))
     if isinstance(answer, Failed):
         raise SpecError(answer.message, answer.field)
     return answer.plan

@@ -30,7 +30,6 @@ class PlanRequest:
     gpus_per_node: int
     replicas: int
     max_model_len: int | None
-    profile: str | None = None  # a profile file's text (calibration.py); None: the preset
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,7 @@ class Pending:
 
 @dataclass(frozen=True)
 class Planned:
-    plan: dict[str, Any]  # choice, policy, reason, predicted, considered, profile
+    plan: dict[str, Any]  # choice, policy, reason, predicted, considered, pricing
 
 
 @dataclass(frozen=True)
@@ -68,7 +67,7 @@ def run_plan(request: PlanRequest) -> Planned | Failed:
     )
     try:
         auto = policy_pb2.AutoPolicy.FromString(request.auto)
-        choice = auto_policy.choose(auto, request.gpu, shape, request.profile)
+        choice = auto_policy.choose(auto, request.gpu, shape)
     except auto_policy.AutoError as exc:
         return Failed(exc.field, str(exc))
     return Planned(

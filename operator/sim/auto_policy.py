@@ -62,7 +62,7 @@ class AutoChoice:
     predicted: dict[str, Any]  # the winner's figures at the declared rate (camelCase)
     considered: list[dict[str, Any]]  # one line per candidate that competed
     report: PlanReport
-    pricing: str = ""  # what priced the steps: a preset, or a profile (calibration.py)
+    pricing: str = ""  # what priced the steps (today always the GPU preset)
 
 
 def model_of(auto: policy_pb2.AutoPolicy) -> model_desc.ModelDesc:
@@ -169,11 +169,8 @@ def _camel(point: dict[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-def choose(
-    auto: policy_pb2.AutoPolicy, gpu: str, shape: GroupShape, profile: str | None = None
-) -> AutoChoice:
-    """Plan one group of ``shape`` on ``gpu`` devices; AutoError names the field at fault.
-    ``profile``: a profile file's text to price steps from instead of the GPU's preset."""
+def choose(auto: policy_pb2.AutoPolicy, gpu: str, shape: GroupShape) -> AutoChoice:
+    """Plan one group of ``shape`` on ``gpu`` devices; AutoError names the field at fault."""
     model = model_of(auto)
     hw = hardware_of(gpu, shape)
     pricing = f"the {hw.device.name} preset (datasheet roofline)"

@@ -184,7 +184,7 @@ class TetrisPolicy(_message.Message):
     def __init__(self, prefill_instances: _Optional[int] = ..., prefill_tp: _Optional[int] = ..., decode_instances: _Optional[int] = ..., decode_tp: _Optional[int] = ..., chunk_granularity: _Optional[int] = ..., max_sp: _Optional[int] = ..., power_of_two_sp: _Optional[bool] = ..., max_chunks: _Optional[int] = ..., improvement_rate: _Optional[float] = ..., improvement_rate_table: _Optional[_Iterable[_Union[TetrisPolicy.ImprovementRateStep, _Mapping]]] = ..., rate_window_seconds: _Optional[int] = ..., decode_placement: _Optional[_Union[TetrisPolicy.DecodePlacement, str]] = ..., transfer_backends: _Optional[int] = ..., transfer_buffer_bytes: _Optional[int] = ..., layerwise_transfer: _Optional[bool] = ..., latency_models: _Optional[_Iterable[_Union[TetrisPolicy.LatencyModel, _Mapping]]] = ...) -> None: ...
 
 class AutoPolicy(_message.Message):
-    __slots__ = ("model", "gpu", "traffic", "goodput", "policies", "requests", "apply", "margin", "cooldown_seconds", "profile", "calibrate")
+    __slots__ = ("model", "gpu", "traffic", "goodput", "policies", "requests", "apply", "margin", "cooldown_seconds")
     class Apply(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         APPLY_UNSPECIFIED: _ClassVar[AutoPolicy.Apply]
@@ -202,8 +202,6 @@ class AutoPolicy(_message.Message):
     APPLY_FIELD_NUMBER: _ClassVar[int]
     MARGIN_FIELD_NUMBER: _ClassVar[int]
     COOLDOWN_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    PROFILE_FIELD_NUMBER: _ClassVar[int]
-    CALIBRATE_FIELD_NUMBER: _ClassVar[int]
     model: AutoModel
     gpu: str
     traffic: AutoTraffic
@@ -213,9 +211,7 @@ class AutoPolicy(_message.Message):
     apply: AutoPolicy.Apply
     margin: float
     cooldown_seconds: int
-    profile: str
-    calibrate: bool
-    def __init__(self, model: _Optional[_Union[AutoModel, _Mapping]] = ..., gpu: _Optional[str] = ..., traffic: _Optional[_Union[AutoTraffic, _Mapping]] = ..., goodput: _Optional[str] = ..., policies: _Optional[_Iterable[str]] = ..., requests: _Optional[int] = ..., apply: _Optional[_Union[AutoPolicy.Apply, str]] = ..., margin: _Optional[float] = ..., cooldown_seconds: _Optional[int] = ..., profile: _Optional[str] = ..., calibrate: _Optional[bool] = ...) -> None: ...
+    def __init__(self, model: _Optional[_Union[AutoModel, _Mapping]] = ..., gpu: _Optional[str] = ..., traffic: _Optional[_Union[AutoTraffic, _Mapping]] = ..., goodput: _Optional[str] = ..., policies: _Optional[_Iterable[str]] = ..., requests: _Optional[int] = ..., apply: _Optional[_Union[AutoPolicy.Apply, str]] = ..., margin: _Optional[float] = ..., cooldown_seconds: _Optional[int] = ...) -> None: ...
 
 class AutoModel(_message.Message):
     __slots__ = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size", "torch_dtype")
@@ -236,26 +232,16 @@ class AutoModel(_message.Message):
     def __init__(self, num_hidden_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., torch_dtype: _Optional[str] = ...) -> None: ...
 
 class AutoTraffic(_message.Message):
-    __slots__ = ("rate", "burstiness", "prompt", "output", "source")
-    class Source(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-        __slots__ = ()
-        SOURCE_UNSPECIFIED: _ClassVar[AutoTraffic.Source]
-        Declared: _ClassVar[AutoTraffic.Source]
-        Observed: _ClassVar[AutoTraffic.Source]
-    SOURCE_UNSPECIFIED: AutoTraffic.Source
-    Declared: AutoTraffic.Source
-    Observed: AutoTraffic.Source
+    __slots__ = ("rate", "burstiness", "prompt", "output")
     RATE_FIELD_NUMBER: _ClassVar[int]
     BURSTINESS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
-    SOURCE_FIELD_NUMBER: _ClassVar[int]
     rate: float
     burstiness: float
     prompt: AutoLengths
     output: AutoLengths
-    source: AutoTraffic.Source
-    def __init__(self, rate: _Optional[float] = ..., burstiness: _Optional[float] = ..., prompt: _Optional[_Union[AutoLengths, _Mapping]] = ..., output: _Optional[_Union[AutoLengths, _Mapping]] = ..., source: _Optional[_Union[AutoTraffic.Source, str]] = ...) -> None: ...
+    def __init__(self, rate: _Optional[float] = ..., burstiness: _Optional[float] = ..., prompt: _Optional[_Union[AutoLengths, _Mapping]] = ..., output: _Optional[_Union[AutoLengths, _Mapping]] = ...) -> None: ...
 
 class AutoLengths(_message.Message):
     __slots__ = ("preset", "fixed")
