@@ -4,9 +4,11 @@ plan again, and what the status says about the choice.
 The plan (``sim/auto_policy.py``) takes seconds, so its result is kept in ``status.auto`` with a
 digest of everything it was planned from: the auto fields, the resolved GPU, the group's shape,
 the replica count and the context length. A pass whose digest matches reuses the stored choice;
-any change of declared traffic, SLO, model shape, GPU or group shape plans again. The new choice
-then flows through the normal pass: another layout changes the groups' revision and rolls them,
-a change of live fields only is applied through Admin.
+any change of declared traffic, SLO, model shape, GPU or group shape plans again (issue 30: the
+operator plans in a child process, auto_planner.py, and never waits for it). A new plan is then
+applied or held by ``auto_apply`` (apply, margin, cooldown); an applied one flows through the
+normal pass: another layout rolls the groups (with surge, reconciler.py), a change of live fields
+only is applied through Admin.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from gearshift.operator.reconcile import restarts
+from gearshift.operator.reconcile import auto_apply, restarts
+from gearshift.operator.reconcile.auto_planner import Failed, PlanRequest, run_plan
 from gearshift.operator.reconcile.spec import DeploymentSpec, SpecError, parse_policy
 from gearshift.operator.sim import auto_policy
 from gearshift.v1 import policy_fields
@@ -30,11 +33,26 @@ GPU_LABEL = "nvidia.com/gpu.product"
 PLANNER_VERSION = 1
 
 
+class Waiting(Exception):
+    """Nothing runs yet and the first plan is not there: in flight, or stopped at the timeout."""
+
+    def __init__(self, status: dict[str, Any] | None, message: str, timed_out: bool) -> None:
+        super().__init__(message)
+        self.status, self.message, self.timed_out = status, message, timed_out
+
+
+@dataclass(frozen=True)
+class Event:
+    reason: str  # PolicyPlanned (applied) or PolicyRecommended (held)
+    message: str
+
+
 @dataclass(frozen=True)
 class Resolved:
-    spec: DeploymentSpec  # the spec with the chosen policy in place of auto
+    spec: DeploymentSpec  # the spec with the running policy in place of auto
     status: dict[str, Any]  # status.auto
     planned: bool  # True when this pass planned (False: the stored choice was reused)
+    event: Event | None = None  # what to tell the user about this pass's plan
 
 
 def is_auto(spec: DeploymentSpec) -> bool:
@@ -97,9 +115,14 @@ def _shape(spec: DeploymentSpec) -> auto_policy.GroupShape:
     )
 
 
+# How a plan is applied, not what it is: changing these re-decides, it does not plan again.
+_NOT_INPUTS = ("apply", "margin", "cooldownSeconds")
+
+
 def digest(spec: DeploymentSpec, gpu: str) -> str:
+    fields = json_format.MessageToDict(spec.policy.auto)
     inputs = {
-        "auto": json_format.MessageToDict(spec.policy.auto),
+        "auto": {k: v for k, v in fields.items() if k not in _NOT_INPUTS},
         "gpu": gpu.upper(),
         "shape": _shape(spec).__dict__,
         "planner": PLANNER_VERSION,
@@ -108,53 +131,111 @@ def digest(spec: DeploymentSpec, gpu: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def resolve(
-    spec: DeploymentSpec,
-    previous: dict[str, Any],
-    nodes: list[dict[str, Any]] | None,
-    now: dt.datetime,
-) -> Resolved:
-    """The spec with auto replaced by its choice; plans only when the inputs changed."""
+def inputs(spec: DeploymentSpec, nodes: list[dict[str, Any]] | None) -> tuple[str, str]:
+    """The GPU the group runs on and the digest of everything a plan depends on."""
     auto = spec.policy.auto
     gpu = (
         auto.gpu.strip().upper()
         if auto.HasField("gpu")
         else gpu_from_nodes(nodes or [], spec.scheduling.node_selector)
     )
-    key = digest(spec, gpu)
-    before = previous.get("auto") or {}
-    if before.get("inputs") == key and isinstance(before.get("policy"), dict):
-        return Resolved(replace(spec, policy=parse_policy(before["policy"])), before, False)
-    try:
-        choice = auto_policy.choose(auto, gpu, _shape(spec))
-    except auto_policy.AutoError as exc:
-        raise SpecError(str(exc), exc.field) from exc
-    status = {
-        "inputs": key,
-        "gpu": gpu,
-        "choice": choice.candidate,
-        "policy": choice.policy,
-        "reason": choice.reason,
-        # Structural status has no nulls: a figure the plan lacks is left out.
-        "predicted": _present(choice.predicted),
-        "considered": [_present(line) for line in choice.considered],
-        "plannedAt": restarts.format_time(now),
-    }
-    return Resolved(replace(spec, policy=parse_policy(choice.policy)), status, True)
+    return gpu, digest(spec, gpu)
 
 
-def _present(figures: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in figures.items() if v is not None}
+def needs_plan(before: dict[str, Any], key: str) -> bool:
+    """No stored plan (running or recommended) was made from ``key``."""
+    running = isinstance(before.get("policy"), dict) and before.get("inputs") == key
+    recommended = (before.get("recommendation") or {}).get("inputs") == key
+    return not (running or recommended)
+
+
+def request(spec: DeploymentSpec, gpu: str) -> PlanRequest:
+    shape = _shape(spec)
+    return PlanRequest(
+        spec.policy.auto.SerializeToString(),
+        gpu,
+        shape.gpus,
+        shape.gpus_per_node,
+        shape.replicas,
+        shape.max_model_len,
+    )
+
+
+def plan_now(spec: DeploymentSpec, gpu: str) -> dict[str, Any]:
+    """Plan in this process (``runnable``; the operator plans in a child, auto_planner.py)."""
+    answer = run_plan(request(spec, gpu))
+    if isinstance(answer, Failed):
+        raise SpecError(answer.message, answer.field)
+    return answer.plan
+
+
+def resolve(
+    spec: DeploymentSpec,
+    before: dict[str, Any],
+    gpu: str,
+    key: str,
+    now: dt.datetime,
+    fresh: dict[str, Any] | None = None,
+) -> Resolved:
+    """The spec running the policy ``auto_apply`` keeps or takes, and status.auto.
+
+    ``before``: the last status.auto; ``fresh``: a plan just made from ``key`` (None: the
+    stored plans are up to date, ``needs_plan`` is False)."""
+    running = before if isinstance(before.get("policy"), dict) else None
+    kept = {k: v for k, v in (running or {}).items() if k not in _TRANSIENT}
+    if fresh is not None:
+        plan = {**fresh, "inputs": key, "gpu": gpu, "plannedAt": restarts.format_time(now)}
+    else:
+        plan = dict(before.get("recommendation") or {})
+        if plan.get("inputs") != key:  # the running plan is the latest
+            if running is None:
+                raise ValueError("resolve: no plan for these inputs")
+            return Resolved(with_policy(spec, kept["policy"]), kept, False)
+        for k in ("held", "gain"):
+            plan.pop(k, None)
+    decision = auto_apply.decide(running, plan, auto_apply.Rules.of(spec.policy.auto), now)
+    if decision.apply:
+        changed = running is None or running.get("policy") != plan["policy"]
+        applied_at = restarts.format_time(now) if changed else kept.get("appliedAt")
+        status = {**plan, "appliedAt": applied_at or plan["plannedAt"]}
+        status["applied"] = decision.reason
+        event = Event("PolicyPlanned", event_message(status)) if fresh or changed else None
+        return Resolved(with_policy(spec, plan["policy"]), status, fresh is not None, event)
+    held = {**plan, "held": decision.reason}
+    if decision.gain is not None:
+        held["gain"] = decision.gain
+    status = {**kept, "recommendation": held}
+    event = Event("PolicyRecommended", recommend_message(held)) if fresh else None
+    return Resolved(with_policy(spec, kept["policy"]), status, fresh is not None, event)
+
+
+# Keys of status.auto that describe a later plan, not the running one.
+_TRANSIENT = ("recommendation", "planning", "error")
+
+
+def with_policy(spec: DeploymentSpec, policy: dict[str, Any]) -> DeploymentSpec:
+    return replace(spec, policy=parse_policy(policy))
 
 
 def event_message(status: dict[str, Any]) -> str:
+    return f"auto chose {_plan_text(status)}"
+
+
+def recommend_message(held: dict[str, Any]) -> str:
+    return f"auto recommends {_plan_text(held)}; not applied: {held['held']}"
+
+
+def _plan_text(status: dict[str, Any]) -> str:
     p = status.get("predicted") or {}
     figures = ", ".join(
         f"{label} {p[key]:.3g} s"
         for key, label in (("ttftP99Seconds", "p99 TTFT"), ("tpotP99Seconds", "p99 TPOT"))
         if p.get(key) is not None
     )
+    pricing = f"; priced from {status['pricing']}" if status.get("pricing") else ""
     return (
-        f"auto chose {status['choice']} {json.dumps(status['policy'], sort_keys=True)} on "
-        f"{status['gpu']}: {status['reason']}" + (f" (predicted {figures})" if figures else "")
+        f"{status['choice']} {json.dumps(status['policy'], sort_keys=True)} on "
+        f"{status['gpu']}: {status['reason']}"
+        + (f" (predicted {figures})" if figures else "")
+        + pricing
     )

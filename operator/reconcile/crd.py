@@ -434,23 +434,49 @@ def auto_status_schema() -> dict[str, Any]:
         "outputTokensPerSecond": {"type": "number"},
         "maxRateMeetingSlo": {"type": "number"},
     }
-    line = _obj({"name": {"type": "string"}, "error": {"type": "string"}, **figures})
+    line = _obj(
+        {
+            "name": {"type": "string"},
+            "error": {"type": "string"},
+            "meetsSlo": {"type": "boolean", "description": "At the declared rate."},
+            **figures,
+        }
+    )
+    plan: dict[str, Any] = {
+        "inputs": {"type": "string", "description": "Digest of what the plan was made from."},
+        "gpu": {"type": "string"},
+        "choice": {"type": "string", "description": "The chosen layout, e.g. shift8."},
+        "policy": {
+            "type": "object",
+            "x-kubernetes-preserve-unknown-fields": True,
+            "description": "The policy (spec.policy's form).",
+        },
+        "reason": {"type": "string"},
+        "pricing": {"type": "string", "description": "What priced the steps: preset or profile."},
+        "predicted": _obj({**figures, "kvTokens": {"type": "integer"}}),
+        "considered": {"type": "array", "items": line, "x-kubernetes-list-type": "atomic"},
+        "plannedAt": {"type": "string", "format": "date-time"},
+    }
+    note = _obj({"inputs": {"type": "string"}, "message": {"type": "string"}})
+    held = {
+        **plan,
+        "held": {"type": "string", "description": "Why it is not applied."},
+        "gain": {"type": "number", "description": "Predicted gain over the running layout."},
+    }
     return _obj(
         {
-            "inputs": {"type": "string", "description": "Digest of what the plan was made from."},
-            "gpu": {"type": "string"},
-            "choice": {"type": "string", "description": "The chosen layout, e.g. shift8."},
-            "policy": {
-                "type": "object",
-                "x-kubernetes-preserve-unknown-fields": True,
-                "description": "The policy the groups run (spec.policy's form).",
+            **plan,
+            "appliedAt": {
+                "type": "string",
+                "format": "date-time",
+                "description": "When the running policy was applied (the cooldown's start).",
             },
-            "reason": {"type": "string"},
-            "predicted": _obj({**figures, "kvTokens": {"type": "integer"}}),
-            "considered": {"type": "array", "items": line, "x-kubernetes-list-type": "atomic"},
-            "plannedAt": {"type": "string", "format": "date-time"},
+            "applied": {"type": "string", "description": "Why the running plan was applied."},
+            "recommendation": _obj(held, "The latest plan, when it is not applied."),
+            "planning": _obj(note["properties"], "A plan in flight."),
+            "error": _obj(note["properties"], "The planner ran past its timeout."),
         },
-        "policy: auto's choice (absent for other policies).",
+        "policy: auto's running choice (absent for other policies).",
     )
 
 

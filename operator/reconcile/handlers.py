@@ -16,6 +16,7 @@ import kopf
 from kubernetes import client, config
 
 from gearshift.operator.reconcile import names
+from gearshift.operator.reconcile.auto_planner import Planner
 from gearshift.operator.reconcile.kube import Kube
 from gearshift.operator.reconcile.reconciler import Reconciler
 from gearshift.operator.reconcile.render_meta import is_owned_by
@@ -61,6 +62,13 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     # One keeper for every resource (each resource's memo is a shallow copy of this one).
     key_file = Path(SETTINGS.key_file) if SETTINGS.key_file else None
     memo["tokens"] = TokenKeeper(memo["kube"], key_file)
+    # One planner for every resource: each deployment's plan runs in a child process of it.
+    memo["planner"] = Planner(SETTINGS.plan_timeout_seconds, SETTINGS.plan_retry_seconds)
+
+
+@kopf.on.cleanup()
+def stop_plans(memo: kopf.Memo, **_: Any) -> None:
+    memo["planner"].close()
 
 
 async def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any) -> None:
@@ -68,7 +76,12 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger
     lock = memo.setdefault("lock", asyncio.Lock())
     async with lock:
         reconciler = Reconciler(
-            memo["kube"], SETTINGS, logger, memo["tokens"], memo.setdefault("plans", {})
+            memo["kube"],
+            SETTINGS,
+            logger,
+            memo["tokens"],
+            memo.setdefault("plans", {}),
+            planner=memo["planner"],
         )
         new_status = await reconciler.reconcile(dict(body), dt.datetime.now(dt.UTC))
     old = dict(body.get("status") or {})
@@ -110,7 +123,9 @@ async def on_delete(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> 
         spec = parse(dict(body))
     except SpecError:
         return  # nothing was rendered for an invalid spec
-    memo.setdefault("plans", {}).pop((spec.namespace, spec.name, spec.uid), None)
+    owner = (spec.namespace, spec.name, spec.uid)
+    memo.setdefault("plans", {}).pop(owner, None)
+    memo["planner"].forget(owner)
     kube: Kube = memo["kube"]
     for api_version, kind in _CHILD_KINDS:
         for obj in await kube.select(

@@ -12,11 +12,12 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gearshift.operator.reconcile import (
     auto,
+    auto_planner,
     model_pin,
     names,
     render_config,
@@ -64,6 +65,8 @@ class Reconciler:
     plans: dict[tuple[str, str, str], dict[str, Any]] = field(default_factory=dict)
     # hf:// branch or tag → commit (model_pin.py); the Hub, or a fake in tests.
     resolver: model_pin.Resolver = model_pin.hub_resolver
+    # policy: auto's plans in child processes (auto_planner.py); None: plan in a thread.
+    planner: auto_planner.Planner | None = None
 
     async def reconcile(self, body: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
         """Converge the children of `body`; returns the status to write."""
@@ -76,6 +79,25 @@ class Reconciler:
                 model_pin.pin, spec, previous.get("model"), self.resolver
             )
             admin_token = await self.tokens.admin_token(spec)
+        except auto.Waiting as wait:  # nothing runs yet: the first plan is not there
+            result = status.PassResult(
+                replicas=0,
+                max_unavailable=1,
+                groups=[],
+                plan_waiting=wait.message,
+                plan_error=wait.message if wait.timed_out else "",
+            )
+            return status.build(
+                result,
+                name=meta.get("name", ""),
+                policy_kind="auto",
+                endpoint="",
+                generation=int(meta.get("generation", 0)),
+                previous=previous,
+                now=now,
+                auto=wait.status,
+                model=previous.get("model"),
+            )
         except SpecError as exc:
             result = status.PassResult(
                 replicas=0, max_unavailable=1, groups=[], spec_error=str(exc), spec_field=exc.field
@@ -96,7 +118,11 @@ class Reconciler:
             admin_token,
         )
         router, router_error = await self._router_status(admin)
-        result = await self._converge(spec, admin, router, router_error, previous, now)
+        result = await self._converge(
+            spec, admin, router, router_error, previous, now, surge_only=chosen is not None
+        )
+        if chosen is not None and "error" in chosen.status:
+            result = replace(result, plan_error=chosen.status["error"]["message"])
         kind = policy_fields.kind_of(spec.policy)
         return status.build(
             result,
@@ -113,11 +139,15 @@ class Reconciler:
     async def _runnable(
         self, body: dict[str, Any], previous: dict[str, Any], now: dt.datetime
     ) -> tuple[DeploymentSpec, auto.Resolved | None]:
-        """runnable() with the Node list it may need; planning runs off the event loop."""
+        """runnable(), planning off the reconcile path: in the planner's child process (a pass
+        polls it and goes on with the running choice), or in a thread without a planner."""
         parsed = parse(body)
+        owner = (parsed.namespace, parsed.name, parsed.uid)
         if not auto.is_auto(parsed):
+            self.plans.pop(owner, None)
+            if self.planner is not None:
+                self.planner.forget(owner)
             return runnable(body, previous, None, now)
-        key = (parsed.namespace, parsed.name, parsed.uid)
         nodes = None
         if auto.needs_nodes(parsed):
             try:
@@ -125,20 +155,65 @@ class Reconciler:
             except KubeError as exc:
                 field = f"{auto.auto_policy.FIELD}.gpu"
                 raise SpecError(f"{field}: not set, and the nodes cannot be read ({exc})") from exc
-        ours = self.plans.get(key)
-        if ours is not None and ours.get("inputs") != (previous.get("auto") or {}).get("inputs"):
-            previous = {**previous, "auto": ours}  # planned after this body was read
-        spec, chosen = await asyncio.to_thread(runnable, body, previous, nodes, now)
-        if chosen is not None and chosen.planned:
-            self.plans[key] = chosen.status
-            message = auto.event_message(chosen.status)
-            self.logger.info("%s", message)
+        # Ours is newer than a body read before the previous pass wrote its status (a timer and
+        # a change handler fire together); the operator is status.auto's only writer.
+        before = self.plans.get(owner) or previous.get("auto") or {}
+        gpu, key = auto.inputs(parsed, nodes)
+        chosen = await self._plan(parsed, owner, before, gpu, key, now)
+        self.plans[owner] = chosen.status
+        if chosen.event is not None:
+            self.logger.info("%s", chosen.event.message)
             try:
                 stamp = restarts.format_time(now)
-                await self.kube.event(body, "Normal", "PolicyPlanned", message, stamp)
+                await self.kube.event(
+                    body, "Normal", chosen.event.reason, chosen.event.message, stamp
+                )
             except KubeError as exc:  # an event is a courtesy; status.auto says the same
-                self.logger.warning("could not post the PolicyPlanned event: %s", exc)
-        return spec, chosen
+                self.logger.warning("could not post the %s event: %s", chosen.event.reason, exc)
+        return checked(chosen.spec, planned=True), chosen
+
+    async def _plan(
+        self,
+        spec: DeploymentSpec,
+        owner: tuple[str, str, str],
+        before: dict[str, Any],
+        gpu: str,
+        key: str,
+        now: dt.datetime,
+    ) -> auto.Resolved:
+        if not auto.needs_plan(before, key):
+            return auto.resolve(spec, before, gpu, key, now)
+        if self.planner is None:
+            fresh = await asyncio.to_thread(auto.plan_now, spec, gpu)
+            return auto.resolve(spec, before, gpu, key, now, fresh)
+        outcome = self.planner.poll(owner, key, auto.request(spec, gpu))
+        if isinstance(outcome, auto_planner.Planned):
+            return auto.resolve(spec, before, gpu, key, now, outcome.plan)
+        if isinstance(outcome, auto_planner.Failed):
+            raise SpecError(outcome.message, outcome.field)
+        field = auto.auto_policy.FIELD
+        if isinstance(outcome, auto_planner.TimedOut):
+            timed_out = True
+            message = (
+                f"{field}: the plan did not finish within {outcome.seconds:g} s "
+                f"(GEARSHIFT_PLAN_TIMEOUT_SECONDS) and was stopped; the same inputs are planned "
+                f"again after {self.planner.retry_s:g} s (fewer requests or policies plan faster)"
+            )
+        else:
+            timed_out = False
+            message = f"{field}: planning (in a child process of the operator)"
+        note = {"inputs": key, "message": message}
+        running = isinstance(before.get("policy"), dict)
+        kept = {k: v for k, v in before.items() if k not in ("planning", "error")}
+        status_auto = {**kept, ("error" if timed_out else "planning"): note}
+        if not running:  # status.auto is the running choice: none yet (the conditions say why)
+            raise auto.Waiting(None, message, timed_out)
+        resolved = auto.Resolved(auto.with_policy(spec, before["policy"]), status_auto, False)
+        try:
+            checked(resolved.spec, planned=True)
+        except SpecError:  # the running choice does not fit the new group: wait for the plan
+            raise auto.Waiting(status_auto, message, timed_out) from None
+        return resolved
 
     async def _router_status(
         self, admin: AdminClient
@@ -156,6 +231,7 @@ class Reconciler:
         router_error: str,
         previous: dict[str, Any],
         now: dt.datetime,
+        surge_only: bool = False,
     ) -> status.PassResult:
         domain = self.settings.cluster_domain
         reported = {g.name: g for g in router.groups} if router else {}
@@ -170,6 +246,10 @@ class Reconciler:
         ]
         observed = [self._observe(spec, s, reported, router is not None) for s in sets]
         max_unavailable, max_surge = spec.rollout.resolve(spec.replicas)
+        if surge_only:
+            # policy: auto changes layouts on its own: a new group serves before an old one
+            # goes, so the serving groups never drop below replicas (issue 30, item 4).
+            max_unavailable, max_surge = 0, max(1, max_surge)
         plan = rollout.plan(observed, spec.replicas, max_unavailable, max_surge)
         kept_surge = sorted(
             {g.index for g in observed if g.surge and g.index >= spec.replicas} - set(plan.delete)
@@ -405,26 +485,35 @@ def runnable(
     nodes: list[dict[str, Any]] | None = None,
     now: dt.datetime | None = None,
 ) -> tuple[DeploymentSpec, auto.Resolved | None]:
-    """The parsed spec, with `policy: auto` replaced by its planned choice (and that choice);
-    SpecError when it is invalid or asks for what the engine cannot run.
+    """The parsed spec, with `policy: auto` replaced by its running choice (planned here, in
+    this process, when no stored plan matches); SpecError when it is invalid or asks for what
+    the engine cannot run.
 
     A spec the schema accepts but no worker can run renders no children: its pods could only
     crash-loop (worker/policies/support.py holds the rule, shared with the worker and `serve`).
     """
     spec = parse(body)
-    chosen = None
-    if auto.is_auto(spec):
-        chosen = auto.resolve(spec, previous or {}, nodes, now or dt.datetime.now(dt.UTC))
-        spec = chosen.spec
-        errors = checks.layout_errors(spec.policy, spec.group.ranks)
-        if errors:  # a stored choice from before a group change; the digest makes this rare
-            raise SpecError("spec." + "; spec.".join(errors))
+    if not auto.is_auto(spec):
+        return checked(spec, planned=False), None
+    before = (previous or {}).get("auto") or {}
+    gpu, key = auto.inputs(spec, nodes)
+    fresh = auto.plan_now(spec, gpu) if auto.needs_plan(before, key) else None
+    chosen = auto.resolve(spec, before, gpu, key, now or dt.datetime.now(dt.UTC), fresh)
+    return checked(chosen.spec, planned=True), chosen
+
+
+def checked(spec: DeploymentSpec, planned: bool) -> DeploymentSpec:
+    """``spec`` if its policy (``planned``: auto's choice) runs on its group; SpecError naming
+    the field if not."""
+    errors = checks.layout_errors(spec.policy, spec.group.ranks) if planned else []
+    if errors:  # a stored choice from before a group change; the digest makes this rare
+        raise SpecError("spec." + "; spec.".join(errors))
     if spec.engine == "gearshift":  # engine: vllm runs static pp/dp through vLLM itself
         try:
             check_supported(spec.full_policy, spec.group.ranks, nodes=spec.group.nodes)
         except InvalidRequestError as exc:
             raise SpecError(exc.message, exc.field) from exc
-    return spec, chosen
+    return spec
 
 
 def runnable_spec(

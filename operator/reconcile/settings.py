@@ -28,6 +28,10 @@ class OperatorSettings:
     # The file holding the key every deployment's tokens derive from (tokens.py; the chart
     # mounts it from a Secret); "": a key of this process only.
     key_file: str = ""
+    # policy: auto: a plan running longer is stopped (PlannerTimedOut), and the same inputs are
+    # planned again after plan_retry_seconds (auto_planner.py).
+    plan_timeout_seconds: float = 300.0
+    plan_retry_seconds: float = 600.0
 
     def admin_address_for(self, name: str, namespace: str) -> str:
         return self.admin_address.format(
@@ -47,6 +51,8 @@ class OperatorSettings:
             admin_timeout_seconds=float(e.get("GEARSHIFT_ADMIN_TIMEOUT_SECONDS", "3")),
             resync_seconds=float(e.get("GEARSHIFT_RESYNC_SECONDS", "10")),
             key_file=e.get("GEARSHIFT_OPERATOR_KEY_FILE", ""),
+            plan_timeout_seconds=float(e.get("GEARSHIFT_PLAN_TIMEOUT_SECONDS", "300")),
+            plan_retry_seconds=float(e.get("GEARSHIFT_PLAN_RETRY_SECONDS", "600")),
             dns=DnsPeer(parse_labels(e.get("GEARSHIFT_DNS_LABELS", "")) or DnsPeer().labels),
             operator=OperatorPeer(
                 namespace=e.get("GEARSHIFT_OPERATOR_NAMESPACE", ""),

@@ -61,6 +61,8 @@ class PassResult:
     policy_error: str = ""  # live policy apply failure
     spec_error: str = ""  # the spec is invalid or not runnable: nothing is rendered
     spec_field: str = ""  # the field spec_error is about, e.g. "spec.policy.static.pp"
+    plan_waiting: str = ""  # policy: auto has no plan to run yet (planning, or timed out)
+    plan_error: str = ""  # policy: auto's planner ran past its timeout
 
 
 def condition(
@@ -127,6 +129,9 @@ def build(
 
     if result.spec_error:
         ready = (False, "InvalidSpec", result.spec_error)
+    elif result.plan_waiting:
+        why = "PlannerTimedOut" if result.plan_error else "Planning"
+        ready = (False, why, result.plan_waiting)
     elif result.replicas == 0:
         ready = (False, "ScaledToZero", "spec.replicas is 0")
     elif result.router_error:
@@ -147,6 +152,12 @@ def build(
     )
     if result.spec_error:
         progressing = (False, "InvalidSpec", result.spec_error)
+    elif result.plan_waiting:
+        progressing = (
+            (False, "PlannerTimedOut", result.plan_waiting)
+            if result.plan_error
+            else (True, "Planning", result.plan_waiting)
+        )
     elif result.scaling:
         progressing = (True, "Scaling", f"{len(base)} groups, {result.replicas} desired")
     elif result.rolling or any(not g.current for g in base):
@@ -159,6 +170,8 @@ def build(
 
     if result.spec_error:
         degraded = (True, "InvalidSpec", result.spec_error)
+    elif result.plan_error:
+        degraded = (True, "PlannerTimedOut", result.plan_error)
     elif result.gave_up:
         degraded = (True, "GroupRestartLimit", "; ".join(result.gave_up))
     elif result.restarting:

@@ -62,6 +62,7 @@ class AutoChoice:
     predicted: dict[str, Any]  # the winner's figures at the declared rate (camelCase)
     considered: list[dict[str, Any]]  # one line per candidate that competed
     report: PlanReport
+    pricing: str = ""  # what priced the steps (today always the GPU preset)
 
 
 def model_of(auto: policy_pb2.AutoPolicy) -> model_desc.ModelDesc:
@@ -160,13 +161,19 @@ def _camel(point: dict[str, Any] | None) -> dict[str, Any]:
         "tpot_p99_s": "tpotP99Seconds",
         "output_tokens_per_s": "outputTokensPerSecond",
     }
-    return {new: round(float(point[old]), 6) for old, new in keys.items() if old in point}
+    out: dict[str, Any] = {
+        new: round(float(point[old]), 6) for old, new in keys.items() if old in point
+    }
+    if "met" in point:  # with an SLO: whether the declared rate meets it (auto_apply.gain)
+        out["meetsSlo"] = bool(point["met"])
+    return out
 
 
 def choose(auto: policy_pb2.AutoPolicy, gpu: str, shape: GroupShape) -> AutoChoice:
     """Plan one group of ``shape`` on ``gpu`` devices; AutoError names the field at fault."""
     model = model_of(auto)
     hw = hardware_of(gpu, shape)
+    pricing = f"the {hw.device.name} preset (datasheet roofline)"
     traffic = traffic_of(auto, shape)
     kinds = kinds_of(auto)
     goodput = goodput_of(auto)
@@ -211,6 +218,7 @@ def choose(auto: policy_pb2.AutoPolicy, gpu: str, shape: GroupShape) -> AutoChoi
         predicted=predicted,
         considered=considered,
         report=report,
+        pricing=pricing,
     )
 
 

@@ -38,6 +38,10 @@ def _body(traffic: dict[str, Any] | None = None, **auto_fields: Any) -> dict[str
     a = body["spec"]["policy"]["auto"]
     a.pop("goodput")
     a["requests"] = 10
+    # Every new plan is taken at once: these tests are about planning; the apply rules (margin,
+    # cooldown, Recommend) have their own tests (test_auto_apply*.py).
+    a["cooldownSeconds"] = 0
+    a["margin"] = 0
     # The Shift paper's directions (TP for lone decodes, SP for long prompts at a high rate)
     # between static and Shift; SiDP joins by default (test_sidp_cost.py, the refusals below).
     a["policies"] = ["static", "shift"]
