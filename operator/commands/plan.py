@@ -36,6 +36,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--sidp-context", type=int, default=1024, help="tokens per sequence for B_th")
     p.add_argument("--tetris-rates", help="request rates of the Tetris table (default: --rates)")
+    p.add_argument(
+        "--no-prune",
+        action="store_true",
+        help="simulate every candidate at every rate, even those that cannot change the choice",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
@@ -122,7 +127,15 @@ def run(args: argparse.Namespace) -> int:
     bar = tqdm(desc="simulating", unit="point", file=sys.stderr, disable=args.no_progress)
     try:
         report = plan_deployment(
-            model, hw, traffic, goodput, rates=rates, settings=settings, kinds=kinds, progress=bar
+            model,
+            hw,
+            traffic,
+            goodput,
+            rates=rates,
+            settings=settings,
+            kinds=kinds,
+            progress=bar,
+            prune=not args.no_prune,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -158,8 +171,13 @@ def table(data: dict[str, Any]) -> str:
         f"req/s; SLO: {data['goodput'] or 'none'}",
         head,
     ]
+    ties = set(data.get("ties") or [])
     for c in data["candidates"]:
         at = next((p for p in c["points"] if p["declared"]), None)
+        mark = "=" if c["name"] in ties else " "  # tied with the recommendation
+        if c.get("pruned"):
+            lines.append(f"{c['name']:>12} {json.dumps(c['policy']):>28} pruned: {c['pruned']}")
+            continue
         if c["error"] or at is None or not at.get("requests"):
             lines.append(
                 f"{c['name']:>12} {json.dumps(c['policy']):>28} {c['error'] or 'no result'}"
@@ -171,11 +189,27 @@ def table(data: dict[str, Any]) -> str:
             f"{c['name']:>12} {json.dumps(c['policy']):>28} {c['kv_tokens_per_group']:>10} "
             f"{at['ttft_p50_s']:>9.3f} {at['ttft_p99_s']:>8.3f} {at['tpot_p50_s']:>9.4f} "
             f"{at['tpot_p99_s']:>8.4f} {at['output_tokens_per_s']:>10.0f} "
-            f"{'-' if rate is None else f'{top}{rate:g}':>8}"
+            f"{'-' if rate is None else f'{top}{rate:g}':>8}{mark}"
+        )
+    if "pruned_candidates" in data:
+        lines.append(
+            f"pruned: {data['pruned_candidates']} of {len(data['candidates'])} candidates "
+            f"(their no-queueing lower bounds cannot change the choice); "
+            f"{data['simulated_points']} points simulated (--no-prune: every one)"
+        )
+    if ties:
+        lines.append(
+            f"tie (=): {', '.join(data['ties'])} are within the simulator's measured error of "
+            f"each other ({_band(data)}); the rule: fewer GPUs, then lower p99 TPOT"
         )
     lines.append(f"recommended: {data['recommended']} {json.dumps(data['recommended_policy'])}")
     lines.append(f"why: {data['reason']}")
     return "\n".join(lines)
+
+
+def _band(data: dict[str, Any]) -> str:
+    band = data.get("error_band") or {}
+    return ", ".join(f"{k} ±{v:.0%}" for k, v in band.items())
 
 
 def plot(data: dict[str, Any], path: Path) -> None:

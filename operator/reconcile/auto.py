@@ -100,10 +100,8 @@ def gpu_from_nodes(nodes: list[dict[str, Any]], selector: dict[str, str]) -> str
 
 
 def _device(product: str) -> str | None:
-    # "NVIDIA-H100-80GB-HBM3" -> H100; a whole word only, so an L40S is not taken for an L4.
-    words = product.upper().replace("_", "-").replace(" ", "-").split("-")
-    found = [w for w in words if w in auto_policy.hw_mod.PRESETS]
-    return found[0] if len(found) == 1 else None
+    # "NVIDIA-H100-80GB-HBM3" -> H100, "NVIDIA-H100-NVL" -> H100NVL (hardware.py).
+    return auto_policy.hw_mod.preset_of_product(product)
 
 
 def _shape(spec: DeploymentSpec) -> auto_policy.GroupShape:

@@ -69,6 +69,11 @@ class Candidate:
     # and render instead.
     for_traffic: Callable[[Candidate, Any, Sequence[float]], Candidate] | None = None
 
+    @property
+    def gpus(self) -> int:
+        """Devices in all: a group's times the groups (SiDP and Tetris: ``notes["groups"]``)."""
+        return self.gpus_per_group * int(self.notes.get("groups", self.replicas))
+
 
 Source = Callable[[ModelDesc, Hardware, PlanSettings], list[Candidate]]
 

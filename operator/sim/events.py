@@ -20,6 +20,16 @@ class EventLoop:
             raise ValueError(f"cannot schedule an event in the past ({time} < {self.now})")
         heapq.heappush(self._heap, (time, next(self._order), action))
 
+    def next_time(self) -> float:
+        """When the next event is due (inf: none is)."""
+        return self._heap[0][0] if self._heap else float("inf")
+
+    def advance(self, time: float) -> None:
+        """Move the clock to ``time`` without an event: nothing may be due before it."""
+        if time < self.now or time > self.next_time():
+            raise ValueError(f"cannot advance to {time}: now {self.now}, next {self.next_time()}")
+        self.now = time
+
     def run(self) -> None:
         while self._heap:
             self.now, _, action = heapq.heappop(self._heap)

@@ -59,9 +59,13 @@ class Hardware:
     inter_node: Link
     host_device: Link
     about: dict[str, Any] = field(default_factory=dict)
+    bridge: Link | None = None  # joins groups of up to bridge_size (NVLink bridges on PCIe)
+    bridge_size: int = 1
 
     def link(self, group_size: int) -> Link:
         """The slowest link a group of ``group_size`` consecutive ranks crosses."""
+        if self.bridge is not None and group_size <= self.bridge_size:
+            return self.bridge
         return self.intra_node if group_size <= self.devices_per_node else self.inter_node
 
 
@@ -71,51 +75,94 @@ class Hardware:
 # datasheet (BF16 121 TFLOPS, FP8 242 TFLOPS dense, i.e. half the "with sparsity" figures; GDDR6
 # 24 GB at 300 GB/s; PCIe Gen4 x16 64 GB/s both ways; no NVLink, so peers talk over PCIe).
 # Inter-node: one 400 Gb/s NDR InfiniBand NIC per GPU (DGX H100/H200 system guide) = 50 GB/s.
-# Latencies are not datasheet figures: typical measured per-message costs (NCCL: a few µs on
-# NVLink/PCIe, ~10 µs across InfiniBand), good to an order of magnitude.
+#
+# Latencies (α, per message) are not datasheet figures, and none is measured on a machine of
+# ours. NVLink 3 µs: NCCL's own cost model puts one ring hop of its Simple protocol (the one large
+# messages use) on NVLink at 3.4 µs (``hwLat`` in NCCL's src/graph/tuning.cc/tuning.h, the table
+# NCCL picks its algorithms by; its figures move between NCCL versions). PCIe 5 µs and network
+# 10 µs are ASSUMPTIONS: the same table puts both above NVLink (the network several times
+# above, the NIC and switch in the path), and these keep that order; they are good to an order
+# of magnitude only. They decide TP 8 against TP 4 x 2 for small steps, so a calibrated
+# profile (issue 30, item 1) should replace them wherever one exists.
 _NVLINK = Link(bandwidth=450 * GB, latency=3 * US)
 _PCIE5 = Link(bandwidth=64 * GB, latency=5 * US)
 _PCIE4 = Link(bandwidth=32 * GB, latency=5 * US)
 _IB_NDR = Link(bandwidth=50 * GB, latency=10 * US)
+# NVLink bridges of the PCIe cards (H100 PCIe, H100 NVL: a 2-GPU bridge, 600 GB/s both ways;
+# H200 NVL: a 2- or 4-GPU bridge, 900 GB/s both ways; their datasheets). A group larger than a
+# bridge talks over PCIe Gen5.
+_BRIDGE_H100 = Link(bandwidth=300 * GB, latency=3 * US)
+_BRIDGE_H200 = Link(bandwidth=450 * GB, latency=3 * US)
 
-PRESETS: dict[str, tuple[Device, int, Link, Link, Link]] = {
-    "H200": (
-        Device(
-            "H200",
-            {"bf16": 989 * TFLOPS, "fp16": 989 * TFLOPS, "fp8": 1979 * TFLOPS},
-            141 * GB,
-            4800 * GB,
-        ),
-        8,
-        _NVLINK,
-        _IB_NDR,
-        _PCIE5,
+
+@dataclass(frozen=True)
+class Preset:
+    """A device and its links: ``bridge`` joins groups of up to ``bridge_size`` within a node
+    (NVLink bridges on PCIe cards); above that a group talks over ``intra``."""
+
+    device: Device
+    devices_per_node: int
+    intra: Link
+    inter: Link
+    host: Link
+    bridge: Link | None = None
+    bridge_size: int = 1
+
+
+def _flops(bf16_tflops: float, fp8_tflops: float) -> dict[str, float]:
+    return {"bf16": bf16_tflops * TFLOPS, "fp16": bf16_tflops * TFLOPS, "fp8": fp8_tflops * TFLOPS}
+
+
+PRESETS: dict[str, Preset] = {
+    "H200": Preset(
+        Device("H200", _flops(989, 1979), 141 * GB, 4800 * GB), 8, _NVLINK, _IB_NDR, _PCIE5
     ),
-    "H100": (
-        Device(
-            "H100",
-            {"bf16": 989 * TFLOPS, "fp16": 989 * TFLOPS, "fp8": 1979 * TFLOPS},
-            80 * GB,
-            3350 * GB,
-        ),
-        8,
-        _NVLINK,
-        _IB_NDR,
-        _PCIE5,
+    "H100": Preset(
+        Device("H100", _flops(989, 1979), 80 * GB, 3350 * GB), 8, _NVLINK, _IB_NDR, _PCIE5
     ),
-    "L4": (
-        Device(
-            "L4",
-            {"bf16": 121 * TFLOPS, "fp16": 121 * TFLOPS, "fp8": 242 * TFLOPS},
-            24 * GB,
-            300 * GB,
-        ),
-        8,
-        _PCIE4,
-        Link(bandwidth=25 * GB, latency=10 * US),
-        _PCIE4,
+    # NVIDIA H100 datasheet, PCIe column: BF16 1,513 / FP8 3,026 TFLOPS with sparsity (half
+    # dense), HBM2e 80 GB at 2.0 TB/s, PCIe Gen5 128 GB/s, NVLink bridge 600 GB/s per pair.
+    "H100PCIE": Preset(
+        Device("H100PCIE", _flops(756, 1513), 80 * GB, 2000 * GB), 8, _PCIE5, _IB_NDR, _PCIE5,
+        _BRIDGE_H100, 2,
     ),
-}
+    # NVIDIA H100 datasheet, NVL column: BF16 1,671 / FP8 3,341 TFLOPS with sparsity, HBM3
+    # 94 GB at 3.9 TB/s, PCIe Gen5 128 GB/s, NVLink bridge 600 GB/s per pair.
+    "H100NVL": Preset(
+        Device("H100NVL", _flops(835.5, 1670.5), 94 * GB, 3900 * GB), 8, _PCIE5, _IB_NDR, _PCIE5,
+        _BRIDGE_H100, 2,
+    ),
+    # NVIDIA H200 datasheet, NVL column: BF16 1,671 / FP8 3,341 TFLOPS with sparsity, HBM3e
+    # 141 GB at 4.8 TB/s, PCIe Gen5 128 GB/s, 2- or 4-way NVLink bridge 900 GB/s (taken: 4-way).
+    "H200NVL": Preset(
+        Device("H200NVL", _flops(835.5, 1670.5), 141 * GB, 4800 * GB), 8, _PCIE5, _IB_NDR, _PCIE5,
+        _BRIDGE_H200, 4,
+    ),
+    "L4": Preset(
+        Device("L4", _flops(121, 242), 24 * GB, 300 * GB), 8, _PCIE4,
+        Link(bandwidth=25 * GB, latency=10 * US), _PCIE4,
+    ),
+}  # fmt: skip
+
+
+def preset_of_product(product: str) -> str | None:
+    """The preset for a node's ``nvidia.com/gpu.product`` label (the driver's name, spaces as
+    dashes: "NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-PCIe", "NVIDIA-H100-NVL", "NVIDIA-H200-NVL"),
+    or None. Whole words only, so an L40S is not taken for an L4, and a PCIe or NVL card is not
+    taken for its SXM sibling."""
+    words = set(product.upper().replace("_", "-").replace(" ", "-").split("-"))
+    found = [w for w in words if w in PRESETS]
+    if len(found) != 1:
+        return None
+    name = found[0]
+    forms = words & {"PCIE", "NVL"}
+    variants = {f for f in ("PCIE", "NVL") if name + f in PRESETS}
+    if not forms or not variants:
+        return name  # an SXM part, or a card made in one form only (L4)
+    match = [name + f for f in forms if f in variants]
+    return match[0] if len(match) == 1 else None
+    return name
+
 
 _SPEC = re.compile(r"^(?:(\d+)x)?([A-Za-z0-9]+)$")
 
@@ -129,8 +176,11 @@ def preset(spec: str) -> Hardware:
     count = int(m.group(1) or 1)
     if count < 1:
         raise HardwareError(f"--hardware {spec!r}: the device count must be at least 1")
-    device, per_node, intra, inter, host = PRESETS[m.group(2).upper()]
-    return Hardware(device, count, min(per_node, count), intra, inter, host, {"preset": spec})
+    p = PRESETS[m.group(2).upper()]
+    return Hardware(
+        p.device, count, min(p.devices_per_node, count), p.intra, p.inter, p.host,
+        {"preset": spec}, p.bridge, p.bridge_size,
+    )  # fmt: skip
 
 
 def _number(data: dict[str, Any], key: str, where: str) -> float:

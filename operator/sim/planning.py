@@ -6,20 +6,23 @@ every rate, only the arrivals scale). Reported per candidate: TTFT and TPOT p50/
 throughput at the declared rate, KV capacity, and the highest simulated rate whose run meets the
 SLO (``goodput.py``: at least 90% of requests within every bound, none refused).
 
-The recommendation: with an SLO, the candidate with the highest such rate (ties: the lower p99
-TTFT at the declared rate); when no candidate meets the SLO at the declared rate, or no SLO is
-given, the lowest p99 TTFT at the declared rate (ties: higher throughput). ``reason`` says which
-rule decided.
+The recommendation: with an SLO, the candidate with the highest such rate, then the lower p99
+TTFT at the declared rate; when no candidate meets the SLO at the declared rate, or no SLO is
+given, the lowest p99 TTFT at the declared rate. Candidates within the simulator's measured error
+of the leader (``error_band.py``) are a tie, broken by fewer GPUs, then the lower p99 TPOT when
+outside its band (issue 30, item 3). ``reason`` says which rule decided.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from gearshift.operator.sim.candidates import Candidate, PlanSettings, enumerate_candidates
+from gearshift.operator.sim.error_band import MEASURED, ErrorBand
 from gearshift.operator.sim.goodput import Goodput
 from gearshift.operator.sim.hardware import Hardware
 from gearshift.operator.sim.model_desc import ModelDesc
@@ -34,10 +37,18 @@ class CandidateResult:
     candidate: Candidate
     points: list[dict[str, Any]] = field(default_factory=list)  # one per rate, ascending
     error: str | None = None  # why it could not be simulated
+    pruned: str | None = None  # why it was not simulated (pruning.py)
+    bound: dict[str, Any] | None = None  # its no-queueing lower bounds (pruning.py)
+    sweep_top: float | None = None  # the sweep's highest rate (default: its last point's)
 
     @property
     def at_rate(self) -> dict[str, Any] | None:
         return next((p for p in self.points if p["declared"]), None)
+
+    @property
+    def at_rate_met(self) -> bool:
+        at = self.at_rate
+        return bool(at and at.get("met"))
 
     @property
     def max_rate(self) -> float | None:
@@ -55,9 +66,13 @@ class CandidateResult:
             "kv_tokens_per_group": c.kv_tokens,
             "max_rate_meeting_slo": self.max_rate,
             # Met at the sweep's highest rate: the true maximum lies above (widen the rates).
-            "max_rate_at_sweep_top": bool(self.points) and self.max_rate == self.points[-1]["rate"],
+            "max_rate_at_sweep_top": bool(self.points)
+            and self.max_rate == (self.sweep_top or self.points[-1]["rate"]),
+            "gpus": c.gpus,
             "points": self.points,
             "error": self.error,
+            "pruned": self.pruned,
+            "lower_bound": self.bound,
         }
 
 
@@ -69,15 +84,25 @@ class PlanReport:
     rates: list[float]
     traffic: Traffic
     goodput: Goodput | None
+    ties: list[CandidateResult] = field(default_factory=list)  # the recommended first
+    band: ErrorBand = MEASURED
 
     def to_json(self) -> dict[str, Any]:
         best = self.recommended
+        candidates = [r.to_json() for r in self.results]
+        for c in candidates:  # each simulated figure with its error band
+            for point in c["points"]:
+                point["error_band"] = self.band.bands(point)
         return {
             "rates": self.rates,
             "declared_rate": self.traffic.rate,
             "traffic": self.traffic.about,
             "goodput": str(self.goodput) if self.goodput else None,
-            "candidates": [r.to_json() for r in self.results],
+            "candidates": candidates,
+            "error_band": dataclasses.asdict(self.band),
+            "ties": [r.candidate.name for r in self.ties] if len(self.ties) > 1 else [],
+            "pruned_candidates": sum(r.pruned is not None for r in self.results),
+            "simulated_points": sum(len(r.points) for r in self.results),
             "recommended": None if best is None else best.candidate.name,
             "recommended_policy": None if best is None else best.candidate.policy,
             "reason": self.reason,
@@ -119,9 +144,12 @@ def plan_deployment(
     kinds: set[str] | None = None,
     only: Callable[[Candidate], bool] | None = None,
     progress: Any = None,
+    prune: bool = False,
+    band: ErrorBand = MEASURED,
 ) -> PlanReport:
     """Simulate every candidate (those ``only`` keeps, when given) at every rate; ``progress``
-    (e.g. a tqdm bar) is updated once per simulated point and its ``total`` set first."""
+    (e.g. a tqdm bar) is updated once per simulated point, its ``total`` the points still to
+    run. ``prune``: skip what cannot change the recommendation (``pruning.py``)."""
     settings = settings or PlanSettings()
     sweep = sorted({*(rates or [traffic.rate * m for m in RATE_SWEEP]), traffic.rate})
     candidates = [
@@ -134,30 +162,47 @@ def plan_deployment(
             f"no layout of {model.name} fits {hardware.count}x{hardware.device.name} "
             f"(weights and a {settings.max_model_len}-token context per group)"
         )
-    if progress is not None:
-        progress.total = len(candidates) * len(sweep)
-    results = []
-    for candidate in candidates:
-        res = CandidateResult(candidate)
-        for rate in sweep:
-            if res.error is None:
-                try:
-                    res.points.append(simulate_point(candidate, traffic, rate, goodput))
-                except RuntimeError as exc:  # a request needs more KV than the group has
-                    res.error = str(exc)
-            if progress is not None:
-                progress.update(1)
-        results.append(res)
-    best, reason = recommend(results, goodput)
-    return PlanReport(results, best, reason, sweep, traffic, goodput)
+    if prune:
+        from gearshift.operator.sim.pruning import run_pruned
+
+        results = run_pruned(candidates, traffic, sweep, goodput, band, progress)
+    else:
+        if progress is not None:
+            progress.total = len(candidates) * len(sweep)
+        results = []
+        for candidate in candidates:
+            res = CandidateResult(candidate)
+            for rate in sweep:
+                run_point(res, traffic, rate, goodput)
+                if progress is not None:
+                    progress.update(1)
+            results.append(res)
+    best, reason, ties = recommend(results, goodput, band)
+    return PlanReport(results, best, reason, sweep, traffic, goodput, ties, band)
+
+
+def run_point(res: CandidateResult, traffic: Traffic, rate: float, goodput: Goodput | None) -> None:
+    """Simulate one rate point of ``res``'s candidate into it (none once it has failed)."""
+    if res.error is not None:
+        return
+    try:
+        res.points.append(simulate_point(res.candidate, traffic, rate, goodput))
+        res.points.sort(key=lambda p: p["rate"])
+    except RuntimeError as exc:  # a request needs more KV than the group has
+        res.error = str(exc)
 
 
 def recommend(
-    results: list[CandidateResult], goodput: Goodput | None
-) -> tuple[CandidateResult | None, str]:
+    results: list[CandidateResult], goodput: Goodput | None, band: ErrorBand = MEASURED
+) -> tuple[CandidateResult | None, str, list[CandidateResult]]:
+    """The recommendation, why, and the candidates tied with it (it first; a lone winner is a
+    list of one). Goodput first: with an SLO, the highest simulated rate meeting it, then the
+    lower p99 TTFT at the declared rate; without one, or when none meets it at the declared
+    rate, the lowest p99 TTFT. Figures within ``band`` of the leader's are a tie, broken by
+    fewer GPUs, then the lower p99 TPOT (when outside its band), then the leader's order."""
     ran = [r for r in results if r.error is None and r.at_rate and r.at_rate.get("requests")]
     if not ran:
-        return None, "no candidate could be simulated"
+        return None, "no candidate could be simulated", []
 
     def p99(r: CandidateResult) -> float:
         return float(r.at_rate["ttft_p99_s"])  # type: ignore[index]
@@ -165,18 +210,49 @@ def recommend(
     def tput(r: CandidateResult) -> float:
         return float(r.at_rate["output_tokens_per_s"])  # type: ignore[index]
 
-    if goodput is not None:
-        meeting = [r for r in ran if r.at_rate.get("met")]  # type: ignore[union-attr]
-        if meeting:
-            best = max(meeting, key=lambda r: (r.max_rate or 0.0, -p99(r)))
-            return best, (
-                f"highest simulated rate meeting the SLO ({goodput}): {best.max_rate:g} req/s; "
-                f"p99 TTFT {p99(best):.3f} s at the declared rate"
-            )
-        best = min(ran, key=lambda r: (p99(r), -tput(r)))
-        return best, (
-            f"no candidate meets the SLO ({goodput}) at the declared rate; lowest p99 TTFT: "
-            f"{p99(best):.3f} s"
+    meeting = [r for r in ran if r.at_rate.get("met")] if goodput else []  # type: ignore[union-attr]
+    if meeting:
+        order = sorted(meeting, key=lambda r: (-(r.max_rate or 0.0), p99(r)))
+        lead = order[0]
+        tied = [
+            r
+            for r in order
+            if band.tie(r.max_rate or 0.0, lead.max_rate or 0.0, "output_tokens_per_s")
+            and band.tie(p99(r), p99(lead), "ttft_p99_s")
+        ]
+        rule = f"highest simulated rate meeting the SLO ({goodput})"
+    else:
+        order = sorted(ran, key=lambda r: (p99(r), -tput(r)))
+        lead = order[0]
+        tied = [r for r in order if band.tie(p99(r), p99(lead), "ttft_p99_s")]
+        rule = (
+            f"no candidate meets the SLO ({goodput}) at the declared rate; lowest p99 TTFT"
+            if goodput
+            else "no SLO given; lowest p99 TTFT at the declared rate"
         )
-    best = min(ran, key=lambda r: (p99(r), -tput(r)))
-    return best, f"no SLO given; lowest p99 TTFT at the declared rate: {p99(best):.3f} s"
+    best = _break_tie(tied, band)
+    why = _why(best, rule, p99(best))
+    if len(tied) > 1:
+        names = ", ".join(r.candidate.name for r in tied)
+        why += f"; a tie within the simulator's measured error ({names}), broken by fewer GPUs, "
+        why += "then lower p99 TPOT"
+    return best, why, [best, *(r for r in tied if r is not best)]
+
+
+def _break_tie(tied: list[CandidateResult], band: ErrorBand) -> CandidateResult:
+    """Fewest GPUs; among those, the lowest p99 TPOT when it is outside the band of the first
+    in the leader's order (else that first one)."""
+    fewest = min(r.candidate.gpus for r in tied)
+    pool = [r for r in tied if r.candidate.gpus == fewest]
+
+    def tpot(r: CandidateResult) -> float:
+        return float(r.at_rate["tpot_p99_s"])  # type: ignore[index]
+
+    lowest = min(pool, key=tpot)
+    return pool[0] if band.tie(tpot(lowest), tpot(pool[0]), "tpot_p99_s") else lowest
+
+
+def _why(best: CandidateResult, rule: str, p99: float) -> str:
+    if best.max_rate is not None and "meeting" in rule:
+        return f"{rule}: {best.max_rate:g} req/s; p99 TTFT {p99:.3f} s at the declared rate"
+    return f"{rule}: {p99:.3f} s"

@@ -24,9 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from gearshift.operator.sim.blocks import SimBlockManager
 from gearshift.operator.sim.cost_model import StepCost
 from gearshift.operator.sim.model_desc import StageShares
-from gearshift.worker.engine.contract import QueueView, StepRequest
+from gearshift.worker.engine.contract import QueueView, StepKind, StepRequest
 from gearshift.worker.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from gearshift.worker.engine.sequence import FinishReason, Sequence
 from gearshift.worker.kv.block_manager import BlockManager
@@ -152,12 +153,12 @@ class SimReplica:
         self.cost = cost
         self.step_request = step_request or (lambda _: StepRequest())
         # Traces carry lengths, not text: there is nothing a prefix cache could match.
-        self.blocks = BlockManager(
+        # The engine's manager, its per-block state made only for blocks handed out (blocks.py).
+        self.blocks = SimBlockManager(
             config.num_blocks,
             config.block_size,
             config.max_num_seqs,
             -(-config.max_model_len // config.block_size),
-            enable_prefix_caching=False,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -170,6 +171,7 @@ class SimReplica:
         self.times: dict[str, RequestTimes] = {}
         self.steps = 0
         self.busy_s = 0.0
+        self.clock = 0.0  # where decode_step left this replica's time
         self.hooks = hooks
         if hooks is not None:
             hooks.bind(self.scheduler, self.blocks)
@@ -244,7 +246,55 @@ class SimReplica:
     def finish_step(self, now: float) -> list[tuple[str, int, bool]]:
         """End the oldest in-flight step at ``now``: (request id, new tokens, finished) per
         progressed request, in the order the engine would report them."""
-        batch = self.in_flight.popleft().batch
+        return self._advance(self.in_flight.popleft().batch, now)
+
+    def decode_step(self, now: float, horizon: float) -> list[tuple[str, int, bool]] | None:
+        """Run and finish at once the step ``launch(now)`` would start, when it is a plain
+        decode step (every running sequence decodes, nothing waits, no pipeline, no policy
+        hooks) ending strictly before ``horizon``, the simulation's next event: nothing else
+        can happen meanwhile, so the event queue is skipped (issue 30, item 5: most steps of a
+        lightly loaded replica). Returns ``finish_step``'s report with ``self.clock`` at the
+        step's end, or None (nothing run) when the step is any other kind."""
+        running = self.scheduler.running
+        n = len(running)
+        cfg = self.config
+        if (
+            self.hooks is not None
+            or self.in_flight
+            or self.micro_batches != 1
+            or self.stages != 1
+            or len(self._stage_free) != 1
+            or self.scheduler.waiting
+            or not 0 < n <= min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        ):
+            return None
+        size = cfg.block_size
+        grow = 0
+        for seq in running:
+            if seq.num_tokens - seq.num_computed_tokens != 1:
+                return None  # a prefill chunk is left: the scheduler's step
+            grow += seq.num_computed_tokens + 1 > len(seq.blocks.block_ids) * size
+        ask = self.step_request(QueueView(n, 0, 0))
+        if ask.kind in (StepKind.NONE, StepKind.PREFILL) or (ask.max_seqs or n) < n:
+            return None
+        if grow > self.blocks.num_free_blocks:
+            return None  # KV pressure: preemption is the scheduler's
+        batch = ScheduledBatch(decodes=list(running))
+        trip = self.cost.step_time(batch)
+        # _launch_one's arithmetic for one stage of share 1.0, so the times are the same floats.
+        done = max(now, self._stage_free[0]) + trip * 1.0
+        if not done < horizon:
+            return None
+        for seq in running:
+            self.blocks.allocate(seq.blocks, seq.num_computed_tokens + 1)
+        self._stage_free[0] = done
+        self.steps += 1
+        self.busy_s += trip * 1.0
+        self.clock = done
+        return self._advance(batch, done)
+
+    def _advance(self, batch: ScheduledBatch, now: float) -> list[tuple[str, int, bool]]:
+        """The engine's end of ``batch`` at ``now`` (LLMEngine._finish)."""
         sampled: list[Sequence] = []
         for seq in batch.decodes:
             seq.num_computed_tokens += 1

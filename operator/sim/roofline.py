@@ -12,6 +12,7 @@ micro-batches when its ``Deployment`` says how many are in flight (``micro_batch
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -119,21 +120,36 @@ class RooflineCost:
             return min(self._tp(s, d), self._sp(s, d))
         return self._sp(s, d) if s.tokens >= self.shift_threshold else self._tp(s, d)
 
+    @functools.cached_property
+    def _consts(self) -> tuple[int, int, int, int, int, int, float, float]:
+        """The model's and device's figures ``_compute`` takes each step, worked out once (the
+        simulator's inner loop, issue 30 item 5); integers, so every product is unchanged."""
+        m = self.model
+        return (
+            2 * m.layers * m.layer_params(),
+            2 * m.vocab * m.hidden,
+            4 * m.layers,
+            m.hidden,
+            m.weight_bytes(),
+            m.kv_bytes_per_token(),
+            self.hw.device.peak(m.flops_key),
+            self.hw.device.memory_bandwidth,
+        )
+
     def _compute(self, s: StepShape, weight_split: int, token_split: int, stages: int) -> float:
         """One rank's roofline time: its share of the weights, tokens and layers."""
-        m = self.model
+        layer_flops, head_flops, attn_layers, hidden, weights, kv_token, peak, bw = self._consts
         frac = 1.0 / stages
         tokens = math.ceil(s.tokens / token_split)  # a rank cannot process part of a token
         # 2 FLOPs per weight per token (layers, then the LM head), and 4·hidden per attended pair
         # per layer (QKᵀ and PV), split by heads under TP and by heads across SP ranks alike.
-        flops = 2 * m.layers * m.layer_params() * frac * tokens / weight_split
-        flops += 2 * m.vocab * m.hidden * tokens / weight_split / stages
-        flops += 4 * m.layers * frac * m.hidden * s.attended / (weight_split * token_split)
+        flops = layer_flops * frac * tokens / weight_split
+        flops += head_flops * tokens / weight_split / stages
+        flops += attn_layers * frac * hidden * s.attended / (weight_split * token_split)
         kv_split = weight_split * token_split
-        nbytes = m.weight_bytes() * frac / weight_split
-        nbytes += m.kv_bytes_per_token() * frac * (s.kv_read + s.tokens) / kv_split
-        peak = self.hw.device.peak(m.flops_key)
-        return max(flops / peak, nbytes / self.hw.device.memory_bandwidth)
+        nbytes = weights * frac / weight_split
+        nbytes += kv_token * frac * (s.kv_read + s.tokens) / kv_split
+        return max(flops / peak, nbytes / bw)
 
     def _tp(self, s: StepShape, t: int) -> float:
         act = s.tokens * self.model.hidden * self.model.dtype_bytes

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from google.protobuf import json_format
 
+from gearshift.operator.sim.blocks import SimPageAllocator
 from gearshift.operator.sim.cost_model import StepCost
 from gearshift.operator.sim.hardware import Hardware, with_count
 from gearshift.operator.sim.model_desc import ModelDesc
@@ -37,7 +38,6 @@ from gearshift.worker.engine.scheduler import ScheduledBatch, Scheduler
 from gearshift.worker.kv.block_manager import BlockManager
 from gearshift.worker.policies import checks
 from gearshift.worker.policies.seesaw.leader import Phase, SeesawLeader, Thresholds
-from gearshift.worker.policies.seesaw.pages import PageAllocator
 from gearshift.worker.policies.seesaw.readiness import ReadinessBoard
 
 HOST_BYTES_PER_GPU = 80 * (1 << 30)
@@ -96,7 +96,7 @@ class SeesawHooks:
         pages = m.host_pages if m else int(HOST_BYTES_PER_GPU * self.gpus // block_bytes)
         thresholds = _thresholds(self.gpus)
         self.leader = SeesawLeader(
-            PageAllocator(pages),
+            SimPageAllocator(pages),  # the same pages, made as they are handed out
             self.block_size,
             (self.gpus, 1),
             lambda: thresholds,

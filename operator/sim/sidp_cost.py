@@ -23,6 +23,7 @@ A SiDP group of ``dp × tp`` GPUs on one node is ``dp`` independent engine repli
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -87,29 +88,37 @@ class SidpCost:
         if self.dp < 2 or self.dp * self.tp > self.hw.devices_per_node:
             raise ValueError(f"sidp dp {self.dp} × tp {self.tp} must fit one node, dp >= 2")
 
-    @property
+    # Cached: the simulator asks for a step's time hundreds of thousands of times a plan.
+    @functools.cached_property
     def _base(self) -> RooflineCost:
         layout = Layout("tp", self.tp) if self.tp > 1 else Layout("one")
         return RooflineCost(self.model, with_count(self.hw, self.tp), layout)
 
-    @property
+    @functools.cached_property
     def remote_layers(self) -> int:
         return self.model.layers - len(Ownership(self.dp, self.model.layers).owned(0))
 
     def fetch_seconds(self) -> float:
         """One remote layer's FFN shard over the intra-node link (WaS)."""
+        return self._fetch
+
+    @functools.cached_property
+    def _fetch(self) -> float:
         shard = rank_bytes(self.model, self.dp, self.tp).ffn_layer
         return p2p(shard, self.hw.intra_node)
 
-    def was(self, s: StepShape) -> float:
-        return max(self._base.time(s), self.remote_layers * self.fetch_seconds())
+    def was(self, s: StepShape, base: float | None = None) -> float:
+        base = self._base.time(s) if base is None else base
+        return max(base, self.remote_layers * self.fetch_seconds())
 
-    def cas(self, s: StepShape) -> float:
+    def cas(self, s: StepShape, base: float | None = None) -> float:
         act = s.tokens * self.model.hidden * self.model.dtype_bytes / self.tp
-        return self._base.time(s) + self.remote_layers * 2 * p2p(act, self.hw.intra_node)
+        base = self._base.time(s) if base is None else base
+        return base + self.remote_layers * 2 * p2p(act, self.hw.intra_node)
 
     def time(self, s: StepShape) -> float:
-        return min(self.was(s), self.cas(s))
+        base = self._base.time(s)
+        return min(self.was(s, base), self.cas(s, base))
 
     def step_time(self, batch: ScheduledBatch) -> float:
         return self.time(shape_of(batch))

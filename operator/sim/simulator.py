@@ -78,10 +78,17 @@ def simulate(deployment: Deployment, trace: Sequence[TraceRequest]) -> SimResult
             loop.at(done, lambda: end(rep))
 
     def end(rep: SimReplica) -> None:
-        for rid, n, finished in rep.finish_step(loop.now):
-            router.on_tokens(rid, n, finished)
-            if finished:
-                done.append(rep.times.pop(rid))
+        report: list[tuple[str, int, bool]] | None = rep.finish_step(loop.now)
+        while report is not None:
+            for rid, n, finished in report:
+                router.on_tokens(rid, n, finished)
+                if finished:
+                    done.append(rep.times.pop(rid))
+            # A plain decode step that ends before any other event runs here, at once: the
+            # same step, the same times, without the event queue (SimReplica.decode_step).
+            report = rep.decode_step(loop.now, loop.next_time())
+            if report is not None:
+                loop.advance(rep.clock)
         start(rep)
 
     def arrive(index: int, req: TraceRequest) -> None:

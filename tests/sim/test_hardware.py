@@ -109,3 +109,45 @@ def test_the_example_in_docs_planning_loads() -> None:
     assert match is not None
     hw = hardware.from_dict(yaml.safe_load(match.group(1)))
     assert (hw.count, hw.devices_per_node, hw.link(16).bandwidth) == (16, 8, 5e10)
+
+
+def test_pcie_and_nvl_cards_are_presets_of_their_own_with_their_bridges() -> None:
+    # Issue 30, item 6: datasheet figures (hardware.py cites them), dense.
+    pcie, nvl, h200nvl = (hardware.preset(f"8x{n}") for n in ("H100PCIE", "H100NVL", "H200NVL"))
+    assert pcie.device.memory_bandwidth == 2.0e12 and pcie.device.memory_bytes == 80e9
+    assert nvl.device.memory_bytes == 94e9 and nvl.device.memory_bandwidth == 3.9e12
+    assert h200nvl.device.memory_bytes == 141e9
+    assert (
+        pcie.device.peak("bf16")
+        < nvl.device.peak("bf16")
+        < hardware.preset("H100").device.peak("bf16")
+    )
+    # A 2-GPU NVLink bridge pairs H100 PCIe/NVL cards; H200 NVL bridges up to 4; beyond, PCIe.
+    assert pcie.link(2).bandwidth == 300e9 and pcie.link(4).bandwidth == 64e9
+    assert h200nvl.link(4).bandwidth == 450e9 and h200nvl.link(8).bandwidth == 64e9
+    assert hardware.preset("8xH200").link(8).bandwidth == 450e9  # SXM: NVSwitch for all 8
+
+
+@pytest.mark.parametrize(
+    ("label", "preset"),
+    [
+        ("NVIDIA-H100-80GB-HBM3", "H100"),
+        ("NVIDIA-H100-PCIe", "H100PCIE"),
+        ("NVIDIA-H100-NVL", "H100NVL"),
+        ("NVIDIA-H200", "H200"),
+        ("NVIDIA-H200-NVL", "H200NVL"),
+        ("NVIDIA-L4", "L4"),
+        ("NVIDIA-L40S", None),
+        ("NVIDIA-H200-PCIe", None),  # no such card: not taken for the SXM one
+    ],
+)
+def test_the_node_label_map_keeps_pcie_and_nvl_cards_apart(label: str, preset: str | None) -> None:
+    from gearshift.operator.reconcile import auto
+
+    assert hardware.preset_of_product(label) == preset
+    node = {"metadata": {"name": "n", "labels": {auto.GPU_LABEL: label}}}
+    if preset is None:
+        with pytest.raises(ValueError, match="not a device the planner describes"):
+            auto.gpu_from_nodes([node], {})
+    else:
+        assert auto.gpu_from_nodes([node], {}) == preset

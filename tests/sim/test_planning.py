@@ -12,9 +12,10 @@ import pytest
 
 from gearshift.operator.sim import hardware, model_desc
 from gearshift.operator.sim.candidates import PlanSettings, enumerate_candidates
+from gearshift.operator.sim.error_band import EXACT, MEASURED
 from gearshift.operator.sim.goodput import Goodput
 from gearshift.operator.sim.lengths import Fixed, Uniform
-from gearshift.operator.sim.planning import plan_deployment
+from gearshift.operator.sim.planning import plan_deployment, recommend
 from gearshift.operator.sim.traffic import Traffic, TrafficError
 from gearshift.worker.engine.contract import QueueView
 
@@ -138,7 +139,11 @@ def test_the_recommendation_follows_the_slo() -> None:
     tight = plan_deployment(model, hw, t, Goodput.parse("ttft:0.001"), rates=[4])
     assert tight.recommended is not None and "no candidate meets" in tight.reason
     p99 = {r.candidate.name: r.at_rate["ttft_p99_s"] for r in tight.results}  # type: ignore[index]
-    assert p99[tight.recommended.candidate.name] == min(p99.values())
+    # Issue 30: the lowest p99 TTFT or one within the measured error of it (a tie, broken by
+    # fewer GPUs then p99 TPOT); with no error band, the lowest itself.
+    assert MEASURED.tie(p99[tight.recommended.candidate.name], min(p99.values()), "ttft_p99_s")
+    exact, _, _ = recommend(tight.results, tight.goodput, EXACT)
+    assert exact is not None and p99[exact.candidate.name] == min(p99.values())
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess[str]:

@@ -1,0 +1,42 @@
+"""`gearshift plan` with its defaults for a random 3-layer Qwen3 on 8xH200 at 4 req/s (issue 30,
+item 5): it prunes what cannot change the recommendation and answers with a full report. The
+time itself is benchmarks/plan_speed.py's figure; the timeout here only guards against a hang."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+QWEN3 = Path(__file__).parent / "fixtures" / "random_qwen3_3layer_config.json"
+
+
+@pytest.mark.timeout(900)
+def test_the_default_plan_prunes_and_reports_every_candidate(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    cmd = [
+        sys.executable, "-m", "gearshift.operator.cli", "plan", "--model", str(QWEN3),
+        "--hardware", "8xH200", "--rate", "4", "--no-progress", "-o", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=850, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    cands = data["candidates"]
+    assert len(cands) == 17  # one, TP/SP/PP/Shift 2, SiDP, Seesaw, Tetris shapes
+    pruned = [c for c in cands if c["pruned"]]
+    # TP and SP pay collectives' latencies a 3-layer model cannot hide: their no-queueing
+    # p99 TTFT alone is outside the band of the best's.
+    assert data["pruned_candidates"] == len(pruned) >= 5
+    assert {"tp2x4", "sp2x4", "shift2x4"} <= {c["name"] for c in pruned}
+    assert all(c["points"] == [] and c["lower_bound"]["ttft_p99_s"] > 0 for c in pruned)
+    ran = [c for c in cands if not c["pruned"]]
+    # No SLO: only the declared rate decides, so only it is simulated.
+    assert all([p["rate"] for p in c["points"]] == [4.0] for c in ran)
+    assert data["simulated_points"] == len(ran)
+    assert data["recommended"] in {c["name"] for c in ran}
+    assert not data["ties"] or data["ties"][0] == data["recommended"]
+    assert all("error_band" in p for c in ran for p in c["points"])
+    assert f"pruned: {len(pruned)} of 17 candidates" in done.stdout
