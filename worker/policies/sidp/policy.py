@@ -315,6 +315,7 @@ class SidpPolicy(Policy):
             "sidp_fetched_weight_bytes": float(was.fetched_bytes),
             "sidp_slot_waits": float(was.slot_waits),
             "sidp_peer_context_bytes": float(self.peer_context_bytes),
+            "sidp_fused_layers": float(service.fused_layers),
         }
         if isinstance(cas, CasExchange):
             out["sidp_cas_fused_rows"] = float(cas.stats.fused_rows)
