@@ -1,22 +1,30 @@
-"""SiDP on this host: KV capacity, per-step decode time by mode, and an offline heavy-tailed job.
+"""SiDP (WaS, CaS, AUTO) vs plain DP at equal per-rank memory on a KV-bound workload.
 
-    .venv/bin/python benchmarks/sidp.py            # → benchmarks/sidp.{json,png}
+    .venv/bin/python benchmarks/sidp.py            # → benchmarks/sidp.json, sidp_profile.json
+    .venv/bin/python benchmarks/sidp.py --quick    # a smaller model and workload, 3 repetitions
 
-All in one run, dp = 2 replicas (one process each), fp32, a random Llama-shaped model:
-(a) KV capacity in tokens, SiDP vs plain DP at the same memory budget (formula, and the block
-    counts the started replicas really allocated);
-(b) time per decode step vs batch size per replica for WaS, CaS and plain DP (two independent
-    full-weight engines), and the crossover (paper Fig. 11: CaS wins at B ≤ 32 on H100s);
-(c) an offline job with heavy-tailed output lengths: total time for SiDP AUTO (the router's
-    controller fed by the replicas' batch sizes), WaS only, CaS only and plain DP (Fig. 13).
+dp = 2 replicas (one process each), fp32, a random Llama-shaped model. Plain DP is
+``PlainDpPolicy``: the same FFN modules, kernels and fused decode op, every replica holding every
+weight. Every configuration gets the same ``kv_cache_bytes``; SiDP adds the FFN bytes it does not
+hold, so weights + KV per rank are equal (the paper's "same memory budget", §5.2).
+
+Measured, all on the running groups:
+- KV capacity of one replica, by admitting sequences until the first preemption
+  (``launch/kv_probe.py``), for plain DP and SiDP;
+- the KV-bound workload (per replica, more sequences of long context than plain DP's cache
+  holds at once): tokens/s, time per output token per request (submit to finish over its
+  tokens, queueing included), engine steps, preemptions; repeated, the configurations
+  interleaved within each repetition; mean and spread (min, max) over repetitions;
+- AUTO's thresholds as the group measured them at start-up (written to sidp_profile.json, which
+  ``GEARSHIFT_SIDP_PROFILE`` takes).
+The report ends with whether the regime exists here: SiDP's tokens/s above plain DP's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as pymp
-import queue
+import statistics
 import sys
 import tempfile
 import time
@@ -25,223 +33,202 @@ from typing import Any
 
 import torch
 
-from gearshift.operator.router.sidp_controller import (
-    CAS,
-    ControllerParameters,
-    ModeController,
-    thresholds_from_profile,
-)
 from gearshift.worker.config import EngineConfig
-from gearshift.worker.engine.loading import inspect_model
-from gearshift.worker.kv.cache import KVCacheSpec
-from gearshift.worker.launch import start_engine
-from gearshift.worker.launch.replicas import Results, start_replicas
+from gearshift.worker.launch.group_config import GroupConfig
+from gearshift.worker.launch.kv_probe import measure_kv_capacity
+from gearshift.worker.launch.replicas import ReplicaGroup, Results, start_replicas
 from gearshift.worker.policies.registry import make_policy
-from gearshift.worker.policies.sidp.ffn import Mode
-from gearshift.worker.policies.sidp.group_step import request_mode
-from gearshift.worker.policies.sidp.ownership import Ownership, weight_bytes
+from gearshift.worker.policies.sidp.plain_dp import PlainDpPolicy
+from gearshift.worker.policies.sidp.thresholds import SOURCE_MEASURED, ModeProfile
 from gearshift.worker.sampling.params import SamplingParams
 
 HERE = Path(__file__).resolve().parent
 DP = 2
+VOCAB = 1024
+BLOCK = 16
 
 
-def _engine_config(folder: Path, kv_bytes: int) -> EngineConfig:
+def _config(folder: Path, kv_bytes: int, max_len: int, seqs: int) -> EngineConfig:
     return EngineConfig(
         model=str(folder),
         dtype="float32",
         kv_cache_bytes=kv_bytes,
         skip_tokenizer_init=True,
-        max_model_len=256,
-        max_num_batched_tokens=512,
+        block_size=BLOCK,
+        max_model_len=max_len,
+        max_num_seqs=seqs,
+        max_num_batched_tokens=max(2048, seqs * BLOCK),
         num_threads=1,
     )
 
 
-def _prompts(n: int, seed: int, vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (8,), generator=g).tolist() for _ in range(n)]
+def _start(config: EngineConfig, name: str) -> ReplicaGroup:
+    if name == "plain":
+        policy = PlainDpPolicy(make_policy({"sidp": {"dp": DP, "mode": "WAS"}}).to_proto(), DP)
+    else:
+        policy = make_policy({"sidp": {"dp": DP, "mode": name}})
+    return start_replicas(config, policy, GroupConfig(timeout_s=600))
 
 
-def _greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-
-def _plain_replica(config: EngineConfig, jobs: list[tuple[list[int], int]], barrier, out) -> None:
-    engine = start_engine(config)
-    engine.generate([p for p, _ in jobs], [_greedy(2) for _ in jobs])  # warm-up, not timed
-    barrier.wait()
+def run_workload(group: ReplicaGroup, jobs: list[list[tuple[list[int], int]]], tag: str) -> dict:
+    """Every replica's jobs at once; tokens/s, per-request time per output token, steps."""
+    before = [group.stats(r)["engine"] for r in range(DP)]
+    submitted: dict[str, float] = {}
+    lengths: dict[str, int] = {}
+    work = {}
+    for r, js in enumerate(jobs):
+        work[r] = []
+        for i, (prompt, n) in enumerate(js):
+            rid = f"{tag}-{r}-{i}"
+            lengths[rid] = n
+            work[r].append(
+                (rid, prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+            )
     start = time.perf_counter()
-    engine.generate([p for p, _ in jobs], [_greedy(n) for _, n in jobs])
-    out.put((time.perf_counter() - start, engine.stats().steps))
-    engine.shutdown()
-
-
-def plain_dp(config: EngineConfig, jobs: list[list[tuple[list[int], int]]]) -> tuple[float, int]:
-    """Two independent full-weight engines, one process each, started together."""
-    ctx = pymp.get_context("spawn")
-    barrier, out = ctx.Barrier(len(jobs)), ctx.Queue()
-    procs = [ctx.Process(target=_plain_replica, args=(config, j, barrier, out)) for j in jobs]
-    for p in procs:
-        p.start()
-    got: list[tuple[float, int]] = []
-    deadline = time.monotonic() + 600
-    while len(got) < len(procs):
-        try:
-            got.append(out.get(timeout=1))
-        except queue.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead or time.monotonic() > deadline:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"plain DP replica failed (exit codes {dead})") from None
-    for p in procs:
-        p.join(60)
-    return max(t for t, _ in got), max(s for _, s in got)
-
-
-def sidp_run(group: Any, jobs: list[list[tuple[list[int], int]]], controller=None) -> float:
-    work = {
-        r: [(f"r{r}-{i}-{time.monotonic_ns()}", p, _greedy(n)) for i, (p, n) in enumerate(js)]
-        for r, js in enumerate(jobs)
-    }
-    start = time.perf_counter()
+    for rid in lengths:
+        submitted[rid] = start
     pending = group.submit(work)
     results: Results = {}
+    finished: dict[str, float] = {}
     while any(pending.values()):
         group.poll(pending, results, wait_s=0.002)
-        if controller is not None:
-            batches = [group.stats(r)["engine"].num_running for r in range(group.replicas)]
-            controller.observe(batches)
-    return time.perf_counter() - start
-
-
-def kv_capacity(folder: Path, kv_bytes: int, group_blocks: int) -> dict[str, Any]:
-    spec, source = inspect_model(_engine_config(folder, kv_bytes), torch.device("cpu"))
-    source.close()
-    cfg = spec.config
-    block = _engine_config(folder, kv_bytes).block_size
-    kv = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block, torch.float32)
-    wb = weight_bytes(cfg, Ownership(DP, cfg.num_layers), 0, DP - 1, 4)
-    full = wb.replicated + cfg.num_layers * wb.ffn_layer
-    plain_tokens = kv.blocks_for_bytes(kv_bytes) * block
-    sidp_tokens = kv.blocks_for_bytes(kv_bytes + wb.freed(cfg.num_layers)) * block
+        now = time.perf_counter()
+        for rid in results:
+            finished.setdefault(rid, now)
+    wall = time.perf_counter() - start
+    after = [group.stats(r)["engine"] for r in range(DP)]
+    bad = [rid for rid, (_, reason) in results.items() if reason != "length"]
+    if bad:
+        raise RuntimeError(f"{tag}: {results[bad[0]][1]}")
+    tokens = sum(lengths.values())
+    tpot = [(finished[rid] - submitted[rid]) / lengths[rid] * 1e3 for rid in lengths]
     return {
-        "budget_bytes_per_rank": full + kv_bytes,
-        "plain_dp_weights": full,
-        "sidp_weights_resident": wb.resident,
-        "plain_dp_kv_tokens": plain_tokens,
-        "sidp_kv_tokens": sidp_tokens,
-        "sidp_kv_tokens_measured": group_blocks * block,
-        "ratio": sidp_tokens / plain_tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "tpot_ms_mean": statistics.mean(tpot),
+        "steps": max(a.steps - b.steps for a, b in zip(after, before, strict=True)),
+        "preemptions": sum(
+            a.num_preemptions - b.num_preemptions for a, b in zip(after, before, strict=True)
+        ),
     }
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"mean": statistics.mean(values), "min": min(values), "max": max(values)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="small model and workload, 3 repetitions")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--batches", default="1,4,16,32")
-    ap.add_argument("--decode-tokens", type=int, default=16)
-    ap.add_argument("--offline-requests", type=int, default=24)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompt", type=int, default=192, help="prompt tokens per sequence")
+    ap.add_argument("--output", type=int, default=32, help="output tokens per sequence")
+    ap.add_argument("--seqs", type=int, default=32, help="sequences per replica")
     args = ap.parse_args()
+    if args.quick:
+        args.hidden, args.layers, args.prompt, args.output, args.seqs = 256, 4, 96, 16, 16
+    if args.repeats < 3:
+        ap.error("--repeats must be at least 3 (mean and spread)")
     sys.path.insert(0, str(HERE.parent))  # the random checkpoints of the tests
     from tests.worker.helpers import make_hf_checkpoint
 
-    vocab = 1024
     tmp = tempfile.TemporaryDirectory()
     folder = make_hf_checkpoint(
-        Path(tmp.name), "llama2-bias", hidden=args.hidden, layers=args.layers, vocab=vocab
+        Path(tmp.name), "llama2-bias", hidden=args.hidden, layers=args.layers, vocab=VOCAB
     )
-    # The paper's regime: weights dominate a rank's memory. Plain DP's KV gets a quarter of
-    # its weight bytes; SiDP gets the same total budget.
-    spec, source = inspect_model(_engine_config(folder, 1 << 20), torch.device("cpu"))
-    source.close()
-    full = weight_bytes(spec.config, Ownership(1, spec.config.num_layers), 0, 0, 4).resident
-    kv_bytes = max(2 << 20, full // 4)
-    config = _engine_config(folder, kv_bytes)
-    batches = [int(b) for b in args.batches.split(",")]
-    steps = args.decode_tokens
-    report: dict[str, Any] = {"dp": DP, "hidden": args.hidden, "layers": args.layers}
-
-    decode: dict[str, dict[int, float]] = {"WAS": {}, "CAS": {}, "plain": {}}
-    for b in batches:
-        jobs = [[(p, steps) for p in _prompts(b, 10 + r, vocab)] for r in range(DP)]
-        t, _ = plain_dp(config, jobs)
-        decode["plain"][b] = t / steps * 1e3
-    offline_jobs = []
+    # KV-bound: SiDP's cache (kv_cache_bytes + the FFN bytes it frees) holds one replica's whole
+    # workload at once, plain DP's (kv_cache_bytes alone) that much less. KV bytes per token:
+    # layers x 2 (k, v) x 2 KV heads x head_dim (hidden / 8 heads) x 4 bytes.
+    per_token = args.layers * 2 * 2 * (args.hidden // 8) * 4
+    seq_tokens = args.prompt + args.output
+    ffn_layer = (3 * args.hidden * 2 * args.hidden + 2 * 2 * args.hidden + args.hidden) * 4
+    freed = (args.layers - args.layers // DP - (DP - 1)) * ffn_layer  # remote layers less slots
+    kv_bytes = max(per_token * seq_tokens * args.seqs - freed, per_token * seq_tokens * 2)
+    max_len = -(-seq_tokens // BLOCK) * BLOCK
+    config = _config(folder, kv_bytes, max_len, max(256, args.seqs))
     g = torch.Generator().manual_seed(7)
-    for r in range(DP):
-        lengths = (4 / torch.rand(args.offline_requests, generator=g) ** 0.8).clamp(max=160)
-        prompts = _prompts(args.offline_requests, 100 + r, vocab)
-        offline_jobs.append(list(zip(prompts, lengths.int().tolist(), strict=True)))
-    offline: dict[str, float] = {"plain": plain_dp(config, offline_jobs)[0]}
-    # Every timed run follows an untimed short one on the same engines (plain DP's too).
-    for mode in ("WAS", "CAS"):
-        group = start_replicas(config, make_policy({"sidp": {"dp": DP, "mode": mode}}))
-        try:
-            if mode == "WAS":
-                report["kv_capacity"] = kv_capacity(folder, kv_bytes, group.ready[0]["num_blocks"])
-            for b in batches:
-                jobs = [[(p, steps) for p in _prompts(b, 10 + r, vocab)] for r in range(DP)]
-                sidp_run(group, [[(p, 2) for p, _ in js] for js in jobs])  # warm-up
-                decode[mode][b] = sidp_run(group, jobs) / steps * 1e3
-            sidp_run(group, [[(p, 2) for p, _ in js] for js in offline_jobs])  # warm-up
-            offline[mode] = sidp_run(group, offline_jobs)
-        finally:
-            group.shutdown()
-    group = start_replicas(config, make_policy({"sidp": {"dp": DP, "mode": "AUTO"}}))
+    jobs = [
+        [
+            (torch.randint(0, VOCAB, (args.prompt,), generator=g).tolist(), args.output)
+            for _ in range(args.seqs)
+        ]
+        for _ in range(DP)
+    ]
+    names = ["plain", "WAS", "CAS", "AUTO"]
+    report: dict[str, Any] = {
+        "command": " ".join(sys.argv),
+        "host_note": "2 shared CPU cores, other engineers' jobs running: absolute figures are "
+        "load-dependent; compare ratios within this run",
+        "dp": DP,
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "kv_cache_bytes": kv_bytes,
+        "workload": {"seqs_per_replica": args.seqs, "prompt": args.prompt, "output": args.output},
+    }
+    groups = {}
     try:
-        sidp_run(group, [[(p, 2) for p, _ in js] for js in offline_jobs])  # warm-up
-        params = ControllerParameters(
-            cas_enter_batch_size=8, was_enter_batch_size=16, window_steps=4, min_dwell_steps=8
+        for name in names:
+            groups[name] = _start(config, name)
+        report["kv_capacity_tokens"] = {
+            name: measure_kv_capacity(
+                groups[name], DP - 1, BLOCK, VOCAB, config.max_num_seqs
+            ).tokens
+            for name in ("plain", "WAS")
+        }
+        report["kv_capacity_ratio"] = (
+            report["kv_capacity_tokens"]["WAS"] / report["kv_capacity_tokens"]["plain"]
         )
-        store = group.store
-        ctl = ModeController(params, lambda m: request_mode(store, Mode(m)))
-        offline["AUTO"] = sidp_run(group, offline_jobs, ctl)
-        report["auto_switches"] = ctl.switches
-        report["auto_ended_in_cas"] = ctl.mode == CAS
+        auto = groups["AUTO"].stats(0)["policy"]
+        batches = sorted(
+            int(k.rsplit("_b", 1)[1]) for k in auto if k.startswith("sidp_profile_was_ms_b")
+        )
+        profile = ModeProfile(
+            {b: auto[f"sidp_profile_was_ms_b{b}"] for b in batches},
+            {b: auto[f"sidp_profile_cas_ms_b{b}"] for b in batches},
+            SOURCE_MEASURED,
+        )
+        report["auto_profile"] = {"why": profile.why(), "figures": profile.figures()}
+        (HERE / "sidp_profile.json").write_text(profile.to_json() + "\n")
+        runs: dict[str, list[dict]] = {n: [] for n in names}
+        for name in names:  # warm-up, untimed: first-step costs are not the regime's
+            run_workload(groups[name], [js[:2] for js in jobs], f"{name}-warm")
+        for rep in range(args.repeats):
+            for name in names[rep % len(names) :] + names[: rep % len(names)]:  # rotate the order
+                runs[name].append(run_workload(groups[name], jobs, f"{name}{rep}"))
+                print(name, rep, json.dumps(runs[name][-1]), flush=True)
     finally:
-        group.shutdown()
-
-    crossover = [b for b in batches if decode["CAS"][b] < decode["WAS"][b]]
-    report["decode_ms_per_step"] = decode
-    report["cas_faster_than_was_at"] = crossover
-    # What to put in the policy on this host (the issue's `sidp-profile`, as a benchmark).
-    use = thresholds_from_profile(decode["WAS"], decode["CAS"])
-    report["thresholds_to_use"] = (
-        {"casEnterBatchSize": use[0], "wasEnterBatchSize": use[1]}
-        if use
-        else {"mode": "WAS", "why": "CaS was not faster at any batch size measured"}
+        for group in groups.values():
+            group.shutdown()
+    report["runs"] = runs
+    report["summary"] = {
+        name: {
+            key: _spread([r[key] for r in rs])
+            for key in ("tokens_per_s", "tpot_ms_mean", "steps", "preemptions")
+        }
+        for name, rs in runs.items()
+    }
+    s = report["summary"]
+    best = max(("WAS", "CAS", "AUTO"), key=lambda n: s[n]["tokens_per_s"]["mean"])
+    wins = s[best]["tokens_per_s"]["min"] > s["plain"]["tokens_per_s"]["max"]
+    report["regime_exists_here"] = wins
+    sidp_tps, plain_tps = s[best]["tokens_per_s"]["mean"], s["plain"]["tokens_per_s"]["mean"]
+    verdict = (
+        "SiDP beats plain DP here (every repetition)."
+        if wins
+        else "SiDP does not beat plain DP in every repetition here; see steps and preemptions."
     )
-    report["offline_s"] = offline
-    report["offline_lengths"] = [n for js in offline_jobs for _, n in js]
-    print(json.dumps(report, indent=2))
-    print("sidp thresholds to use on this host:", json.dumps(report["thresholds_to_use"]))
-    (HERE / "sidp.json").write_text(json.dumps(report, indent=2) + "\n")
-    _plot(report, batches)
-
-
-def _plot(report: dict[str, Any], batches: list[int]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for name, series in report["decode_ms_per_step"].items():
-        a.plot(batches, [series[x] for x in batches], marker="o", label=name)
-    a.set_xscale("log", base=2)
-    a.set_xlabel("batch per replica")
-    a.set_ylabel("ms per decode step (wall / tokens)")
-    a.set_title(f"dp {DP}: WaS vs CaS vs plain DP")
-    a.legend()
-    names = list(report["offline_s"])
-    b.bar(names, [report["offline_s"][n] for n in names])
-    b.set_ylabel("s")
-    b.set_title("offline heavy-tailed job, total time")
-    fig.tight_layout()
-    fig.savefig(HERE / "sidp.png", dpi=100)
+    report["statement"] = (
+        f"SiDP {best} {sidp_tps:.1f} tokens/s vs plain DP {plain_tps:.1f} "
+        f"({sidp_tps / plain_tps:.2f}x); measured KV {report['kv_capacity_ratio']:.2f}x plain "
+        f"DP's; preemptions per run: plain DP {s['plain']['preemptions']['mean']:.0f}, SiDP WaS "
+        f"{s['WAS']['preemptions']['mean']:.0f}. {verdict}"
+    )
+    print(json.dumps(report["summary"], indent=2))
+    print(report["statement"])
+    out = HERE / ("sidp_quick.json" if args.quick else "sidp.json")
+    out.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

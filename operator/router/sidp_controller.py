@@ -21,12 +21,29 @@ changing its configured ``mode``.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gearshift.v1 import policy_pb2
+from gearshift.worker.policies.sidp.thresholds import (
+    SOURCE_MEASURED,
+    SOURCE_PROFILE,
+    thresholds_from_profile,
+)
+
+__all__ = [
+    "AUTO",
+    "CAS",
+    "WAS",
+    "ControllerParameters",
+    "ModeController",
+    "ServedGroupControl",
+    "thresholds_from_profile",
+]
+log = logging.getLogger(__name__)
 
 WAS = policy_pb2.SidpPolicy.WAS
 CAS = policy_pb2.SidpPolicy.CAS
@@ -198,6 +215,8 @@ class ServedGroupControl:
 
     controller: ModeController | None = None
     _last: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # Why AUTO pins WaS on this group (its measured or profiled CaS never won), else empty.
+    pinned_why: str = ""
 
     def observe(self, policy: policy_pb2.Policy, policy_stats: Mapping[str, float]) -> int | None:
         counters = replica_counters(policy_stats)
@@ -205,10 +224,13 @@ class ServedGroupControl:
         if policy.WhichOneof("kind") != "sidp" or not counters:
             self.controller = None
             return None
-        params = ControllerParameters.from_proto(policy.sidp)
+        params = _worker_thresholds(ControllerParameters.from_proto(policy.sidp), policy_stats)
         if params.mode != AUTO:
             self.controller = None  # pinned: the worker runs the pin, nothing to decide
             return None
+        if policy_stats.get("sidp_auto_pins_was", 0.0) == 1.0:
+            return self._pin_was(policy_stats)
+        self.pinned_why = ""
         if self.controller is None:
             current = int(policy_stats.get("sidp_mode", WAS))
             self.controller = ModeController(params, apply=lambda _: None, mode=current)
@@ -228,23 +250,31 @@ class ServedGroupControl:
             return None
         return policy_pb2.Policy(sidp=policy_pb2.SidpPolicy(mode=mode))  # type: ignore[arg-type]
 
+    def _pin_was(self, policy_stats: Mapping[str, float]) -> int | None:
+        """AUTO on a group where CaS never won: WaS, whatever the batch (§4.3's B_th is below
+        every batch measured); a group still in CaS (a pin before AUTO) is switched back."""
+        self.controller = None
+        why = "AUTO pins WaS: CaS was not faster at any batch size " + _where(policy_stats)
+        if why != self.pinned_why:
+            log.warning("sidp: %s", why)
+            self.pinned_why = why
+        return WAS if int(policy_stats.get("sidp_mode", WAS)) == CAS else None
 
-def thresholds_from_profile(
-    was_ms: Mapping[int, float], cas_ms: Mapping[int, float]
-) -> tuple[int, int] | None:
-    """(cas_enter_batch_size, was_enter_batch_size) from measured decode step times per batch
-    size in each mode (§4.3: B_th from offline profiling), or None when CaS is never faster
-    (pin ``mode: WAS``).
 
-    B_th is the smallest measured batch from which WaS is at least as fast as CaS at that and
-    every larger batch: the group enters CaS below it. WaS comes back at twice B_th, the
-    defaults' (32, 64) hysteresis, so a batch hovering around B_th does not flap."""
-    batches = sorted(set(was_ms) & set(cas_ms))
-    if not any(cas_ms[b] < was_ms[b] for b in batches):
-        return None
-    b_th = batches[-1] * 2  # CaS wins even at the largest batch measured: above it
-    for i in range(len(batches) - 1, -1, -1):
-        if cas_ms[batches[i]] < was_ms[batches[i]]:
-            break
-        b_th = batches[i]
-    return b_th, 2 * b_th
+def _where(policy_stats: Mapping[str, float]) -> str:
+    source = int(policy_stats.get("sidp_thresholds_source", 0))
+    return "measured at start-up" if source == SOURCE_MEASURED else "in the profile file"
+
+
+def _worker_thresholds(
+    params: ControllerParameters, policy_stats: Mapping[str, float]
+) -> ControllerParameters:
+    """The thresholds the group measured at start-up or read from a profile (its
+    ``sidp_cas_enter_batch_size``/``sidp_was_enter_batch_size`` figures) in place of the
+    policy's defaults; thresholds the policy sets are reported as explicit and kept."""
+    source = int(policy_stats.get("sidp_thresholds_source", 0))
+    cas = policy_stats.get("sidp_cas_enter_batch_size")
+    was = policy_stats.get("sidp_was_enter_batch_size")
+    if source not in (SOURCE_MEASURED, SOURCE_PROFILE) or cas is None or was is None:
+        return params
+    return replace(params, cas_enter_batch_size=int(cas), was_enter_batch_size=int(was))

@@ -183,3 +183,55 @@ def test_thresholds_from_a_profile_put_b_th_where_was_starts_winning_for_good():
     assert thresholds_from_profile(was, {b: 1.0 for b in was}) == (128, 256)
     # CaS never wins: pin WaS.
     assert thresholds_from_profile(was, {b: 99.0 for b in was}) is None
+
+
+def test_thresholds_the_group_measured_replace_the_policys_defaults() -> None:
+    from gearshift.operator.router.policy_control import PolicyControl
+    from gearshift.worker.policies.sidp.thresholds import SOURCE_EXPLICIT, SOURCE_MEASURED
+
+    def decide(control: PolicyControl, c: tuple[int, int], source: int) -> int | None:
+        stats = _stats(AUTO, [c, c])
+        # The group timed CaS ahead up to batch 8 at start-up: B_th 16 (the policy says 2).
+        stats.policy_stats.update(
+            {
+                "sidp_thresholds_source": float(source),
+                "sidp_cas_enter_batch_size": 16.0,
+                "sidp_was_enter_batch_size": 32.0,
+                "sidp_auto_pins_was": 0.0,
+            }
+        )
+        d = control.decide(stats)
+        return d.sidp.mode if d else None
+
+    measured, explicit = PolicyControl(), PolicyControl()
+    for control, source in ((measured, SOURCE_MEASURED), (explicit, SOURCE_EXPLICIT)):
+        assert decide(control, (0, 0), source) is None
+    # 20 steps at batch 5 per replica: below the measured 16, above the policy's 2.
+    assert decide(measured, (20, 100), SOURCE_MEASURED) == CAS
+    # Thresholds the policy set (live) are reported as explicit: the policy's own apply.
+    assert decide(explicit, (20, 100), SOURCE_EXPLICIT) is None
+
+
+def test_auto_pins_was_when_cas_never_won_and_switches_a_cas_group_back() -> None:
+    from gearshift.operator.router.policy_control import PolicyControl
+    from gearshift.operator.router.sidp_controller import ServedGroupControl
+    from gearshift.worker.policies.sidp.thresholds import SOURCE_MEASURED
+
+    def stats(c: tuple[int, int], group_mode: int = WAS) -> worker_pb2.WorkerStats:
+        out = _stats(AUTO, [c, c], group_mode)
+        out.policy_stats.update(
+            {"sidp_thresholds_source": float(SOURCE_MEASURED), "sidp_auto_pins_was": 1.0}
+        )
+        return out
+
+    control = PolicyControl()
+    assert control.decide(stats((0, 0))) is None
+    # 40 steps at batch 0.25 per replica, far below the policy's 2: still WaS.
+    assert control.decide(stats((40, 10))) is None
+    assert control.decide(stats((80, 20))) is None
+    served = control.controller
+    assert isinstance(served, ServedGroupControl)
+    assert "AUTO pins WaS" in served.pinned_why and "measured at start-up" in served.pinned_why
+    # A group left in CaS (a pin before AUTO) is handed WaS.
+    d = control.decide(stats((90, 30), group_mode=CAS))
+    assert d is not None and d.sidp.mode == WAS

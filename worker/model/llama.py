@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -38,6 +38,27 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin for this step's positions
 # A policy's FFN for a global layer index, used instead of the layer's own weights (e.g. FFN
 # weights that live on another rank); the module maps [T, hidden] to [T, hidden].
 MlpFactory = Callable[[int], nn.Module]
+# The FFN tensors of one layer in the fused decode op's slot order: gate|up weight, its bias,
+# down weight, its bias.
+FfnTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
+
+
+@runtime_checkable
+class LendsFfn(Protocol):
+    """A policy's FFN whose weights may sit elsewhere between steps (SiDP: a WaS cache slot),
+    run inside the fused decode op when it lends them for one layer of one step."""
+
+    def fusable(self) -> bool:
+        """Whether this step's FFN can run from lent weights (not, e.g., in SiDP's CaS)."""
+        ...
+
+    def lend(self) -> FfnTensors:
+        """This layer's weights for this step (waits until they are there)."""
+        ...
+
+    def give_back(self) -> None:
+        """The layer ran: its lent weights may be reused."""
+        ...
 
 
 class LlamaAttention(nn.Module):
@@ -125,6 +146,7 @@ class FusedDecodeArgs:
     weights: list[torch.Tensor | None]  # the op's weight slots (packed oneDNN or plain weights)
     num_heads: int
     eps: float
+    lender: LendsFfn | None = None  # fills the FFN slots per step (a policy's FFN)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -149,10 +171,13 @@ class LlamaDecoderLayer(nn.Module):
         """
         attn, mlp = self.self_attn, self.mlp
         self.fused = None
-        if not isinstance(mlp, LlamaMLP):  # a policy's FFN runs outside the fused op
-            return
+        lender = mlp if isinstance(mlp, LendsFfn) else None
+        if not isinstance(mlp, LlamaMLP) and lender is None:
+            return  # a policy's FFN that cannot lend its weights runs outside the fused op
         norms = (self.input_layernorm, self.post_attention_layernorm)
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        linears: tuple[ReplicatedLinear, ...] = (attn.qkv_proj, attn.o_proj)
+        if isinstance(mlp, LlamaMLP):
+            linears += (mlp.gate_up_proj, mlp.down_proj)
         dtype = norms[0].weight.dtype
         tensors = [n.weight for n in norms] + [lin.weight for lin in linears]
         tensors += [lin.bias for lin in linears if lin.bias is not None]
@@ -169,7 +194,15 @@ class LlamaDecoderLayer(nn.Module):
         def weight(lin: ReplicatedLinear) -> torch.Tensor:
             return lin.packed if lin.packed is not None else lin.weight
 
-        # Slot order of decode_layer.cpp's ``Slot`` enum.
+        # Slot order of decode_layer.cpp's ``Slot`` enum; a lender fills the FFN's per step.
+        ffn: list[torch.Tensor | None] = [None] * 4
+        if isinstance(mlp, LlamaMLP):
+            ffn = [
+                weight(mlp.gate_up_proj),
+                mlp.gate_up_proj.bias,
+                weight(mlp.down_proj),
+                mlp.down_proj.bias,
+            ]
         weights: list[torch.Tensor | None] = [
             norms[0].weight,
             weight(attn.qkv_proj),
@@ -177,12 +210,9 @@ class LlamaDecoderLayer(nn.Module):
             weight(attn.o_proj),
             attn.o_proj.bias,
             norms[1].weight,
-            weight(mlp.gate_up_proj),
-            mlp.gate_up_proj.bias,
-            weight(mlp.down_proj),
-            mlp.down_proj.bias,
+            *ffn,
         ]
-        self.fused = FusedDecodeArgs(weights, attn.num_heads, norms[0].eps)
+        self.fused = FusedDecodeArgs(weights, attn.num_heads, norms[0].eps, lender)
 
     def forward(
         self,
@@ -218,21 +248,28 @@ class LlamaDecoderLayer(nn.Module):
         same kernels in the same order (bit-identical results), without ~17 eager dispatches."""
         fused = self.fused
         assert fused is not None
-        return kernels.decode_layer(
-            hidden,
-            residual,
-            fused.weights,
-            kv[0],
-            kv[1],
-            meta.slot_mapping,
-            meta.block_tables,
-            meta.seq_lens,
-            rope[0],
-            rope[1],
-            fused.num_heads,
-            fused.eps,
-            scale,
-        )
+        weights = fused.weights
+        if fused.lender is not None:
+            weights = weights[:6] + list(fused.lender.lend())
+        try:
+            return kernels.decode_layer(
+                hidden,
+                residual,
+                weights,
+                kv[0],
+                kv[1],
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.seq_lens,
+                rope[0],
+                rope[1],
+                fused.num_heads,
+                fused.eps,
+                scale,
+            )
+        finally:
+            if fused.lender is not None:
+                fused.lender.give_back()
 
 
 class LlamaModel(nn.Module):
@@ -302,6 +339,7 @@ class LlamaForCausalLM(nn.Module):
         self.is_last_stage = layers.stop == cfg.num_layers
         # Every layer when all of them can run as the fused decode op (pack_weights decides).
         self.fused_layers: list[LlamaDecoderLayer] = []
+        self.lenders: list[LendsFfn] = []  # the fused layers' policy FFNs, asked every step
         self.fused_choice: object = None  # fused_ops.FusedChoice on CUDA, once chosen
         self.model = LlamaModel(cfg, max_positions, tp, dtype, device, layers, mlp_factory)
         self.lm_head = (
@@ -378,6 +416,7 @@ class LlamaForCausalLM(nn.Module):
             or not self.fused_layers
             or not isinstance(core, CpuAttention)
             or not kernels.usable(hidden)
+            or not all(lender.fusable() for lender in self.lenders)
         ):
             return None
         return core.scale
@@ -398,6 +437,11 @@ class LlamaForCausalLM(nn.Module):
             layer.prepare_fused_decode(self.tp)
         ready = all(layer.fused is not None for layer in layers)
         self.fused_layers = layers if ready else []
+        self.lenders = [
+            layer.fused.lender
+            for layer in self.fused_layers
+            if layer.fused is not None and layer.fused.lender is not None
+        ]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocab logits on the TP group's first rank; None elsewhere."""

@@ -24,6 +24,7 @@ from torch import nn
 
 from gearshift.worker.comm import CommGroup
 from gearshift.worker.model.layers.activation import silu_and_mul
+from gearshift.worker.model.llama import FfnTensors
 from gearshift.worker.model.weights import LazyWeight
 from gearshift.worker.policies.sidp.housekeeper import Housekeeper
 from gearshift.worker.policies.sidp.shared_weights import FfnWeights
@@ -113,6 +114,7 @@ class FfnService:
     cas: CasRunner | None = None
     mode: Mode = Mode.WAS
     tp: CommGroup = field(default_factory=CommGroup.single)  # this replica's TP ranks
+    fused_layers: int = 0  # layer calls that ran inside the fused decode op (WaS, tp 1)
 
     def set_mode(self, mode: Mode) -> bool:
         """Run ``mode`` from the next step on; True if it changed."""
@@ -125,6 +127,19 @@ class FfnService:
         else:
             self.housekeeper.close()  # CaS fetches no weights
         return True
+
+    def lend(self, layer: int) -> FfnWeights:
+        """WaS: ``layer``'s weights for the fused decode op (owned, or its slot once filled);
+        ``give_back`` once the layer ran. One TP rank (the op runs no collective)."""
+        assert self.mode == Mode.WAS and self.tp.size == 1
+        self.fused_layers += 1
+        self.housekeeper.begin_layer(layer)
+        mine = self.owned.get(layer)
+        return mine if mine is not None else self.housekeeper.acquire(layer)
+
+    def give_back(self, layer: int) -> None:
+        if layer not in self.owned:
+            self.housekeeper.release(layer)
 
     def run(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         # Each TP rank computes its shard's partial sum; the replica's TP group adds them up.
@@ -148,7 +163,10 @@ class FfnService:
 
 
 class SidpFFN(nn.Module):
-    """Layer ``layer``'s FFN slot in the model; owned layers carry the shared-memory weights."""
+    """Layer ``layer``'s FFN slot in the model; owned layers carry the shared-memory weights.
+
+    In WaS a decode step runs it inside the fused decode op (``llama.LendsFfn``): the op gets the
+    owned weights or the layer's slot, so SiDP and a plain replica run the same kernels."""
 
     def __init__(self, layer: int, service: FfnService, owned: FfnWeights | None) -> None:
         super().__init__()
@@ -166,3 +184,14 @@ class SidpFFN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.service.run(self.layer, x)
+
+    def fusable(self) -> bool:
+        # CaS exchanges rows between attention and the FFN, which the one-op layer cannot.
+        return self.service.mode == Mode.WAS
+
+    def lend(self) -> FfnTensors:
+        w = self.service.lend(self.layer)
+        return (w.gate_up, w.gate_up_bias, w.down, w.down_bias)
+
+    def give_back(self) -> None:
+        self.service.give_back(self.layer)

@@ -28,6 +28,7 @@ from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.model.config import ModelConfig
 from gearshift.worker.parallel.layout import Layout
 from gearshift.worker.policies.base import Policy, RankContext, RankModel
+from gearshift.worker.policies.sidp.calibrate import measure_modes
 from gearshift.worker.policies.sidp.cas import CasExchange
 from gearshift.worker.policies.sidp.device_prefetch import DEVICE_PREFETCH_ENV, DevicePrefetch
 from gearshift.worker.policies.sidp.ffn import FfnService, Mode, SidpFFN
@@ -45,6 +46,13 @@ from gearshift.worker.policies.sidp.shared_weights import (
     new_segment_name,
 )
 from gearshift.worker.policies.sidp.source import HideRemoteFfn
+from gearshift.worker.policies.sidp.thresholds import (
+    PROFILE_ENV,
+    SOURCE_DEFAULT,
+    SOURCE_EXPLICIT,
+    ModeProfile,
+    load_profile,
+)
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +86,16 @@ GRAPH_NOTE = (
 )
 
 
+# Group figures every replica reports alike (thresholds.ModeProfile.figures).
+_PROFILE_FIGURES = (
+    "sidp_thresholds_source",
+    "sidp_auto_pins_was",
+    "sidp_cas_enter_batch_size",
+    "sidp_was_enter_batch_size",
+    "sidp_profile_",
+)
+
+
 class SidpPolicy(Policy):
     """dp replicas of tp ranks each sharing FFN weights; ``mode`` and thresholds are live."""
 
@@ -96,6 +114,29 @@ class SidpPolicy(Policy):
         self.resident_bytes = 0
         self.peer_context_bytes = 0  # other ranks' CUDA contexts on this rank's GPU
         self.was_refused: str | None = None  # why WaS cannot run on these GPUs
+        # AUTO's thresholds (§4.3 B_th): set in the policy, else from PROFILE_ENV's file, else
+        # measured at start-up (calibrate.py) when the group starts in AUTO.
+        given = [
+            f for f in ("cas_enter_batch_size", "was_enter_batch_size") if policy.sidp.HasField(f)
+        ]
+        self.thresholds_source = SOURCE_EXPLICIT if given else SOURCE_DEFAULT
+        self.profile: ModeProfile | None = None
+        path = os.environ.get(PROFILE_ENV, "")
+        if path and given:
+            # Thresholds the policy sets win (a group re-created from its running policy, which
+            # always carries them, lands here too).
+            log.info("sidp: policy.sidp.%s is set; %s is not used", given[0], PROFILE_ENV)
+            path = ""
+        if path:
+            self._use_profile(load_profile(path))
+
+    def _use_profile(self, profile: ModeProfile) -> None:
+        """Take AUTO's thresholds from ``profile`` (none when CaS never won: AUTO pins WaS)."""
+        self.profile = profile
+        self.thresholds_source = profile.source
+        found = profile.thresholds
+        if found is not None:
+            self._message.cas_enter_batch_size, self._message.was_enter_batch_size = found
 
     @property
     def initial_mode(self) -> Mode:
@@ -256,6 +297,7 @@ class SidpPolicy(Policy):
                 timeout=ctx.timeout,
             )
             service = FfnService(owned, housekeeper, cas, self.initial_mode, tp_group)
+            core = ctx.make_core()
             model = load_model(
                 ctx.spec,
                 HideRemoteFfn(ctx.open_source(), set(own.remote(replica))),
@@ -274,6 +316,25 @@ class SidpPolicy(Policy):
             raise
         if service.mode == Mode.WAS:
             housekeeper.start()
+        if (
+            self.profile is None
+            and self.thresholds_source == SOURCE_DEFAULT
+            and msg.mode == policy_pb2.SidpPolicy.AUTO
+            and self.dp > 1
+        ):
+            try:
+                self._use_profile(
+                    measure_modes(model, core, service, cas, ctx.block_size, ctx.device)
+                )
+            except BaseException:
+                housekeeper.close()
+                cas.close()
+                for seg in segments:
+                    seg.close()
+                raise
+            if ctx.rank == 0:
+                assert self.profile is not None
+                log.warning("sidp: %s", self.profile.why())
         self._service, self._world = service, leaders
         self.bytes = weight_bytes(cfg, own, replica, housekeeper.slots, dtype.itemsize, self.tp)
         log.info(
@@ -293,7 +354,7 @@ class SidpPolicy(Policy):
             for seg in segments:
                 seg.close()
 
-        gear = Gear("sidp", model, ctx.make_core(), CommGroup.single())
+        gear = Gear("sidp", model, core, CommGroup.single())
         # What this rank really holds: its parameters (owned FFN layers included, in shared
         # memory) and its WaS slots; the tests hold it to WeightBytes.resident.
         self.resident_bytes = gear.weight_bytes() + housekeeper.slot_bytes
@@ -333,7 +394,11 @@ class SidpPolicy(Policy):
             "sidp_fetched_weight_bytes": float(was.fetched_bytes),
             "sidp_slot_waits": float(was.slot_waits),
             "sidp_peer_context_bytes": float(self.peer_context_bytes),
+            "sidp_fused_layers": float(service.fused_layers),
+            "sidp_thresholds_source": float(self.thresholds_source),
         }
+        if self.profile is not None:
+            out.update(self.profile.figures())
         if isinstance(cas, CasExchange):
             out["sidp_cas_fused_rows"] = float(cas.stats.fused_rows)
             out["sidp_skipped_dummies"] = float(cas.stats.skipped_dummies)
@@ -356,6 +421,16 @@ class SidpPolicy(Policy):
             "sidp_skipped_dummies",
         ):
             out[key] = sum(part.get(key, 0.0) for part in replicas)
+        # AUTO's thresholds and the profile behind them: the same on every replica (the figures
+        # are agreed over the group). Thresholds set live since then are the policy's own.
+        if self.thresholds_source == SOURCE_EXPLICIT:
+            out["sidp_thresholds_source"] = float(SOURCE_EXPLICIT)
+        elif replicas:
+            out.update(
+                (key, value)
+                for key, value in replicas[0].items()
+                if key.startswith(_PROFILE_FIGURES)
+            )
         return out
 
     def apply_group_live(self, store: Any, values: dict[str, Any]) -> None:
@@ -367,6 +442,8 @@ class SidpPolicy(Policy):
                     f"sidp.{name}",
                     f"sidp.{name} cannot be changed while a replica group runs (restart it)",
                 )
+        if "cas_enter_batch_size" in values or "was_enter_batch_size" in values:
+            self.thresholds_source = SOURCE_EXPLICIT  # the router now runs the given ones
         mode = values.get("mode")
         if mode in ("WAS", "AUTO") and self.was_refused is not None:
             raise InvalidRequestError("sidp.mode", self.was_refused)
