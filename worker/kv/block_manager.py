@@ -20,7 +20,7 @@ import hashlib
 import secrets
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -142,16 +142,43 @@ class BlockManager:
             table.hashes.extend(hit.hashes)
         for _ in range(max(need, 0)):
             b, _ = self.free.popitem(last=False)
-            old = self.block_hash[b]
-            if old is not None:
-                # Evict the cached content this slot held.
-                if self.cached.get(old) == b:
-                    del self.cached[old]
-                self.block_hash[b] = None
-            self.ref_counts[b] = 1
-            row[len(table.block_ids)] = b
-            table.block_ids.append(b)
+            self._take(table, b)
         return True
+
+    def allocate_where(
+        self, table: BlockTable, num_tokens: int, accept: Callable[[int], bool]
+    ) -> bool:
+        """Grow ``table`` to hold ``num_tokens`` tokens with free blocks that ``accept`` (in
+        free-list order); all or nothing. For a caller whose blocks must avoid some memory."""
+        need = self.blocks_needed(num_tokens) - len(table.block_ids)
+        if need <= 0:
+            return True
+        chosen: list[int] = []
+        for b in self.free:
+            if accept(b):
+                chosen.append(b)
+                if len(chosen) == need:
+                    break
+        if len(chosen) < need:
+            return False
+        if table.row < 0:
+            table.row = self.free_rows.pop()
+        for b in chosen:
+            del self.free[b]
+            self._take(table, b)
+        return True
+
+    def _take(self, table: BlockTable, b: int) -> None:
+        """Give free block ``b`` (already off the free list) to ``table``."""
+        old = self.block_hash[b]
+        if old is not None:
+            # Evict the cached content this slot held.
+            if self.cached.get(old) == b:
+                del self.cached[old]
+            self.block_hash[b] = None
+        self.ref_counts[b] = 1
+        self.tables[table.row][len(table.block_ids)] = b
+        table.block_ids.append(b)
 
     def cache_full_blocks(
         self, table: BlockTable, token_ids: Sequence[int], num_computed: int, salt: str = ""

@@ -164,3 +164,15 @@ def test_block_hashes_are_keyed_per_block_manager():
     # 128-bit digests: no birthday collisions at 2**32 blocks, as 64-bit hashes would have.
     hashes = _cached(one, list(range(100, 108))).hashes
     assert all(0 <= h < 2**128 for h in hashes) and max(h.bit_length() for h in hashes) > 64
+
+
+def test_allocate_where_takes_only_accepted_blocks_all_or_nothing():
+    bm = BlockManager(num_blocks=8, block_size=4, max_seqs=2, max_blocks_per_seq=4)
+    t = BlockTable()
+    assert not bm.allocate_where(t, 12, lambda b: b in (1, 5))  # 3 blocks, 2 acceptable
+    assert t.block_ids == [] and bm.num_free_blocks == 8 and t.row == -1
+    assert bm.allocate_where(t, 12, lambda b: b % 2 == 1)
+    assert t.block_ids == [1, 3, 5] and bm.num_free_blocks == 5
+    assert list(bm.tables[t.row][:3]) == [1, 3, 5]
+    bm.free_table(t)
+    assert bm.leaked_blocks() == []

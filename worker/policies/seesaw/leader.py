@@ -29,6 +29,13 @@ the resident sequences keep decoding, and decodes from the first plan after ever
 reported it copied. With nothing else to run the leader waits for the reports, sending a plan
 without tokens now and then so that a rank that died shows in that plan's broadcast. Without
 ``async_swap`` the copies run before the forward of the very plan that on-boards the sequence.
+
+Swap-in overlaps prefill too (§5.2, Fig. 8): once the prefill phase has decided to end but its
+last steps still run (partial prefills finishing, micro-batches in flight), host sequences are
+on-boarded for the decode phase into decode-gear blocks whose memory no block the prefill gear
+still uses shares on any rank (overlap.py; the partial prefills' remaining blocks are reserved
+first, and no prompt is admitted any more). They stay held until the switch; the readiness board
+alone says when they may decode (no barrier, no wait at the switch).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from typing import TYPE_CHECKING
 
 from gearshift.worker.engine.contract import QueueView, StepKind, StepRequest
 from gearshift.worker.engine.sequence import Sequence, SequenceStatus
+from gearshift.worker.policies.seesaw.overlap import GearOverlap
 from gearshift.worker.policies.seesaw.pages import PageAllocator
 from gearshift.worker.policies.seesaw.readiness import ReadinessBoard, SwapInQueue
 
@@ -52,6 +60,8 @@ PREFILL_GEAR, DECODE_GEAR = 0, 1
 # The plan sections this leader writes and every rank's hook (rank_hook.py) acts on.
 SWAP_OUT = "seesaw.swap_out"  # pairs (host page, device block), gear of the previous plan
 SWAP_IN = "seesaw.swap_in"  # the ticket, then pairs (host page, device block), gear of this plan
+# The gear whose view a plan's swap-ins write, when not the plan's own (overlapping prefill).
+SWAP_IN_GEAR = "seesaw.swap_in_gear"
 AWAIT = "seesaw.await"  # no values: the leader waits for swap-ins (the plan proves ranks live)
 # The number of the swap-outs up to this plan's (readiness.py): reported once written, waited
 # for before a swap-in reads pages.
@@ -77,6 +87,7 @@ class Transition:
     host_usage: float  # at the moment of the decision
     reason: str
     at: float  # time.monotonic()
+    plan: int = -1  # the index of the first plan on the new gear
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,7 @@ class SeesawLeader:
         page_bytes: int,
         board: ReadinessBoard,
         async_swap: bool = False,
+        overlap: GearOverlap | None = None,
     ) -> None:
         self.pages = pages
         self.block_size = block_size
@@ -105,6 +117,13 @@ class SeesawLeader:
         self.thresholds = thresholds  # live: read at every decision
         self.page_bytes = page_bytes
         self.async_swap = async_swap
+        self.overlap = overlap  # None: no swap-in while the prefill gear runs
+        self.early: dict[str, Sequence] = {}  # swapped in during prefill, held until the switch
+        # Why the prefill phase ends and the host usage then: fixed once early swap-ins started
+        # (they leave the store, so the usage the decision saw is logged, not the one after).
+        self._ending: tuple[str, float] | None = None
+        self._in_gear: int | None = None  # this plan's swap-ins write another gear's view
+        self.early_swap_ins = 0  # sequences on-boarded while the prefill gear still ran
         self.queue = SwapInQueue(board, self._release_blocks, pages.give_back)
         self.plans = 0  # plans submitted (the index of the next one)
         self.outs = 0  # plans submitted with swap-outs (the board numbers them from 1)
@@ -129,6 +148,8 @@ class SeesawLeader:
 
     def bind(self, scheduler: Scheduler, blocks: BlockManager) -> None:
         self.scheduler, self.blocks = scheduler, blocks
+        if self.overlap is not None:
+            self.overlap.num_blocks = blocks.num_blocks
         scheduler.on_finish.append(self.forget)
 
     def _release_blocks(self, block_ids: list[int]) -> None:
@@ -151,6 +172,7 @@ class SeesawLeader:
         rid = seq.request_id
         self.on_host.pop(rid, None)
         self.draining.pop(rid, None)
+        self.early.pop(rid, None)
         if rid in self.queue:
             # Ranks may still write its blocks and read its pages: both wait for the copies.
             self.queue.retire(rid, self.pages.detach(rid))
@@ -176,7 +198,7 @@ class SeesawLeader:
 
     def held(self) -> frozenset[str]:
         leaving = frozenset(s.request_id for s in self._to_free)
-        return frozenset(self.on_host) | leaving | frozenset(self.queue.pending)
+        return frozenset(self.on_host) | leaving | frozenset(self.queue.pending) | set(self.early)
 
     def plan_sections(self) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
@@ -184,6 +206,8 @@ class SeesawLeader:
             out[SWAP_OUT] = list(self._out)
         if self._in:
             out[SWAP_IN] = [self._ticket, *self._in]
+            if self._in_gear is not None:
+                out[SWAP_IN_GEAR] = [self._in_gear]
         if self._out or self._in:
             # Swap-outs are numbered (this plan's is outs + 1): ranks report theirs written on
             # the board, and a swap-in waits there for every swap-out up to this number.
@@ -208,6 +232,7 @@ class SeesawLeader:
             # Cached blocks hold the old gear's view of the KV: no prefix may hit them now.
             self.blocks.reset_prefix_cache()
         self._out, self._in, self._to_free, self._switched = [], [], [], False
+        self._in_gear = None
 
     # ---- phases ----------------------------------------------------------------------------
 
@@ -232,8 +257,12 @@ class SeesawLeader:
 
     def _switch(self, to: Phase, usage: float, reason: str) -> None:
         """Log the decision with the host usage it was made at (before this switch's swaps)."""
-        self.transitions.append(Transition(self.launches, to, usage, reason, time.monotonic()))
+        now = time.monotonic()
+        self.transitions.append(Transition(self.launches, to, usage, reason, now, self.plans))
         self.phase = to
+        if to is Phase.DECODE:
+            self.early.clear()  # decode with the others once the board has them
+            self._ending = None
         self._switched = True
         assert self.blocks is not None
         # Cached blocks hold the old gear's view of the KV: no prefix may hit them from now on
@@ -269,7 +298,10 @@ class SeesawLeader:
         host, device = self._admission(partial)
         usage = self.host_usage
         reason = ""
-        if usage >= t.to_decode and usage > 0:
+        if self._ending is not None:
+            # Sequences on-boarded for the decode phase hold blocks: admit no prompt.
+            reason, usage = self._ending
+        elif usage >= t.to_decode and usage > 0:
             reason = f"host usage {usage:.3f} >= {t.to_decode}"
         elif full:
             reason = "host store full"
@@ -289,8 +321,10 @@ class SeesawLeader:
             room = max(0, min(host, device))
             return StepRequest(StepKind.PREFILL, max_seqs=seats or None, admit_blocks=room)
         if partial:  # finish started prompts, admit no new one
+            self._swap_in_early(t.prefetch_max, partial, (reason, usage))
             return StepRequest(StepKind.PREFILL, max_seqs=len(partial), admit_blocks=0)
         if queues.in_flight:
+            self._swap_in_early(t.prefetch_max, partial, (reason, usage))
             return StepRequest(StepKind.NONE)
         for seq in self._resident():
             if seq.num_tokens - seq.num_computed_tokens == 1:
@@ -411,18 +445,73 @@ class SeesawLeader:
             if not self.blocks.allocate(seq.blocks, seq.num_tokens):
                 break
             decoding += 1
-            pages = self.pages.held[rid]
-            for page, block in zip(pages, seq.blocks.block_ids, strict=False):
-                self._in += [page, block]
-            del self.on_host[rid]
-            self.draining[rid] = (seq, seq.num_computed_tokens)
-            if self.async_swap:
-                # Until every rank reports the copies, the queue holds a reference to the blocks.
-                self.blocks.retain(seq.blocks.block_ids)
-                self.queue.add(rid, ticket, seq.blocks.block_ids)
+            self._on_board(rid, seq, ticket)
         if self._in:
             self._ticket = ticket
             self.queue.next_ticket += 1
+
+    def _on_board(self, rid: str, seq: Sequence, ticket: int) -> None:
+        """Copy ``seq``'s pages into the device blocks it was just given, with this plan."""
+        assert self.blocks is not None
+        pages = self.pages.held[rid]
+        for page, block in zip(pages, seq.blocks.block_ids, strict=False):
+            self._in += [page, block]
+        del self.on_host[rid]
+        self.draining[rid] = (seq, seq.num_computed_tokens)
+        if self.async_swap:
+            # Until every rank reports the copies, the queue holds a reference to the blocks.
+            self.blocks.retain(seq.blocks.block_ids)
+            self.queue.add(rid, ticket, seq.blocks.block_ids)
+
+    def _swap_in_early(
+        self, limit: int, partial: list[Sequence], ending: tuple[str, float]
+    ) -> None:
+        """§5.2, Fig. 8 (swap-in overlaps prefill): the phase ends (``ending``: why, at what
+        host usage) but its last steps still run; on-board host sequences, oldest first, into
+        decode-gear blocks sharing no memory with any block the prefill gear still uses
+        (overlap.py). They decode after the switch, once every rank reported them."""
+        if not self.async_swap or self.overlap is None or not self.on_host:
+            return
+        assert self.blocks is not None and self.scheduler is not None
+        # The partial prefills' remaining blocks, now: the prefill gear touches no other block
+        # before the switch (no prompt is admitted from here on). Admission left them free.
+        for seq in partial:
+            if not self.blocks.allocate(seq.blocks, seq.num_tokens):
+                return
+        busy = {
+            b
+            for s in self.scheduler.running
+            if s.request_id not in self.early
+            for b in s.blocks.block_ids
+        }
+        overlap = self.overlap
+
+        def apart(block: int) -> bool:
+            return not overlap.clashes(block) & busy
+
+        leaving = {s.request_id for s in self._to_free}  # swapped out by this very plan
+        ticket = self.queue.next_ticket
+        taken = 0
+        for rid, seq in list(self.on_host.items()):
+            if taken >= limit:
+                break
+            if rid in leaving:
+                continue
+            # As in the decode phase: a block per sequence that will decode stays free.
+            need = self.blocks.blocks_needed(seq.num_tokens)
+            if self.blocks.num_free_blocks - need < len(self.early) + 1:
+                break
+            if not self.blocks.allocate_where(seq.blocks, seq.num_tokens, apart):
+                break
+            self._on_board(rid, seq, ticket)
+            self.early[rid] = seq
+            self._ending = ending
+            self.early_swap_ins += 1
+            taken += 1
+        if self._in:
+            self._ticket = ticket
+            self.queue.next_ticket += 1
+            self._in_gear = DECODE_GEAR
 
     def _release_drained(self) -> None:
         """Pages of swapped-in sequences whose first decode came back (every rank read them),

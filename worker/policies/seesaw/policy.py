@@ -24,7 +24,7 @@ from gearshift.worker.engine.device_memory import DeviceLedger
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.model.config import ModelConfig
 from gearshift.worker.parallel.groups import create_groups
-from gearshift.worker.parallel.layout import Layout
+from gearshift.worker.parallel.layout import Layout, stage_layers
 from gearshift.worker.parallel.pipeline import logits_channel
 from gearshift.worker.policies.base import Policy, RankContext, RankModel
 from gearshift.worker.policies.gears import build_gear, pipeline_stage
@@ -44,6 +44,7 @@ from gearshift.worker.policies.seesaw.leader import (
     SeesawLeader,
     Thresholds,
 )
+from gearshift.worker.policies.seesaw.overlap import GearOverlap, ViewShape
 from gearshift.worker.policies.seesaw.pages import PageAllocator
 from gearshift.worker.policies.seesaw.rank_hook import DeviceKV, GearKV, SeesawRankHook
 from gearshift.worker.policies.seesaw.weights import WeightSet
@@ -214,8 +215,21 @@ class SeesawPolicy(Policy):
                 page.nbytes,
                 store.board,
                 self.message.async_swap,
+                self._overlap(cfg),
             )
         return held
+
+    def _overlap(self, cfg: ModelConfig) -> GearOverlap:
+        """Each rank's (prefill view, decode view) of the device KV (rank_hook.DeviceKV)."""
+
+        def view(layout: Layout, rank: int) -> ViewShape:
+            layers = cfg.num_layers
+            if layout.pp > 1:
+                layers = len(stage_layers(cfg.num_layers, layout.pp, layout.stage(rank)))
+            return ViewShape(layers, layout.kv_heads_per_rank(cfg.num_kv_heads))
+
+        prefill, decode = self.layouts[PREFILL_GEAR], self.layouts[DECODE_GEAR]
+        return GearOverlap([(view(prefill, r), view(decode, r)) for r in range(self.world_size)])
 
     def _gear_kv(self, gear: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         assert self.hook is not None, "the KV cache is allocated before graphs are captured"
@@ -296,4 +310,5 @@ class SeesawPolicy(Policy):
             "swap_stall_seconds": lead.stall_seconds,
             "host_kv_usage": lead.host_usage,
             "parked_sequences": float(lead.parked),
+            "early_swap_in_sequences": float(lead.early_swap_ins),
         }

@@ -3,7 +3,9 @@ plan's gear is not the active one (§4.1, §4.2).
 
 The device KV cache is one buffer per rank that each gear views its own way: the prefill gear
 as its stage's layers x its heads, the decode gear as its own. The scheduler switches gears only
-when no sequence's KV is on the device, so a view never reads the other's data. Order inside one
+when no sequence's KV is on the device in the old gear's view, so a view never reads the other's
+data; the decode gear's may already hold swap-ins into blocks that share no memory with any
+block the prefill gear used since (overlap.py). Order inside one
 plan: swap-outs (written by the gear that ran the previous plan), the switch, then swap-ins
 (read into the new gear's view).
 
@@ -11,7 +13,10 @@ With ``async_swap`` a swap-in is not waited for: the prefetcher thread copies th
 while the main thread runs the plans that follow (decode steps of resident sequences), then
 reports the plan's ticket on the readiness board; the leader schedules those sequences only
 once every rank has (readiness.py, §5.2). A swap-in reads pages other ranks wrote: it waits on
-the board until every rank has written the swap-outs before it (no barrier of the group).
+the board until every rank has written the swap-outs before it (no barrier of the group). A swap-in
+may write the next gear's view while the prefill gear still runs (swap-in overlapping prefill):
+the leader chose blocks whose memory the running gear no longer touches (overlap.py), so a
+switch to that gear does not wait for those copies either.
 
 On a GPU, device -> pinned staging copies run on a copy stream of their own, and the writer
 thread waits for each one's event before it moves the rows on into the shared store.
@@ -33,7 +38,7 @@ from gearshift.worker.engine.plan import StepPlan
 from gearshift.worker.kv.cache import LayerKV, zeroed
 from gearshift.worker.policies.seesaw.async_copy import CopyWorker, Staging
 from gearshift.worker.policies.seesaw.host_kv import HostKVStore
-from gearshift.worker.policies.seesaw.leader import OUT_NUMBER, SWAP_IN, SWAP_OUT
+from gearshift.worker.policies.seesaw.leader import OUT_NUMBER, SWAP_IN, SWAP_IN_GEAR, SWAP_OUT
 from gearshift.worker.policies.seesaw.readiness import ReadinessBoard
 from gearshift.worker.policies.seesaw.weights import WeightSet
 
@@ -115,6 +120,7 @@ class SeesawRankHook:
         self.writer: CopyWorker | None = None
         self.prefetcher: CopyWorker | None = None
         self.copy_stream: torch.cuda.Stream | None = None  # GPU: device -> staging copies
+        self.prefetch_gears: set[int] = set()  # views that submitted swap-ins write
         if async_swap:
             pin = weights.device.type == "cuda"
             self.staging = Staging(staging_bytes, pin)
@@ -154,10 +160,12 @@ class SeesawRankHook:
                 self._swap_out(out[0], out[1])
             self._written(number)
         if plan.gear != self.active:
-            if self.prefetcher is not None:
-                # The leader switches gears only once every swap-in was reported: this returns
-                # at once, and guards the device KV the next gear views differently.
+            if self.prefetcher is not None and self.prefetch_gears - {plan.gear}:
+                # A copy into the old gear's view must end before the next gear views that
+                # memory its own way (the leader switches only once they were reported: this
+                # returns at once). Copies into the next gear's view go on (overlap.py).
                 self.prefetcher.join()
+                self.prefetch_gears.clear()
             runner.flush()  # no pipeline send of the old gear may still read its weights
             self.counters.reshards.append(self.weights.activate(plan.gear).seconds)
             self.active = plan.gear
@@ -165,7 +173,9 @@ class SeesawRankHook:
         section = plan.section(SWAP_IN)
         swap_in = self._pairs(section[1:]) if section is not None else None
         if section is not None and swap_in is not None:
-            self._swap_in(int(section[0]), number, swap_in[0], swap_in[1])
+            target = plan.section(SWAP_IN_GEAR)
+            gear = int(target[0]) if target is not None else plan.gear
+            self._swap_in(int(section[0]), number, swap_in[0], swap_in[1], gear)
         if out is not None or swap_in is not None:
             self.counters.seconds += time.perf_counter() - start
 
@@ -234,11 +244,15 @@ class SeesawRankHook:
                 )
                 self.counters.bytes_out += src.numel() * src.element_size()
 
-    def _swap_in(self, ticket: int, number: int, pages: torch.Tensor, blocks: torch.Tensor) -> None:
+    def _swap_in(
+        self, ticket: int, number: int, pages: torch.Tensor, blocks: torch.Tensor, gear: int
+    ) -> None:
         if self.writer is not None:
             self.writer.join()  # this rank's own swap-outs are in the store
             self.staging.reset()
-        g, views = self.gears[self.active], self.kv.views[self.active]
+        if gear != self.active and self.prefetcher is None:
+            raise RuntimeError(f"seesaw rank {self.rank}: a synchronous swap-in into gear {gear}")
+        g, views = self.gears[gear], self.kv.views[gear]
         read = partial(self.store.read_shard, pages, blocks, views, g.layers, g.heads)
         if self.prefetcher is None:
             start = time.perf_counter()
@@ -253,6 +267,13 @@ class SeesawRankHook:
         )
         device = block.device
         until = self.plans_begun + self.hold_plans
+        self.prefetch_gears.add(gear)
+        queued = None
+        if device.type == "cuda":
+            # After what compute's stream has queued so far (steps that last used these blocks);
+            # not after the steps that follow, which the copies overlap.
+            queued = torch.cuda.Event()
+            queued.record(torch.cuda.current_stream(device))
 
         def prefetch() -> None:
             self._await_written(number)  # pages other ranks' swap-outs wrote
@@ -260,6 +281,8 @@ class SeesawRankHook:
                 # A stream of its own: the copies overlap the main thread's kernels, and are
                 # complete (synchronize) before the report lets the leader schedule them.
                 stream = torch.cuda.Stream(device)
+                assert queued is not None
+                stream.wait_event(queued)
                 with torch.cuda.stream(stream):
                     read()
                 stream.synchronize()
