@@ -14,7 +14,15 @@ from typing import Any
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("plan", help="simulate every policy and layout; recommend one")
     p.add_argument("--model", required=True, help="a HF config.json or the folder holding it")
-    p.add_argument("--hardware", required=True, help="8xH200, 4xL4, ... or a YAML/JSON file")
+    p.add_argument(
+        "--hardware",
+        help="8xH200, 4xL4, ... or a YAML/JSON file (optional with --profile: it must agree)",
+    )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        help="a calibration profile (gearshift profile --layouts): price steps from it",
+    )
     p.add_argument("--traffic", help="a YAML/JSON traffic file (instead of the flags below)")
     p.add_argument("--rate", type=float, help="requests per second")
     p.add_argument("--burstiness", type=float, default=1.0, help="CV of the gaps (1: Poisson)")
@@ -68,13 +76,19 @@ def _rates(text: str, flag: str) -> list[float]:
 
 
 def _inputs(args: argparse.Namespace) -> tuple[Any, ...]:
-    from gearshift.operator.sim import hardware, model_desc
+    from gearshift.operator.sim import calibration, hardware, model_desc, pricing
     from gearshift.operator.sim.candidates import PlanSettings
     from gearshift.operator.sim.goodput import Goodput
     from gearshift.operator.sim.traffic import Traffic
 
     model = model_desc.load(args.model)
-    hw = hardware.load(args.hardware)
+    hw = hardware.load(args.hardware) if args.hardware else None
+    if args.profile is not None:
+        priced = pricing.from_profile(calibration.load(args.profile), hw, args.hardware)
+    elif hw is None:
+        raise ValueError("--hardware: required without --profile")
+    else:
+        priced = pricing.scaled_preset(hw)
     if args.traffic:
         if args.rate is not None:
             raise ValueError("--rate: give the traffic as --traffic FILE or as flags, not both")
@@ -111,7 +125,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, ...]:
     if args.max_model_len < 1 or args.max_num_batched_tokens < 1:
         raise ValueError("--max-model-len / --max-num-batched-tokens: must be >= 1")
     settings = PlanSettings(args.max_model_len, args.max_num_batched_tokens)
-    return model, hw, traffic, goodput, rates, kinds, settings
+    return model, priced, traffic, goodput, rates, kinds, settings
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,10 +134,12 @@ def run(args: argparse.Namespace) -> int:
     from gearshift.operator.sim.planning import plan_deployment
 
     try:
-        model, hw, traffic, goodput, rates, kinds, settings = _inputs(args)
+        model, priced, traffic, goodput, rates, kinds, settings = _inputs(args)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    hw = priced.hardware
+    print(f"pricing: {priced.describe}")
     bar = tqdm(desc="simulating", unit="point", file=sys.stderr, disable=args.no_progress)
     try:
         report = plan_deployment(
@@ -136,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
             kinds=kinds,
             progress=bar,
             prune=not args.no_prune,
+            pricing=priced,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -144,9 +161,13 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
     data = report.to_json()
     data["model"] = model.name
-    data["hardware"] = args.hardware
+    data["hardware"] = args.hardware or f"{hw.count}x {hw.device.name} (from the profile)"
+    if priced.excluded:
+        print(f"excluded (not in the profile): {', '.join(priced.excluded)}")
     print(table(data))
-    if not args.no_extras:
+    if not args.no_extras and priced.profile is not None:
+        print("extras skipped: SiDP's B_th and Tetris's rate table are roofline-priced")
+    elif not args.no_extras:
         from gearshift.operator.sim import plan_extras
 
         data["sidp_b_th"] = plan_extras.sidp_thresholds(model, hw, args.sidp_context)

@@ -1,5 +1,6 @@
 """`gearshift profile`: time the real engine's steps on this machine and save the step-cost fit
-that the simulator loads (gearshift.operator.sim.cost_model)."""
+that the simulator loads (gearshift.operator.sim.cost_model); with ``--layouts``, one fit per
+layout in a calibration profile that `gearshift plan --profile` prices from (sim/calibration.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import os
 import platform
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gearshift.operator.sim.profile import ProfileGrid
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -24,7 +29,27 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--quick", action="store_true", help="a small grid (about a minute on a small model)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--layouts",
+        default=None,
+        help="comma-separated layouts (one, tp2, sp2, pp2, shift2, ...): profile each and write "
+        "a calibration profile for gearshift plan --profile (no policy flags with it)",
+    )
     p.set_defaults(func=run)
+
+
+def quick_grid() -> ProfileGrid:
+    """The small grid of ``--quick``."""
+    from gearshift.operator.sim.profile import ProfileGrid
+
+    return ProfileGrid(
+        prompt_lens=(16, 64, 160),
+        prefill_batches=(1, 3),
+        decode_batches=(1, 8),
+        contexts=(16, 160),
+        decode_steps=4,
+        repeats=1,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,16 +61,11 @@ def run(args: argparse.Namespace) -> int:
     from gearshift.worker.policies.flags import policy_from_args
     from gearshift.worker.server.settings import engine_config
 
-    grid = ProfileGrid()
-    if args.quick:
-        grid = ProfileGrid(
-            prompt_lens=(16, 64, 160),
-            prefill_batches=(1, 3),
-            decode_batches=(1, 8),
-            contexts=(16, 160),
-            decode_steps=4,
-            repeats=1,
-        )
+    grid = quick_grid() if args.quick else ProfileGrid()
+    if args.layouts is not None:
+        from gearshift.operator.commands.profile_layouts import run_layouts
+
+        return run_layouts(args, grid)
     try:
         config = engine_config(
             args,

@@ -26,6 +26,7 @@ from gearshift.operator.sim.error_band import MEASURED, ErrorBand
 from gearshift.operator.sim.goodput import Goodput
 from gearshift.operator.sim.hardware import Hardware
 from gearshift.operator.sim.model_desc import ModelDesc
+from gearshift.operator.sim.pricing import Pricing
 from gearshift.operator.sim.simulator import Deployment, simulate
 from gearshift.operator.sim.traffic import Traffic
 
@@ -86,6 +87,7 @@ class PlanReport:
     goodput: Goodput | None
     ties: list[CandidateResult] = field(default_factory=list)  # the recommended first
     band: ErrorBand = MEASURED
+    pricing: Pricing | None = None
 
     def to_json(self) -> dict[str, Any]:
         best = self.recommended
@@ -106,6 +108,7 @@ class PlanReport:
             "recommended": None if best is None else best.candidate.name,
             "recommended_policy": None if best is None else best.candidate.policy,
             "reason": self.reason,
+            **(self.pricing.to_json() if self.pricing else {}),
         }
 
 
@@ -146,10 +149,12 @@ def plan_deployment(
     progress: Any = None,
     prune: bool = False,
     band: ErrorBand = MEASURED,
+    pricing: Pricing | None = None,
 ) -> PlanReport:
     """Simulate every candidate (those ``only`` keeps, when given) at every rate; ``progress``
     (e.g. a tqdm bar) is updated once per simulated point, its ``total`` the points still to
-    run. ``prune``: skip what cannot change the recommendation (``pruning.py``)."""
+    run. ``prune``: skip what cannot change the recommendation (``pruning.py``). ``pricing``:
+    what replaces the candidates' step costs (a profile; ``pricing.py``), reported with them."""
     settings = settings or PlanSettings()
     sweep = sorted({*(rates or [traffic.rate * m for m in RATE_SWEEP]), traffic.rate})
     candidates = [
@@ -157,6 +162,13 @@ def plan_deployment(
         for c in enumerate_candidates(model, hardware, settings, kinds)
         if only is None or only(c)
     ]
+    if pricing is not None:
+        candidates = pricing.apply(candidates)
+    if not candidates and pricing is not None and pricing.profile is not None:
+        raise ValueError(
+            f"--profile: it covers none of the candidates ({', '.join(pricing.excluded)}); "
+            f"its layouts: {', '.join(pricing.profile.layouts)}"
+        )
     if not candidates:
         raise ValueError(
             f"no layout of {model.name} fits {hardware.count}x{hardware.device.name} "
@@ -178,7 +190,7 @@ def plan_deployment(
                     progress.update(1)
             results.append(res)
     best, reason, ties = recommend(results, goodput, band)
-    return PlanReport(results, best, reason, sweep, traffic, goodput, ties, band)
+    return PlanReport(results, best, reason, sweep, traffic, goodput, ties, band, pricing)
 
 
 def run_point(res: CandidateResult, traffic: Traffic, rate: float, goodput: Goodput | None) -> None:

@@ -63,7 +63,8 @@ def run_pruned(
             bar.skip(per)
             continue
         lead = _ttft_lead(results, goodput, sweep)
-        if lead is not None and not band.tie(b.ttft_p99, lead, "ttft_p99_s"):
+        # Only a bound above the lead's band: one below it may beat the lead, not just tie.
+        if lead is not None and b.ttft_p99 > lead and not band.tie(b.ttft_p99, lead, "ttft_p99_s"):
             res.pruned = (
                 f"its lower-bound p99 TTFT {b.ttft_p99:.4g} s cannot tie the best's {lead:.4g} s"
             )
@@ -88,7 +89,7 @@ def run_pruned(
         for i in deferred:
             res, b = results[i], bounds[i]
             lead = _ttft_lead(results, None, sweep)
-            if lead is None or band.tie(b.ttft_p99, lead, "ttft_p99_s"):
+            if lead is None or b.ttft_p99 <= lead or band.tie(b.ttft_p99, lead, "ttft_p99_s"):
                 res.pruned = None
                 bar.add(1)
                 run_point(res, traffic, declared, goodput)

@@ -31,7 +31,7 @@ ARGS = (
 
 def test_plan_prints_b_th_and_the_tetris_table_and_writes_them(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
-    done = _plan(*ARGS, "-o", str(out), "--tetris-rates", "1,40")
+    done = _plan(*ARGS, "-o", str(out), "--tetris-rates", "0.02,40")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "SiDP B_th" in done.stdout and "tp 2 x dp 4:" in done.stdout
     assert "Tetris improvement rate by request rate (4 prefill instances of TP 1" in done.stdout
@@ -41,7 +41,7 @@ def test_plan_prints_b_th_and_the_tetris_table_and_writes_them(tmp_path: Path) -
     assert all(r["tokens"] is None or r["tokens"] >= 1 for r in data["sidp_b_th"])
     tet = data["tetris_improvement_rates"]
     rows = tet["improvementRateTable"]
-    assert [r["requestRate"] for r in rows] == [1.0, 40.0]
+    assert [r["requestRate"] for r in rows] == [0.02, 40.0]
     # An idle pool takes the largest SP that helps; a loaded one asks more of a larger SP.
     assert rows[0]["improvementRate"] == 0.0 < rows[1]["improvementRate"]
     # The rows are a TetrisPolicy's table as the CRD takes it, and so are the Eq. (1) models.

@@ -1,0 +1,121 @@
+"""`gearshift profile --layouts one,tp2,...`: profile the engine once per layout on this machine
+with the same step timer as the single-policy profile (sim/profile.py), and write a calibration
+profile (sim/calibration.py) naming the device, engine version and dtype it was measured on."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import platform
+import re
+import sys
+from typing import Any
+
+_LAYOUT = re.compile(r"^(one|(tp|sp|pp|shift)([1-9][0-9]*))$")
+
+
+def layout_policy(name: str) -> dict[str, Any]:
+    """The CRD policy object of a layout name (``--layouts``'s syntax)."""
+    m = _LAYOUT.match(name)
+    if not m:
+        raise ValueError(f"--layouts: {name!r} is not one of one, tpN, spN, ppN, shiftN")
+    if name == "one":
+        return {"static": {}}
+    kind, degree = m.group(2), int(m.group(3))
+    if degree < 2:
+        raise ValueError(f"--layouts: {name!r}: a degree of at least 2 (or 'one')")
+    return {"shift": {"sp": degree}} if kind == "shift" else {"static": {kind: degree}}
+
+
+def device_name(device: str) -> tuple[str, str]:
+    """(name, kind) of the device the engine runs on: the GPU's, or the CPU model's."""
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(torch.device(device)), "cuda"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip(), "cpu"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine(), "cpu"
+
+
+def run_layouts(args: argparse.Namespace, grid: Any) -> int:
+    from gearshift.operator.sim.calibration import CalibrationProfile, LayoutProfile, layout_of
+    from gearshift.operator.sim.cost_model import CostModelError
+    from gearshift.operator.sim.profile import measure
+    from gearshift.worker.errors import GearshiftError
+    from gearshift.worker.launch import start_engine
+    from gearshift.worker.policies import policy_json
+    from gearshift.worker.policies.flags import SHORT_FLAGS
+    from gearshift.worker.server.settings import engine_config
+
+    given = [f for f in (*SHORT_FLAGS, "policy_config") if getattr(args, f, None) is not None]
+    try:
+        if given:
+            raise ValueError(f"--layouts: give the layouts alone, not with --{given[0]}")
+        names = [n.strip() for n in args.layouts.split(",") if n.strip()]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"--layouts: distinct layout names, got {args.layouts!r}")
+        policies = {n: layout_policy(n) for n in names}
+        config = engine_config(args, enable_prefix_caching=False, skip_tokenizer_init=True)
+    except (GearshiftError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    layouts: dict[str, LayoutProfile] = {}
+    for name, policy in policies.items():
+        assert layout_of(policy) == name
+        try:
+            engine = start_engine(config, policy_json.from_dict(policy))
+        except (GearshiftError, ValueError) as exc:
+            print(f"error: {name}: {exc}", file=sys.stderr)
+            return 2
+        try:
+            about = {"model": args.model, "max_num_batched_tokens": config.max_num_batched_tokens}
+            cost = measure(engine, grid, args.seed).model(about)
+            layouts[name] = LayoutProfile(
+                policy, engine.blocks.num_blocks, engine.blocks.block_size, cost
+            )
+        except CostModelError as exc:
+            print(f"error: {name}: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            engine.shutdown()
+        print(f"{name}: profiled", file=sys.stderr)
+    device, kind = device_name(str(config.device))
+    profile = CalibrationProfile(
+        device,
+        kind,
+        max(_ranks(p) for p in policies.values()),
+        importlib.metadata.version("gearshift"),
+        _dtype(str(config.dtype), str(args.model), str(config.device)),
+        str(args.model),
+        layouts,
+    )
+    profile.save(args.output)
+    print(profile.describe())
+    return 0
+
+
+def _ranks(policy: dict[str, Any]) -> int:
+    body = next(iter(policy.values()))
+    return max([1, *(int(v) for v in body.values())])
+
+
+def _dtype(name: str, model: str, device: str) -> str:
+    """The dtype the engine ran in: ``auto`` resolved as the engine resolves it."""
+    if name != "auto":
+        return name
+    import torch
+
+    from gearshift.operator.sim import model_desc
+    from gearshift.worker.config import resolve_dtype
+
+    try:
+        checkpoint: str | None = model_desc.load(model).dtype
+    except (OSError, ValueError):
+        checkpoint = None  # a GGUF file or a built-in model: no config.json to read
+    return str(resolve_dtype(name, checkpoint, torch.device(device))).removeprefix("torch.")
