@@ -181,11 +181,13 @@ def router(tmp: Path) -> Iterator[dict[str, Any]]:
 
     with Background(workers) as fakes:
         (tmp / "token").write_text(TOKEN)
+        (tmp / "admin-token").write_text(TOKEN + "-admin")
         config = {
             "deployment": MODEL,
             "model": {"name": MODEL, "path": "smollm2"},
             "groups": [{"name": f.name, "address": f.address} for f in fakes],
             "controlTokenFile": str(tmp / "token"),
+            "adminTokenFile": str(tmp / "admin-token"),
             # n = 128 heavy requests must not fill the groups: the probes would get 429.
             "ports": {"http": 0, "grpc": 0, "admin": 0},
         }

@@ -53,6 +53,7 @@ async def compare(backend_url: str, backend_model: str, max_model_len: int) -> s
         poll_interval_s=0.2,
         rpc_timeout_s=5.0,
         backend="openai-http",
+        insecure_no_auth=True,  # no Admin here; the backend's key: test_openai_backend_key.py
     )
     server = RouterServer(config, tokenizer=load_tokenizer("smollm2"))
     ports = await server.start()
