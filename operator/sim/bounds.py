@@ -20,7 +20,7 @@ import numpy as np
 from gearshift.operator.sim.candidates import Candidate
 from gearshift.operator.sim.goodput import Goodput
 from gearshift.operator.sim.results import SimResult
-from gearshift.operator.sim.simulator import Deployment, simulate
+from gearshift.operator.sim.simulator import simulate
 from gearshift.operator.sim.trace import TraceRequest
 
 GAP_S = 1000.0  # between the requests of the alone run, grown until none overlaps the next
@@ -58,17 +58,7 @@ def _run(candidate: Candidate, trace: Sequence[TraceRequest]) -> SimResult:
     if candidate.run is not None:
         return candidate.run(trace)
     # One replica: a request alone meets an idle group whichever the router picks.
-    deployment = Deployment(
-        1,
-        candidate.config,
-        candidate.cost,
-        candidate.step_request,
-        micro_batches=candidate.micro_batches,
-        stages=candidate.stages,
-        stage_shares=candidate.stage_shares,
-        hooks=candidate.hooks,
-    )
-    return simulate(deployment, trace)
+    return simulate(candidate.deployment(1), trace)
 
 
 def alone(candidate: Candidate, trace: Sequence[TraceRequest]) -> Bound:

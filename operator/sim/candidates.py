@@ -22,6 +22,7 @@ from gearshift.operator.sim.results import SimResult
 from gearshift.operator.sim.roofline import Layout, LayoutError, RooflineCost, check
 from gearshift.operator.sim.sidp_cost import SidpCost, rank_bytes
 from gearshift.operator.sim.sidp_cost import shapes as sidp_shapes
+from gearshift.operator.sim.simulator import Deployment
 from gearshift.operator.sim.trace import TraceRequest
 from gearshift.worker.engine.contract import pipeline_share
 
@@ -73,6 +74,19 @@ class Candidate:
     def gpus(self) -> int:
         """Devices in all: a group's times the groups (SiDP and Tetris: ``notes["groups"]``)."""
         return self.gpus_per_group * int(self.notes.get("groups", self.replicas))
+
+    def deployment(self, replicas: int | None = None) -> Deployment:
+        """What the simulator runs for it: ``replicas`` engines (default: its own)."""
+        return Deployment(
+            self.replicas if replicas is None else replicas,
+            self.config,
+            self.cost,
+            self.step_request,
+            micro_batches=self.micro_batches,
+            stages=self.stages,
+            stage_shares=self.stage_shares,
+            hooks=self.hooks,
+        )
 
 
 Source = Callable[[ModelDesc, Hardware, PlanSettings], list[Candidate]]

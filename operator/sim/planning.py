@@ -27,7 +27,7 @@ from gearshift.operator.sim.goodput import Goodput
 from gearshift.operator.sim.hardware import Hardware
 from gearshift.operator.sim.model_desc import ModelDesc
 from gearshift.operator.sim.pricing import Pricing
-from gearshift.operator.sim.simulator import Deployment, simulate
+from gearshift.operator.sim.simulator import simulate
 from gearshift.operator.sim.traffic import Traffic
 
 RATE_SWEEP = (0.25, 0.5, 1.0, 2.0, 4.0)  # multiples of the declared rate
@@ -115,16 +115,7 @@ class PlanReport:
 def simulate_point(
     candidate: Candidate, traffic: Traffic, rate: float, goodput: Goodput | None
 ) -> dict[str, Any]:
-    deployment = Deployment(
-        candidate.replicas,
-        candidate.config,
-        candidate.cost,
-        candidate.step_request,
-        micro_batches=candidate.micro_batches,
-        stages=candidate.stages,
-        stage_shares=candidate.stage_shares,
-        hooks=candidate.hooks,
-    )
+    deployment = candidate.deployment()
     trace = traffic.trace(rate)
     result = candidate.run(trace) if candidate.run is not None else simulate(deployment, trace)
     point: dict[str, Any] = {"rate": rate, "declared": math.isclose(rate, traffic.rate)}
