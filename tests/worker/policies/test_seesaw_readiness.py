@@ -122,7 +122,9 @@ def test_sigkill_of_a_rank_with_a_swap_in_outstanding_ends_the_group_naming_it(t
     # The dead rank never reported the swap-in it was copying.
     assert _board(view)[2] < outstanding
     view.close()
-    assert proc.returncode == 4 and "rank 1" in err, err[-2000:]
+    # 4: the driver saw the engine report the failure; 3 (EXIT_PEER_FAILED): the leader's
+    # watchdog missed rank 1's heartbeat first and ended the process. Either names rank 1.
+    assert proc.returncode in (4, 3) and "rank 1" in err, err[-2000:]
     assert _segments(tag) == [], "the leader did not unlink its segment"
 
 
