@@ -6,7 +6,8 @@ A segment is ``/dev/shm/<prefix><key>-<creator pid>-<random><suffix>``. The key 
 name, ``$GEARSHIFT_GROUP_NAME``) keeps two deployments apart and the random part two starts of
 one group, so a name is never fixed. The creator unlinks its segments when the group ends; a
 creator that was SIGKILLed cannot, so the next start unlinks every segment of its prefix (and
-key) whose creator pid is no longer alive.
+key) whose creator pid is no longer alive. A creator that ends itself at once (``hard_exit``: a
+watchdog verdict, a failed rank; ``os._exit`` runs no ``finally``) unlinks what it owns first.
 """
 
 from __future__ import annotations
@@ -15,13 +16,52 @@ import logging
 import os
 import re
 import secrets
+import threading
 from pathlib import Path
+from typing import NoReturn
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 GROUP_NAME_ENV = "GEARSHIFT_GROUP_NAME"
 _KEY_CHARS = re.compile(r"[^A-Za-z0-9_.]")
+
+_owned: set[Path] = set()  # segments this process created and has not unlinked yet
+_owned_lock = threading.Lock()
+
+
+def own(path: Path) -> None:
+    """Record a segment this process created (``hard_exit`` unlinks it)."""
+    with _owned_lock:
+        _owned.add(path)
+
+
+def unlink(path: Path) -> None:
+    """Unlink a segment this process created, and forget it."""
+    with _owned_lock:
+        _owned.discard(path)
+    path.unlink(missing_ok=True)
+
+
+def unlink_owned() -> list[Path]:
+    """Unlink every segment this process still owns (before an exit that runs no clean-up)."""
+    with _owned_lock:
+        paths = sorted(_owned)
+        _owned.clear()
+    for path in paths:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:  # best effort: the next start's clean_stale removes what is left
+            log.debug("could not unlink %s", path, exc_info=True)
+    return paths
+
+
+def hard_exit(code: int) -> NoReturn:
+    """End this process now (``os._exit``: no ``finally``, no atexit, no thread joins) after
+    unlinking the shared-memory segments it created: a rank blocked in a collective can only be
+    ended this way, and its group's segments must not outlive it."""
+    unlink_owned()
+    os._exit(code)
 
 
 def safe_key(text: str, limit: int = 60) -> str:

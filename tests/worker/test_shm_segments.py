@@ -47,3 +47,36 @@ def test_clean_stale_removes_only_dead_creators_of_its_prefix_and_key(tmp_path: 
     left = {p.name for p in tmp_path.iterdir()}
     assert left == {names["live"], names["other_prefix"]}
     assert shm_segments.segments("gearshift-x-", "g0", tmp_path) == [names["live"]]
+
+
+_HARD_EXIT = """
+import sys, time, threading
+from gearshift.worker.policies.seesaw.host_kv import HostKVStore, PageShape
+from gearshift.worker.policies.sidp.shared_weights import Segment, new_segment_name
+from gearshift.worker.shm_segments import hard_exit
+import torch
+tag = sys.argv[1]
+store = HostKVStore.create(tag, PageShape(2, 1, 4, 8, torch.float32), 4)
+seg = Segment(new_segment_name(tag, 0), 4096, create=True)
+attached = Segment(seg.name, 4096, create=False)  # a reader's mapping: never unlinked by it
+print(store.name, seg.name, flush=True)
+# The watchdog's thread ends the process while the main thread is blocked (as in a collective).
+threading.Thread(target=lambda: (time.sleep(0.2), hard_exit(3)), daemon=True).start()
+time.sleep(60)
+"""
+
+
+def test_hard_exit_unlinks_the_segments_this_process_created() -> None:
+    """A watchdog verdict ends the process with ``os._exit`` (no ``finally`` runs): the Seesaw
+    host KV store and SiDP weight segments it created must not outlive it."""
+    tag = f"hardexit{os.getpid()}"
+    done = subprocess.run(
+        [sys.executable, "-c", _HARD_EXIT, tag],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 3, done.stderr[-2000:]
+    names = done.stdout.split()
+    assert len(names) == 2 and all(tag in n for n in names), done.stdout
+    assert not [n for n in names if (shm_segments.SHM_DIR / n).exists()]

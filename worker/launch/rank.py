@@ -32,6 +32,7 @@ from gearshift.worker.p2p import COMM_RULES_ENV, comm_rules, start_rules
 from gearshift.worker.parallel.groups import create_control_group
 from gearshift.worker.parallel.watchdog import EXIT_PEER_FAILED, Watchdog
 from gearshift.worker.policies.base import Policy, RankContext, RankModel
+from gearshift.worker.shm_segments import hard_exit
 
 log = logging.getLogger(__name__)
 
@@ -272,10 +273,10 @@ def follower_main(
         follow(state.runner, state.channel, state.watchdog)
     except GroupFailure as exc:
         print(f"gearshift worker group: {exc}", file=sys.stderr, flush=True)
-        os._exit(EXIT_PEER_FAILED)
+        hard_exit(EXIT_PEER_FAILED)
     except Exception as exc:  # noqa: BLE001 - any failure ends this rank, loudly, and tells peers
         traceback.print_exc()
         if state is not None and state.watchdog is not None:
             state.watchdog.record_exit(f"{type(exc).__name__}: {exc}")
         print(f"gearshift worker group: rank {rank} failed: {exc}", file=sys.stderr, flush=True)
-        os._exit(1)
+        hard_exit(1)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -34,6 +33,7 @@ from gearshift.worker.launch.leader import leader_engine
 from gearshift.worker.launch.rank import join_group
 from gearshift.worker.parallel.watchdog import EXIT_PEER_FAILED
 from gearshift.worker.policies.base import Policy
+from gearshift.worker.shm_segments import hard_exit
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +188,8 @@ def replica_main(
         msg.FROM_REPLICA.send(conn, msg.Closed(len(leaked), free))
     except GroupFailure as exc:
         print(f"gearshift replica group: {exc}", file=sys.stderr, flush=True)
-        os._exit(EXIT_PEER_FAILED)
+        hard_exit(EXIT_PEER_FAILED)
     except Exception as exc:  # any failure ends this replica, loudly
         log.exception("%s failed", name)
         print(f"gearshift replica group: {name} failed: {exc}", file=sys.stderr)
-        os._exit(1)
+        hard_exit(1)

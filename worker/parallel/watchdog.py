@@ -11,7 +11,6 @@ blocked in a collective cannot be woken any other way, and no rank may hang.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import time
@@ -19,6 +18,8 @@ from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from gearshift.worker.shm_segments import hard_exit
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ LEADER_GONE = "rank 0 (the group leader, which hosts the rendezvous store) is un
 
 def _default_on_failure(message: str) -> None:
     print(f"gearshift worker group: {message}", file=sys.stderr, flush=True)
-    os._exit(EXIT_PEER_FAILED)
+    hard_exit(EXIT_PEER_FAILED)
 
 
 class Watchdog:

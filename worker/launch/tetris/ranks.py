@@ -9,7 +9,6 @@ its control listener (``listener.dial``).
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from datetime import timedelta
@@ -34,6 +33,7 @@ from gearshift.worker.launch.tetris.listener import dial
 from gearshift.worker.launch.tetris.messages import Closed, Loaded
 from gearshift.worker.launch.tetris.pool_rank import PoolMember
 from gearshift.worker.policies.tetris.policy import TetrisPolicy
+from gearshift.worker.shm_segments import hard_exit
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +96,11 @@ def tetris_rank_main(
         else:
             _lead_decode(config, policy, state, leader_link(conn), index, channel)
         # No world barrier: a dead prefill instance must not keep the others from ending.
-        os._exit(0)
+        hard_exit(0)
     except Exception as exc:  # any failure ends this rank, loudly
         log.exception("%s failed", name)
         print(f"gearshift tetris group: {name} failed: {exc}", file=sys.stderr, flush=True)
-        os._exit(1)
+        hard_exit(1)
 
 
 def _lead_decode(

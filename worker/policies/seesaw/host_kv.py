@@ -109,12 +109,18 @@ class HostKVStore:
         path = SHM_DIR / name
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
+        if create:
+            shm_segments.own(path)
         try:
             board_at = -(-num_pages * shape.nbytes // 64) * 64
             size = board_at + board_bytes(world_size)
             if create:
                 os.ftruncate(fd, size)  # sparse: pages cost memory once written
             self._mmap: mmap.mmap | None = mmap.mmap(fd, size)
+        except BaseException:
+            if create:
+                shm_segments.unlink(path)
+            raise
         finally:
             os.close(fd)
         whole = torch.frombuffer(self._mmap, dtype=torch.uint8)
@@ -204,5 +210,4 @@ class HostKVStore:
                 self._mmap.close()
             self._mmap = None
         if self.owner:
-            with contextlib.suppress(FileNotFoundError):
-                (SHM_DIR / self.name).unlink()
+            shm_segments.unlink(SHM_DIR / self.name)

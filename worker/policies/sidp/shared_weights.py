@@ -94,13 +94,15 @@ class Segment:
         path = SHM_DIR / name
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
+        if create:
+            shm_segments.own(path)
         try:
             if create:
                 os.ftruncate(fd, nbytes)
             self._map: mmap.mmap | None = mmap.mmap(fd, nbytes)
         except BaseException:
             if create:
-                path.unlink(missing_ok=True)
+                shm_segments.unlink(path)
             raise
         finally:
             os.close(fd)
@@ -113,7 +115,7 @@ class Segment:
     def close(self) -> None:
         """Drop the mapping; the owner also unlinks the name (readers keep their mappings)."""
         if self.owner:
-            (SHM_DIR / self.name).unlink(missing_ok=True)
+            shm_segments.unlink(SHM_DIR / self.name)
         if self._map is not None:
             # A tensor may still view the buffer; the mapping then goes with the last view.
             with contextlib.suppress(BufferError):
