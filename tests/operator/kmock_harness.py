@@ -4,7 +4,10 @@ stand-in for the router's Admin API.
 kmock 0.8 gaps and how the tests live with them (DESIGN.md): it sets no uid, resourceVersion or
 generation, so the tests write uid and generation themselves; it ignores label selectors, so the
 operator filters lists itself; it has no garbage collector, so deletion is checked through the
-operator's explicit cleanup and the owner references it sets.
+operator's explicit cleanup and the owner references it sets. It also keeps every request it
+served, and matches each new one against that whole history (quadratic in a module's requests:
+a kopf operator polling for minutes made the emulator the busiest process of the suite), so the
+harness keeps only the latest ones (``_RecentRequests``); no test reads kmock's history.
 """
 
 from __future__ import annotations
@@ -32,6 +35,18 @@ from gearshift.v1 import policy_fields, policy_pb2, router_pb2, router_pb2_grpc,
 CR_PATH = f"/apis/{names.GROUP}/{names.VERSION}/namespaces/{{ns}}/{names.PLURAL}"
 
 
+class _RecentRequests(list[Any]):
+    """kmock's request history, cut to the newest ``keep`` entries on every append: kmock only
+    needs the request it is serving to be in it (it checks membership by identity)."""
+
+    keep = 64
+
+    def append(self, item: Any) -> None:
+        super().append(item)
+        if len(self) > 2 * self.keep:
+            del self[: -self.keep]
+
+
 class KmockApi:
     """kmock's Kubernetes emulator served over HTTP on a loopback port, in its own thread."""
 
@@ -48,6 +63,7 @@ class KmockApi:
             self._stop = asyncio.Event()
             async with KubernetesEmulator() as emulator, Server(emulator) as server:
                 emulator.resources.load_bundled()
+                object.__setattr__(emulator, "_requests", _RecentRequests())
                 emulator.resources[f"{names.GROUP}/{names.VERSION}/{names.PLURAL}"] = ResourceInfo(
                     kind=names.KIND,
                     singular="inferencedeployment",
