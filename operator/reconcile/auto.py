@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -117,27 +118,74 @@ def _shape(spec: DeploymentSpec) -> auto_policy.GroupShape:
 _NOT_INPUTS = ("apply", "margin", "cooldownSeconds")
 
 
-def digest(spec: DeploymentSpec, gpu: str) -> str:
+def digest(spec: DeploymentSpec, gpu: str, profile: str | None = None) -> str:
     fields = json_format.MessageToDict(spec.policy.auto)
-    inputs = {
+    inputs: dict[str, Any] = {
         "auto": {k: v for k, v in fields.items() if k not in _NOT_INPUTS},
         "gpu": gpu.upper(),
         "shape": _shape(spec).__dict__,
         "planner": PLANNER_VERSION,
     }
+    if profile is not None:  # its content, not only its name: a rewritten ConfigMap replans
+        inputs["profile"] = hashlib.sha256(profile.encode()).hexdigest()
     text = json.dumps(inputs, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def inputs(spec: DeploymentSpec, nodes: list[dict[str, Any]] | None) -> tuple[str, str]:
-    """The GPU the group runs on and the digest of everything a plan depends on."""
+def inputs(
+    spec: DeploymentSpec, nodes: list[dict[str, Any]] | None, profile: str | None = None
+) -> tuple[str, str]:
+    """The GPU the group runs on and the digest of everything a plan depends on; ``profile``:
+    the text of ``auto.profile``'s ConfigMap (``profile_text``), checked here against the GPU."""
     auto = spec.policy.auto
     gpu = (
         auto.gpu.strip().upper()
         if auto.HasField("gpu")
         else gpu_from_nodes(nodes or [], spec.scheduling.node_selector)
     )
-    return gpu, digest(spec, gpu)
+    if auto.HasField("profile"):
+        if profile is None:
+            raise SpecError(
+                f"{PROFILE_FIELD}: ConfigMap {auto.profile} was not read", PROFILE_FIELD
+            )
+        try:  # refused here, before a plan is started: parsing is cheap and torch-free
+            auto_policy.profile_of(auto, gpu, profile)
+        except auto_policy.AutoError as exc:
+            raise SpecError(str(exc), exc.field) from None
+    return gpu, digest(spec, gpu, profile)
+
+
+PROFILE_FIELD = auto_policy.PROFILE_FIELD
+# A ConfigMap's name: a DNS subdomain (checked before it goes into an API path).
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+
+
+def profile_name(spec: DeploymentSpec) -> str | None:
+    """The ConfigMap ``auto.profile`` names (None: unset); SpecError if not a valid name."""
+    auto = spec.policy.auto
+    if not is_auto(spec) or not auto.HasField("profile"):
+        return None
+    if not _NAME.match(auto.profile):
+        raise SpecError(
+            f"{PROFILE_FIELD}: {auto.profile!r} is not a ConfigMap name (a DNS subdomain)",
+            PROFILE_FIELD,
+        )
+    return auto.profile
+
+
+def profile_text(spec: DeploymentSpec, config_map: dict[str, Any] | None) -> str:
+    """The profile in ``config_map`` (auto.profile's, None: not found); SpecError if absent."""
+    where = f"{PROFILE_FIELD}: ConfigMap {spec.policy.auto.profile}"
+    if config_map is None:
+        raise SpecError(f"{where} not found in namespace {spec.namespace}", PROFILE_FIELD)
+    text = (config_map.get("data") or {}).get(auto_policy.PROFILE_KEY)
+    if not text:
+        raise SpecError(
+            f"{where} has no key {auto_policy.PROFILE_KEY} (write the file of "
+            "gearshift profile --layouts under it)",
+            PROFILE_FIELD,
+        )
+    return str(text)
 
 
 def needs_plan(before: dict[str, Any], key: str) -> bool:
@@ -147,7 +195,7 @@ def needs_plan(before: dict[str, Any], key: str) -> bool:
     return not (running or recommended)
 
 
-def request(spec: DeploymentSpec, gpu: str) -> PlanRequest:
+def request(spec: DeploymentSpec, gpu: str, profile: str | None = None) -> PlanRequest:
     shape = _shape(spec)
     return PlanRequest(
         spec.policy.auto.SerializeToString(),
@@ -156,12 +204,13 @@ def request(spec: DeploymentSpec, gpu: str) -> PlanRequest:
         shape.gpus_per_node,
         shape.replicas,
         shape.max_model_len,
+        profile,
     )
 
 
-def plan_now(spec: DeploymentSpec, gpu: str) -> dict[str, Any]:
+def plan_now(spec: DeploymentSpec, gpu: str, profile: str | None = None) -> dict[str, Any]:
     """Plan in this process (``runnable``; the operator plans in a child, auto_planner.py)."""
-    answer = run_plan(request(spec, gpu))
+    answer = run_plan(request(spec, gpu, profile))
     if isinstance(answer, Failed):
         raise SpecError(answer.message, answer.field)
     return answer.plan
@@ -230,6 +279,7 @@ def _plan_text(status: dict[str, Any]) -> str:
         for key, label in (("ttftP99Seconds", "p99 TTFT"), ("tpotP99Seconds", "p99 TPOT"))
         if p.get(key) is not None
     )
+    # The pricing names the profile's ConfigMap and describe() when a profile priced the plan.
     pricing = f"; priced from {status['pricing']}" if status.get("pricing") else ""
     return (
         f"{status['choice']} {json.dumps(status['policy'], sort_keys=True)} on "

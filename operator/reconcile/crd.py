@@ -453,6 +453,12 @@ def auto_status_schema() -> dict[str, Any]:
         },
         "reason": {"type": "string"},
         "pricing": {"type": "string", "description": "What priced the steps: preset or profile."},
+        "profile": _obj(
+            {
+                "configMap": {"type": "string", "description": "spec.policy.auto.profile."},
+                "describe": {"type": "string", "description": "What the profile measured."},
+            }
+        ),
         "predicted": _obj({**figures, "kvTokens": {"type": "integer"}}),
         "considered": {"type": "array", "items": line, "x-kubernetes-list-type": "atomic"},
         "plannedAt": {"type": "string", "format": "date-time"},
