@@ -26,7 +26,7 @@ from gearshift.operator.reconcile import auto_apply, restarts
 from gearshift.operator.reconcile.auto_planner import Failed, PlanRequest, run_plan
 from gearshift.operator.reconcile.spec import DeploymentSpec, SpecError, parse_policy
 from gearshift.operator.sim import auto_policy
-from gearshift.v1 import policy_fields
+from gearshift.v1 import policy_fields, policy_pb2
 
 # Set by NVIDIA's GPU feature discovery on every GPU node, e.g. "NVIDIA-H100-80GB-HBM3".
 GPU_LABEL = "nvidia.com/gpu.product"
@@ -37,9 +37,16 @@ PLANNER_VERSION = 1
 class Waiting(Exception):
     """Nothing runs yet and the first plan is not there: in flight, or stopped at the timeout."""
 
-    def __init__(self, status: dict[str, Any] | None, message: str, timed_out: bool) -> None:
+    def __init__(
+        self,
+        status: dict[str, Any] | None,
+        message: str,
+        timed_out: bool,
+        reason: str = "Planning",
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.timed_out = status, message, timed_out
+        self.reason = reason  # the conditions' reason: Planning, or Calibrating (calibrate)
 
 
 @dataclass(frozen=True)
@@ -61,7 +68,38 @@ def is_auto(spec: DeploymentSpec) -> bool:
 
 
 def needs_nodes(spec: DeploymentSpec) -> bool:
-    return is_auto(spec) and not spec.policy.auto.HasField("gpu")
+    """The GPU comes from the nodes' label, or calibrate needs that label's value."""
+    return is_auto(spec) and (not spec.policy.auto.HasField("gpu") or calibrates(spec))
+
+
+def calibrates(spec: DeploymentSpec) -> bool:
+    return is_auto(spec) and spec.policy.auto.calibrate
+
+
+def gpu_of(spec: DeploymentSpec, nodes: list[dict[str, Any]] | None) -> str:
+    auto = spec.policy.auto
+    if auto.HasField("gpu"):
+        return auto.gpu.strip().upper()
+    return gpu_from_nodes(nodes or [], spec.scheduling.node_selector)
+
+
+def with_profile(spec: DeploymentSpec, config_map: str) -> DeploymentSpec:
+    """``spec`` planning from the profile in ``config_map`` (calibrate's measured one)."""
+    policy = policy_pb2.Policy()
+    policy.CopyFrom(spec.policy)
+    policy.auto.ClearField("calibrate")
+    policy.auto.profile = config_map
+    return replace(spec, policy=policy)
+
+
+def hold(spec: DeploymentSpec, before: dict[str, Any], message: str) -> Resolved:
+    """While calibrating: the running choice keeps running, status.auto.calibrating says why no
+    plan comes; with none running yet, Waiting (nothing is rendered, reason Calibrating)."""
+    if not isinstance(before.get("policy"), dict):
+        raise Waiting(None, message, False, reason="Calibrating")
+    kept = {k: v for k, v in before.items() if k not in _TRANSIENT}
+    status = {**kept, "calibrating": {"message": message}}
+    return Resolved(with_policy(spec, before["policy"]), status, False)
 
 
 def gpu_from_nodes(nodes: list[dict[str, Any]], selector: dict[str, str]) -> str:
@@ -138,11 +176,7 @@ def inputs(
     """The GPU the group runs on and the digest of everything a plan depends on; ``profile``:
     the text of ``auto.profile``'s ConfigMap (``profile_text``), checked here against the GPU."""
     auto = spec.policy.auto
-    gpu = (
-        auto.gpu.strip().upper()
-        if auto.HasField("gpu")
-        else gpu_from_nodes(nodes or [], spec.scheduling.node_selector)
-    )
+    gpu = gpu_of(spec, nodes)
     if auto.HasField("profile"):
         if profile is None:
             raise SpecError(
@@ -257,7 +291,7 @@ def resolve(
 
 
 # Keys of status.auto that describe a later plan, not the running one.
-_TRANSIENT = ("recommendation", "planning", "error")
+_TRANSIENT = ("recommendation", "planning", "error", "calibrating")
 
 
 def with_policy(spec: DeploymentSpec, policy: dict[str, Any]) -> DeploymentSpec:

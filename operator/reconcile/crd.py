@@ -481,6 +481,10 @@ def auto_status_schema() -> dict[str, Any]:
             "recommendation": _obj(held, "The latest plan, when it is not applied."),
             "planning": _obj(note["properties"], "A plan in flight."),
             "error": _obj(note["properties"], "The planner ran past its timeout."),
+            "calibrating": _obj(
+                {"message": {"type": "string"}},
+                "auto.calibrate's profiling Job is running; the running choice is kept.",
+            ),
         },
         "policy: auto's running choice (absent for other policies).",
     )

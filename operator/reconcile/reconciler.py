@@ -18,6 +18,7 @@ from typing import Any
 from gearshift.operator.reconcile import (
     auto,
     auto_planner,
+    calibration_run,
     model_pin,
     names,
     render_config,
@@ -86,6 +87,7 @@ class Reconciler:
                 groups=[],
                 plan_waiting=wait.message,
                 plan_error=wait.message if wait.timed_out else "",
+                plan_reason=wait.reason,
             )
             return status.build(
                 result,
@@ -153,12 +155,24 @@ class Reconciler:
             try:
                 nodes = await self.kube.nodes()
             except KubeError as exc:
-                field = f"{auto.auto_policy.FIELD}.gpu"
-                raise SpecError(f"{field}: not set, and the nodes cannot be read ({exc})") from exc
-        profile = await self._profile(parsed)
+                field = (
+                    f"{auto.auto_policy.FIELD}.{'calibrate' if auto.calibrates(parsed) else 'gpu'}"
+                )
+                raise SpecError(f"{field}: the nodes cannot be read ({exc})", field) from exc
         # Ours is newer than a body read before the previous pass wrote its status (a timer and
         # a change handler fire together); the operator is status.auto's only writer.
         before = self.plans.get(owner) or previous.get("auto") or {}
+        profile: str | None = None
+        if auto.calibrates(parsed):
+            gpu = auto.gpu_of(parsed, nodes)
+            measured = await calibration_run.run(self.kube, parsed, gpu, nodes or [])
+            if isinstance(measured, calibration_run.Calibrating):
+                chosen = auto.hold(parsed, before, measured.message)
+                self.plans[owner] = chosen.status
+                return checked(chosen.spec, planned=True), chosen
+            parsed, profile = auto.with_profile(parsed, measured.config_map), measured.text
+        else:
+            profile = await self._profile(parsed)
         gpu, key = auto.inputs(parsed, nodes, profile)
         chosen = await self._plan(parsed, owner, before, gpu, key, now, profile)
         self.plans[owner] = chosen.status
@@ -219,7 +233,7 @@ class Reconciler:
             message = f"{field}: planning (in a child process of the operator)"
         note = {"inputs": key, "message": message}
         running = isinstance(before.get("policy"), dict)
-        kept = {k: v for k, v in before.items() if k not in ("planning", "error")}
+        kept = {k: v for k, v in before.items() if k not in ("planning", "error", "calibrating")}
         status_auto = {**kept, ("error" if timed_out else "planning"): note}
         if not running:  # status.auto is the running choice: none yet (the conditions say why)
             raise auto.Waiting(None, message, timed_out)
@@ -511,6 +525,9 @@ def runnable(
     spec = parse(body)
     if not auto.is_auto(spec):
         return checked(spec, planned=False), None
+    if auto.calibrates(spec):
+        field = calibration_run.FIELD
+        raise SpecError(f"{field}: runs a profiling Job: only the operator plans it", field)
     before = (previous or {}).get("auto") or {}
     profile = None if auto.profile_name(spec) is None else auto.profile_text(spec, profile_map)
     gpu, key = auto.inputs(spec, nodes, profile)
