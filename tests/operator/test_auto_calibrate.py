@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import celpy
+import kubernetes_validate
 import pytest
 import yaml
 from cpu_profile import MODEL
-from test_operator_chart import _render, helm  # noqa: F401  (helm: a fixture)
+from test_operator_chart import K8S_VERSION, _render, helm  # noqa: F401  (helm: a fixture)
 
 from gearshift.operator.reconcile import auto, calibration, calibration_run
 from gearshift.operator.reconcile.reconciler import runnable
@@ -189,3 +190,16 @@ def test_the_calibration_guard_admits_the_operators_own_objects_only(helm: Path)
     bad.append((s, "serviceaccounts"))
     for obj, resource in bad:
         assert _admitted(policy, obj, resource) is False, obj
+
+
+def test_the_calibration_objects_are_valid_kubernetes() -> None:
+    made = calibration.manifests(parse(_body()), "H100", H100, "0123456789ab")
+    assert [m["kind"] for m in made] == [
+        "ConfigMap",
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "Job",
+    ]
+    for manifest in made:
+        kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
