@@ -155,10 +155,10 @@ class Reconciler:
             try:
                 nodes = await self.kube.nodes()
             except KubeError as exc:
-                field = (
-                    f"{auto.auto_policy.FIELD}.{'calibrate' if auto.calibrates(parsed) else 'gpu'}"
-                )
-                raise SpecError(f"{field}: the nodes cannot be read ({exc})", field) from exc
+                field, why = f"{auto.auto_policy.FIELD}.gpu", "not set, and the nodes"
+                if auto.calibrates(parsed):  # it needs their product label for the Job
+                    field, why = f"{auto.auto_policy.FIELD}.calibrate", "the nodes"
+                raise SpecError(f"{field}: {why} cannot be read ({exc})", field) from exc
         # Ours is newer than a body read before the previous pass wrote its status (a timer and
         # a change handler fire together); the operator is status.auto's only writer.
         before = self.plans.get(owner) or previous.get("auto") or {}
