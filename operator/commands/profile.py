@@ -35,6 +35,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="comma-separated layouts (one, tp2, sp2, pp2, shift2, ...): profile each and write "
         "a calibration profile for gearshift plan --profile (no policy flags with it)",
     )
+    p.add_argument(
+        "--configmap",
+        default=None,
+        help="with --layouts: also write the profile into this ConfigMap's profile.json, as the "
+        "pod's service account (the operator's calibration Job)",
+    )
     p.set_defaults(func=run)
 
 
@@ -66,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
         from gearshift.operator.commands.profile_layouts import run_layouts
 
         return run_layouts(args, grid)
+    if args.configmap is not None:
+        print("error: --configmap: only with --layouts (a calibration profile)", file=sys.stderr)
+        return 2
     try:
         config = engine_config(
             args,

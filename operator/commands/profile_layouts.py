@@ -62,6 +62,7 @@ def run_layouts(args: argparse.Namespace, grid: Any) -> int:
             raise ValueError(f"--layouts: distinct layout names, got {args.layouts!r}")
         policies = {n: layout_policy(n) for n in names}
         config = engine_config(args, enable_prefix_caching=False, skip_tokenizer_init=True)
+        api = _api_server(getattr(args, "configmap", None))
     except (GearshiftError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -97,7 +98,30 @@ def run_layouts(args: argparse.Namespace, grid: Any) -> int:
     )
     profile.save(args.output)
     print(profile.describe())
+    if api is not None:
+        from gearshift.operator.commands.configmap_write import WriteError, write_profile
+
+        try:
+            write_profile(api, args.configmap, args.output.read_text())
+        except WriteError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        print(f"written to ConfigMap {args.configmap}", file=sys.stderr)
     return 0
+
+
+def _api_server(configmap: str | None) -> Any:
+    """Where ``--configmap`` writes, checked before the minutes of profiling (None: no write)."""
+    if configmap is None:
+        return None
+    from gearshift.operator.commands.configmap_write import ApiServer, WriteError
+
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", configmap):
+        raise ValueError(f"--configmap: {configmap!r} is not a ConfigMap name")
+    try:
+        return ApiServer.in_cluster()
+    except WriteError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _ranks(policy: dict[str, Any]) -> int:

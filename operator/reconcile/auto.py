@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,7 +26,7 @@ from gearshift.operator.reconcile import auto_apply, restarts
 from gearshift.operator.reconcile.auto_planner import Failed, PlanRequest, run_plan
 from gearshift.operator.reconcile.spec import DeploymentSpec, SpecError, parse_policy
 from gearshift.operator.sim import auto_policy
-from gearshift.v1 import policy_fields
+from gearshift.v1 import policy_fields, policy_pb2
 
 # Set by NVIDIA's GPU feature discovery on every GPU node, e.g. "NVIDIA-H100-80GB-HBM3".
 GPU_LABEL = "nvidia.com/gpu.product"
@@ -36,9 +37,16 @@ PLANNER_VERSION = 1
 class Waiting(Exception):
     """Nothing runs yet and the first plan is not there: in flight, or stopped at the timeout."""
 
-    def __init__(self, status: dict[str, Any] | None, message: str, timed_out: bool) -> None:
+    def __init__(
+        self,
+        status: dict[str, Any] | None,
+        message: str,
+        timed_out: bool,
+        reason: str = "Planning",
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.timed_out = status, message, timed_out
+        self.reason = reason  # the conditions' reason: Planning, or Calibrating (calibrate)
 
 
 @dataclass(frozen=True)
@@ -60,7 +68,38 @@ def is_auto(spec: DeploymentSpec) -> bool:
 
 
 def needs_nodes(spec: DeploymentSpec) -> bool:
-    return is_auto(spec) and not spec.policy.auto.HasField("gpu")
+    """The GPU comes from the nodes' label, or calibrate needs that label's value."""
+    return is_auto(spec) and (not spec.policy.auto.HasField("gpu") or calibrates(spec))
+
+
+def calibrates(spec: DeploymentSpec) -> bool:
+    return is_auto(spec) and spec.policy.auto.calibrate
+
+
+def gpu_of(spec: DeploymentSpec, nodes: list[dict[str, Any]] | None) -> str:
+    auto = spec.policy.auto
+    if auto.HasField("gpu"):
+        return auto.gpu.strip().upper()
+    return gpu_from_nodes(nodes or [], spec.scheduling.node_selector)
+
+
+def with_profile(spec: DeploymentSpec, config_map: str) -> DeploymentSpec:
+    """``spec`` planning from the profile in ``config_map`` (calibrate's measured one)."""
+    policy = policy_pb2.Policy()
+    policy.CopyFrom(spec.policy)
+    policy.auto.ClearField("calibrate")
+    policy.auto.profile = config_map
+    return replace(spec, policy=policy)
+
+
+def hold(spec: DeploymentSpec, before: dict[str, Any], message: str) -> Resolved:
+    """While calibrating: the running choice keeps running, status.auto.calibrating says why no
+    plan comes; with none running yet, Waiting (nothing is rendered, reason Calibrating)."""
+    if not isinstance(before.get("policy"), dict):
+        raise Waiting(None, message, False, reason="Calibrating")
+    kept = {k: v for k, v in before.items() if k not in _TRANSIENT}
+    status = {**kept, "calibrating": {"message": message}}
+    return Resolved(with_policy(spec, before["policy"]), status, False)
 
 
 def gpu_from_nodes(nodes: list[dict[str, Any]], selector: dict[str, str]) -> str:
@@ -117,27 +156,70 @@ def _shape(spec: DeploymentSpec) -> auto_policy.GroupShape:
 _NOT_INPUTS = ("apply", "margin", "cooldownSeconds")
 
 
-def digest(spec: DeploymentSpec, gpu: str) -> str:
+def digest(spec: DeploymentSpec, gpu: str, profile: str | None = None) -> str:
     fields = json_format.MessageToDict(spec.policy.auto)
-    inputs = {
+    inputs: dict[str, Any] = {
         "auto": {k: v for k, v in fields.items() if k not in _NOT_INPUTS},
         "gpu": gpu.upper(),
         "shape": _shape(spec).__dict__,
         "planner": PLANNER_VERSION,
     }
+    if profile is not None:  # its content, not only its name: a rewritten ConfigMap replans
+        inputs["profile"] = hashlib.sha256(profile.encode()).hexdigest()
     text = json.dumps(inputs, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def inputs(spec: DeploymentSpec, nodes: list[dict[str, Any]] | None) -> tuple[str, str]:
-    """The GPU the group runs on and the digest of everything a plan depends on."""
+def inputs(
+    spec: DeploymentSpec, nodes: list[dict[str, Any]] | None, profile: str | None = None
+) -> tuple[str, str]:
+    """The GPU the group runs on and the digest of everything a plan depends on; ``profile``:
+    the text of ``auto.profile``'s ConfigMap (``profile_text``), checked here against the GPU."""
     auto = spec.policy.auto
-    gpu = (
-        auto.gpu.strip().upper()
-        if auto.HasField("gpu")
-        else gpu_from_nodes(nodes or [], spec.scheduling.node_selector)
-    )
-    return gpu, digest(spec, gpu)
+    gpu = gpu_of(spec, nodes)
+    if auto.HasField("profile"):
+        if profile is None:
+            raise SpecError(
+                f"{PROFILE_FIELD}: ConfigMap {auto.profile} was not read", PROFILE_FIELD
+            )
+        try:  # refused here, before a plan is started: parsing is cheap and torch-free
+            auto_policy.profile_of(auto, gpu, profile)
+        except auto_policy.AutoError as exc:
+            raise SpecError(str(exc), exc.field) from None
+    return gpu, digest(spec, gpu, profile)
+
+
+PROFILE_FIELD = auto_policy.PROFILE_FIELD
+# A ConfigMap's name: a DNS subdomain (checked before it goes into an API path).
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+
+
+def profile_name(spec: DeploymentSpec) -> str | None:
+    """The ConfigMap ``auto.profile`` names (None: unset); SpecError if not a valid name."""
+    auto = spec.policy.auto
+    if not is_auto(spec) or not auto.HasField("profile"):
+        return None
+    if not _NAME.match(auto.profile):
+        raise SpecError(
+            f"{PROFILE_FIELD}: {auto.profile!r} is not a ConfigMap name (a DNS subdomain)",
+            PROFILE_FIELD,
+        )
+    return auto.profile
+
+
+def profile_text(spec: DeploymentSpec, config_map: dict[str, Any] | None) -> str:
+    """The profile in ``config_map`` (auto.profile's, None: not found); SpecError if absent."""
+    where = f"{PROFILE_FIELD}: ConfigMap {spec.policy.auto.profile}"
+    if config_map is None:
+        raise SpecError(f"{where} not found in namespace {spec.namespace}", PROFILE_FIELD)
+    text = (config_map.get("data") or {}).get(auto_policy.PROFILE_KEY)
+    if not text:
+        raise SpecError(
+            f"{where} has no key {auto_policy.PROFILE_KEY} (write the file of "
+            "gearshift profile --layouts under it)",
+            PROFILE_FIELD,
+        )
+    return str(text)
 
 
 def needs_plan(before: dict[str, Any], key: str) -> bool:
@@ -147,7 +229,7 @@ def needs_plan(before: dict[str, Any], key: str) -> bool:
     return not (running or recommended)
 
 
-def request(spec: DeploymentSpec, gpu: str) -> PlanRequest:
+def request(spec: DeploymentSpec, gpu: str, profile: str | None = None) -> PlanRequest:
     shape = _shape(spec)
     return PlanRequest(
         spec.policy.auto.SerializeToString(),
@@ -156,12 +238,13 @@ def request(spec: DeploymentSpec, gpu: str) -> PlanRequest:
         shape.gpus_per_node,
         shape.replicas,
         shape.max_model_len,
+        profile,
     )
 
 
-def plan_now(spec: DeploymentSpec, gpu: str) -> dict[str, Any]:
+def plan_now(spec: DeploymentSpec, gpu: str, profile: str | None = None) -> dict[str, Any]:
     """Plan in this process (``runnable``; the operator plans in a child, auto_planner.py)."""
-    answer = run_plan(request(spec, gpu))
+    answer = run_plan(request(spec, gpu, profile))
     if isinstance(answer, Failed):
         raise SpecError(answer.message, answer.field)
     return answer.plan
@@ -208,7 +291,7 @@ def resolve(
 
 
 # Keys of status.auto that describe a later plan, not the running one.
-_TRANSIENT = ("recommendation", "planning", "error")
+_TRANSIENT = ("recommendation", "planning", "error", "calibrating")
 
 
 def with_policy(spec: DeploymentSpec, policy: dict[str, Any]) -> DeploymentSpec:
@@ -230,6 +313,7 @@ def _plan_text(status: dict[str, Any]) -> str:
         for key, label in (("ttftP99Seconds", "p99 TTFT"), ("tpotP99Seconds", "p99 TPOT"))
         if p.get(key) is not None
     )
+    # The pricing names the profile's ConfigMap and describe() when a profile priced the plan.
     pricing = f"; priced from {status['pricing']}" if status.get("pricing") else ""
     return (
         f"{status['choice']} {json.dumps(status['policy'], sort_keys=True)} on "

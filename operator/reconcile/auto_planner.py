@@ -22,7 +22,8 @@ Owner = tuple[str, str, str]  # namespace, name, uid
 
 @dataclass(frozen=True)
 class PlanRequest:
-    """What a child plans from: the AutoPolicy (serialized), the GPU and the group's shape."""
+    """What a child plans from: the AutoPolicy (serialized), the GPU, the group's shape and,
+    with ``auto.profile``, the profile's text (read from its ConfigMap by the operator)."""
 
     auto: bytes
     gpu: str
@@ -30,6 +31,7 @@ class PlanRequest:
     gpus_per_node: int
     replicas: int
     max_model_len: int | None
+    profile: str | None = None
 
 
 @dataclass(frozen=True)
@@ -67,10 +69,10 @@ def run_plan(request: PlanRequest) -> Planned | Failed:
     )
     try:
         auto = policy_pb2.AutoPolicy.FromString(request.auto)
-        choice = auto_policy.choose(auto, request.gpu, shape)
+        choice = auto_policy.choose(auto, request.gpu, shape, request.profile)
     except auto_policy.AutoError as exc:
         return Failed(exc.field, str(exc))
-    return Planned(
+    plan = Planned(
         {
             "choice": choice.candidate,
             "policy": choice.policy,
@@ -82,6 +84,9 @@ def run_plan(request: PlanRequest) -> Planned | Failed:
             "pricing": choice.pricing,
         }
     )
+    if choice.profile is not None:
+        plan.plan["profile"] = choice.profile
+    return plan
 
 
 def _child(conn: Connection, request: PlanRequest) -> None:

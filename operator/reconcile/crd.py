@@ -453,6 +453,12 @@ def auto_status_schema() -> dict[str, Any]:
         },
         "reason": {"type": "string"},
         "pricing": {"type": "string", "description": "What priced the steps: preset or profile."},
+        "profile": _obj(
+            {
+                "configMap": {"type": "string", "description": "spec.policy.auto.profile."},
+                "describe": {"type": "string", "description": "What the profile measured."},
+            }
+        ),
         "predicted": _obj({**figures, "kvTokens": {"type": "integer"}}),
         "considered": {"type": "array", "items": line, "x-kubernetes-list-type": "atomic"},
         "plannedAt": {"type": "string", "format": "date-time"},
@@ -475,6 +481,10 @@ def auto_status_schema() -> dict[str, Any]:
             "recommendation": _obj(held, "The latest plan, when it is not applied."),
             "planning": _obj(note["properties"], "A plan in flight."),
             "error": _obj(note["properties"], "The planner ran past its timeout."),
+            "calibrating": _obj(
+                {"message": {"type": "string"}},
+                "auto.calibrate's profiling Job is running; the running choice is kept.",
+            ),
         },
         "policy: auto's running choice (absent for other policies).",
     )

@@ -31,6 +31,11 @@ PLURALS: dict[tuple[str, str], str] = {
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("scheduling.volcano.sh/v1beta1", "PodGroup"): "podgroups",
     ("scheduling.x-k8s.io/v1alpha1", "PodGroup"): "podgroups",
+    # spec.policy.auto.calibrate's Job and its hand-off (reconcile/calibration.py).
+    ("v1", "ServiceAccount"): "serviceaccounts",
+    ("batch/v1", "Job"): "jobs",
+    ("rbac.authorization.k8s.io/v1", "Role"): "roles",
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
 }
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from gearshift.operator.reconcile import (
     auto,
     auto_planner,
+    calibration_run,
     model_pin,
     names,
     render_config,
@@ -86,6 +87,7 @@ class Reconciler:
                 groups=[],
                 plan_waiting=wait.message,
                 plan_error=wait.message if wait.timed_out else "",
+                plan_reason=wait.reason,
             )
             return status.build(
                 result,
@@ -153,13 +155,26 @@ class Reconciler:
             try:
                 nodes = await self.kube.nodes()
             except KubeError as exc:
-                field = f"{auto.auto_policy.FIELD}.gpu"
-                raise SpecError(f"{field}: not set, and the nodes cannot be read ({exc})") from exc
+                field, why = f"{auto.auto_policy.FIELD}.gpu", "not set, and the nodes"
+                if auto.calibrates(parsed):  # it needs their product label for the Job
+                    field, why = f"{auto.auto_policy.FIELD}.calibrate", "the nodes"
+                raise SpecError(f"{field}: {why} cannot be read ({exc})", field) from exc
         # Ours is newer than a body read before the previous pass wrote its status (a timer and
         # a change handler fire together); the operator is status.auto's only writer.
         before = self.plans.get(owner) or previous.get("auto") or {}
-        gpu, key = auto.inputs(parsed, nodes)
-        chosen = await self._plan(parsed, owner, before, gpu, key, now)
+        profile: str | None = None
+        if auto.calibrates(parsed):
+            gpu = auto.gpu_of(parsed, nodes)
+            measured = await calibration_run.run(self.kube, parsed, gpu, nodes or [])
+            if isinstance(measured, calibration_run.Calibrating):
+                chosen = auto.hold(parsed, before, measured.message)
+                self.plans[owner] = chosen.status
+                return checked(chosen.spec, planned=True), chosen
+            parsed, profile = auto.with_profile(parsed, measured.config_map), measured.text
+        else:
+            profile = await self._profile(parsed)
+        gpu, key = auto.inputs(parsed, nodes, profile)
+        chosen = await self._plan(parsed, owner, before, gpu, key, now, profile)
         self.plans[owner] = chosen.status
         if chosen.event is not None:
             self.logger.info("%s", chosen.event.message)
@@ -172,6 +187,19 @@ class Reconciler:
                 self.logger.warning("could not post the %s event: %s", chosen.event.reason, exc)
         return checked(chosen.spec, planned=True), chosen
 
+    async def _profile(self, spec: DeploymentSpec) -> str | None:
+        """The text of the profile ConfigMap ``auto.profile`` names, read each pass (its
+        content is in the plan's digest); SpecError naming the field when it cannot be."""
+        name = auto.profile_name(spec)
+        if name is None:
+            return None
+        try:
+            config_map = await self.kube.get("v1", "ConfigMap", spec.namespace, name)
+        except KubeError as exc:
+            field = auto.PROFILE_FIELD
+            raise SpecError(f"{field}: ConfigMap {name} cannot be read ({exc})", field) from exc
+        return auto.profile_text(spec, config_map)
+
     async def _plan(
         self,
         spec: DeploymentSpec,
@@ -180,13 +208,14 @@ class Reconciler:
         gpu: str,
         key: str,
         now: dt.datetime,
+        profile: str | None = None,
     ) -> auto.Resolved:
         if not auto.needs_plan(before, key):
             return auto.resolve(spec, before, gpu, key, now)
         if self.planner is None:
-            fresh = await asyncio.to_thread(auto.plan_now, spec, gpu)
+            fresh = await asyncio.to_thread(auto.plan_now, spec, gpu, profile)
             return auto.resolve(spec, before, gpu, key, now, fresh)
-        outcome = self.planner.poll(owner, key, auto.request(spec, gpu))
+        outcome = self.planner.poll(owner, key, auto.request(spec, gpu, profile))
         if isinstance(outcome, auto_planner.Planned):
             return auto.resolve(spec, before, gpu, key, now, outcome.plan)
         if isinstance(outcome, auto_planner.Failed):
@@ -204,7 +233,7 @@ class Reconciler:
             message = f"{field}: planning (in a child process of the operator)"
         note = {"inputs": key, "message": message}
         running = isinstance(before.get("policy"), dict)
-        kept = {k: v for k, v in before.items() if k not in ("planning", "error")}
+        kept = {k: v for k, v in before.items() if k not in ("planning", "error", "calibrating")}
         status_auto = {**kept, ("error" if timed_out else "planning"): note}
         if not running:  # status.auto is the running choice: none yet (the conditions say why)
             raise auto.Waiting(None, message, timed_out)
@@ -484,10 +513,11 @@ def runnable(
     previous: dict[str, Any] | None = None,
     nodes: list[dict[str, Any]] | None = None,
     now: dt.datetime | None = None,
+    profile_map: dict[str, Any] | None = None,
 ) -> tuple[DeploymentSpec, auto.Resolved | None]:
     """The parsed spec, with `policy: auto` replaced by its running choice (planned here, in
     this process, when no stored plan matches); SpecError when it is invalid or asks for what
-    the engine cannot run.
+    the engine cannot run. ``profile_map``: the ConfigMap ``auto.profile`` names, when set.
 
     A spec the schema accepts but no worker can run renders no children: its pods could only
     crash-loop (worker/policies/support.py holds the rule, shared with the worker and `serve`).
@@ -495,9 +525,13 @@ def runnable(
     spec = parse(body)
     if not auto.is_auto(spec):
         return checked(spec, planned=False), None
+    if auto.calibrates(spec):
+        field = calibration_run.FIELD
+        raise SpecError(f"{field}: runs a profiling Job: only the operator plans it", field)
     before = (previous or {}).get("auto") or {}
-    gpu, key = auto.inputs(spec, nodes)
-    fresh = auto.plan_now(spec, gpu) if auto.needs_plan(before, key) else None
+    profile = None if auto.profile_name(spec) is None else auto.profile_text(spec, profile_map)
+    gpu, key = auto.inputs(spec, nodes, profile)
+    fresh = auto.plan_now(spec, gpu, profile) if auto.needs_plan(before, key) else None
     chosen = auto.resolve(spec, before, gpu, key, now or dt.datetime.now(dt.UTC), fresh)
     return checked(chosen.spec, planned=True), chosen
 

@@ -63,6 +63,7 @@ class PassResult:
     spec_field: str = ""  # the field spec_error is about, e.g. "spec.policy.static.pp"
     plan_waiting: str = ""  # policy: auto has no plan to run yet (planning, or timed out)
     plan_error: str = ""  # policy: auto's planner ran past its timeout
+    plan_reason: str = "Planning"  # why plan_waiting: Planning, or Calibrating (auto.calibrate)
 
 
 def condition(
@@ -130,7 +131,7 @@ def build(
     if result.spec_error:
         ready = (False, "InvalidSpec", result.spec_error)
     elif result.plan_waiting:
-        why = "PlannerTimedOut" if result.plan_error else "Planning"
+        why = "PlannerTimedOut" if result.plan_error else result.plan_reason
         ready = (False, why, result.plan_waiting)
     elif result.replicas == 0:
         ready = (False, "ScaledToZero", "spec.replicas is 0")
@@ -156,7 +157,7 @@ def build(
         progressing = (
             (False, "PlannerTimedOut", result.plan_waiting)
             if result.plan_error
-            else (True, "Planning", result.plan_waiting)
+            else (True, result.plan_reason, result.plan_waiting)
         )
     elif result.scaling:
         progressing = (True, "Scaling", f"{len(base)} groups, {result.replicas} desired")

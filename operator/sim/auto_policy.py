@@ -16,8 +16,9 @@ from typing import Any
 
 from google.protobuf import json_format
 
+from gearshift.operator.sim import calibration, model_desc
 from gearshift.operator.sim import hardware as hw_mod
-from gearshift.operator.sim import model_desc
+from gearshift.operator.sim import pricing as pricing_mod
 from gearshift.operator.sim.candidates import MODELLED_KINDS, PlanSettings
 from gearshift.operator.sim.goodput import Goodput
 from gearshift.operator.sim.planning import (
@@ -62,7 +63,8 @@ class AutoChoice:
     predicted: dict[str, Any]  # the winner's figures at the declared rate (camelCase)
     considered: list[dict[str, Any]]  # one line per candidate that competed
     report: PlanReport
-    pricing: str = ""  # what priced the steps (today always the GPU preset)
+    pricing: str = ""  # what priced the steps: the GPU preset or the profile (named)
+    profile: dict[str, str] | None = None  # {configMap, describe} when a profile priced them
 
 
 def model_of(auto: policy_pb2.AutoPolicy) -> model_desc.ModelDesc:
@@ -169,11 +171,46 @@ def _camel(point: dict[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-def choose(auto: policy_pb2.AutoPolicy, gpu: str, shape: GroupShape) -> AutoChoice:
-    """Plan one group of ``shape`` on ``gpu`` devices; AutoError names the field at fault."""
+PROFILE_FIELD = f"{FIELD}.profile"
+PROFILE_KEY = "profile.json"  # the ConfigMap's key holding the profile
+
+
+def profile_of(auto: policy_pb2.AutoPolicy, gpu: str, text: str) -> calibration.CalibrationProfile:
+    """The profile in ConfigMap ``auto.profile`` (its ``profile.json`` text), checked to be
+    measured on ``gpu``; AutoError naming spec.policy.auto.profile if not."""
+    where = f"ConfigMap {auto.profile} key {PROFILE_KEY}"
+    try:
+        profile = calibration.parse(text, where)
+    except calibration.ProfileError as exc:
+        raise AutoError(PROFILE_FIELD, str(exc)) from None
+    preset = hw_mod.preset_of_product(profile.device) if profile.device_kind == "cuda" else None
+    if preset != gpu.strip().upper():
+        raise AutoError(
+            PROFILE_FIELD,
+            f"{where} was measured on {profile.device} ({profile.device_kind}), not on the "
+            f"group's GPU {gpu}: profile the group's GPU type (gearshift profile --layouts)",
+        )
+    return profile
+
+
+def choose(
+    auto: policy_pb2.AutoPolicy, gpu: str, shape: GroupShape, profile_text: str | None = None
+) -> AutoChoice:
+    """Plan one group of ``shape`` on ``gpu`` devices, priced from the preset or, with
+    ``auto.profile``, from ``profile_text`` (its ConfigMap's); AutoError names the field."""
     model = model_of(auto)
     hw = hardware_of(gpu, shape)
+    priced: pricing_mod.Pricing | None = None
+    about: dict[str, str] | None = None
     pricing = f"the {hw.device.name} preset (datasheet roofline)"
+    if auto.HasField("profile"):
+        if profile_text is None:
+            raise AutoError(PROFILE_FIELD, f"ConfigMap {auto.profile} was not read")
+        profile = profile_of(auto, gpu, profile_text)
+        # plan --profile's pricing (pricing.py), on the group's own hardware shape.
+        priced = pricing_mod.from_profile(profile, hw, gpu)
+        about = {"configMap": auto.profile, "describe": profile.describe()}
+        pricing = f"the profile in ConfigMap {auto.profile}: {profile.describe()}"
     traffic = traffic_of(auto, shape)
     kinds = kinds_of(auto)
     goodput = goodput_of(auto)
@@ -187,15 +224,24 @@ def choose(auto: policy_pb2.AutoPolicy, gpu: str, shape: GroupShape) -> AutoChoi
             settings=settings,
             kinds=kinds,
             only=lambda c: c.gpus_per_group == shape.gpus,
+            pricing=priced,
         )
-    except ValueError as exc:  # no candidate fits the group
-        raise AutoError(FIELD, str(exc)) from None
+    except ValueError as exc:  # no candidate fits the group, or none the profile covers
+        raise AutoError(
+            PROFILE_FIELD if priced else FIELD, str(exc).removeprefix("--profile: ")
+        ) from None
     best = report.recommended
     if best is None:
         raise AutoError(FIELD, f"no layout could be simulated: {report.reason}")
     policy, reason = best.candidate.policy, report.reason
     at = best.at_rate
-    if best.candidate.kind == "shift":
+    if priced is not None and priced.excluded:
+        reason += f"; not in the profile, so not candidates: {', '.join(priced.excluded)}"
+    if best.candidate.kind == "shift" and priced is not None:
+        # The measured step cost is the engine's at its default threshold; tuning would price
+        # the other thresholds from the roofline, a second pricing the profile replaces.
+        reason += "; threshold: the engine's default (the one the profile measured)"
+    elif best.candidate.kind == "shift":
         threshold, at = _tune_threshold(best, traffic, goodput)
         policy = {"shift": {**policy["shift"], "threshold": threshold}}
         reason += f"; threshold {threshold}: best of {', '.join(map(str, SHIFT_THRESHOLDS))}"
@@ -219,6 +265,7 @@ def choose(auto: policy_pb2.AutoPolicy, gpu: str, shape: GroupShape) -> AutoChoi
         considered=considered,
         report=report,
         pricing=pricing,
+        profile=about,
     )
 
 

@@ -69,3 +69,11 @@ def operator_process(
 @pytest.fixture()
 def repo() -> Path:
     return Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def cpu_profile(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The text of a profile measured on this CPU (cpu_profile.py), once per session."""
+    from cpu_profile import measure
+
+    return measure(tmp_path_factory.mktemp("cpu-profile")).read_text()

@@ -162,8 +162,8 @@ def _documented_rbac() -> set[tuple[str, str, str]]:
         what, verbs, why = (cell.strip() for cell in row.strip("|").split("|"))
         assert why, f"the RBAC row {what} says why"
         tokens = re.findall(r"`([^`]*)`", re.sub(r"\(.*?\)", "", what))
-        # API groups: the core group `""`, dotted names, and the two built-in plain ones.
-        groups = [t for t in tokens if t in ('""', "apps", "policy") or "." in t]
+        # API groups: the core group `""`, dotted names, and the three built-in plain ones.
+        groups = [t for t in tokens if t in ('""', "apps", "policy", "batch") or "." in t]
         resources = [t for t in tokens if t not in groups]
         assert groups and resources, row
         out |= {

@@ -76,6 +76,22 @@ app.kubernetes.io/name={{ .Chart.Name }},app.kubernetes.io/instance={{ .Release.
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
+{{- if .Values.rbac.calibration }}
+# spec.policy.auto.calibrate: the profiling Job and what lets it hand its profile back (a
+# ServiceAccount, and a Role and RoleBinding granting it get/patch of its one ConfigMap). Created,
+# and patched to add each deployment using them as an owner; never listed, watched or deleted
+# (the garbage collector deletes them with their last owner). The calibration guard
+# (rbac.secretGuard) confines these writes to the calibration's own names and rule.
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "create", "patch"]
+{{- end }}
 {{- if .Values.rbac.volcano }}
 - apiGroups: ["scheduling.volcano.sh"]
   resources: ["podgroups"]

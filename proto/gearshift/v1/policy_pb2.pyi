@@ -186,7 +186,7 @@ class TetrisPolicy(_message.Message):
     def __init__(self, prefill_instances: _Optional[int] = ..., prefill_tp: _Optional[int] = ..., decode_instances: _Optional[int] = ..., decode_tp: _Optional[int] = ..., chunk_granularity: _Optional[int] = ..., max_sp: _Optional[int] = ..., power_of_two_sp: _Optional[bool] = ..., max_chunks: _Optional[int] = ..., improvement_rate: _Optional[float] = ..., improvement_rate_table: _Optional[_Iterable[_Union[TetrisPolicy.ImprovementRateStep, _Mapping]]] = ..., rate_window_seconds: _Optional[int] = ..., decode_placement: _Optional[_Union[TetrisPolicy.DecodePlacement, str]] = ..., transfer_backends: _Optional[int] = ..., transfer_buffer_bytes: _Optional[int] = ..., layerwise_transfer: _Optional[bool] = ..., latency_models: _Optional[_Iterable[_Union[TetrisPolicy.LatencyModel, _Mapping]]] = ..., auto_profile_tokens: _Optional[int] = ...) -> None: ...
 
 class AutoPolicy(_message.Message):
-    __slots__ = ("model", "gpu", "traffic", "goodput", "policies", "requests", "apply", "margin", "cooldown_seconds")
+    __slots__ = ("model", "gpu", "traffic", "goodput", "policies", "requests", "apply", "margin", "cooldown_seconds", "profile", "calibrate")
     class Apply(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         APPLY_UNSPECIFIED: _ClassVar[AutoPolicy.Apply]
@@ -204,6 +204,8 @@ class AutoPolicy(_message.Message):
     APPLY_FIELD_NUMBER: _ClassVar[int]
     MARGIN_FIELD_NUMBER: _ClassVar[int]
     COOLDOWN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATE_FIELD_NUMBER: _ClassVar[int]
     model: AutoModel
     gpu: str
     traffic: AutoTraffic
@@ -213,7 +215,9 @@ class AutoPolicy(_message.Message):
     apply: AutoPolicy.Apply
     margin: float
     cooldown_seconds: int
-    def __init__(self, model: _Optional[_Union[AutoModel, _Mapping]] = ..., gpu: _Optional[str] = ..., traffic: _Optional[_Union[AutoTraffic, _Mapping]] = ..., goodput: _Optional[str] = ..., policies: _Optional[_Iterable[str]] = ..., requests: _Optional[int] = ..., apply: _Optional[_Union[AutoPolicy.Apply, str]] = ..., margin: _Optional[float] = ..., cooldown_seconds: _Optional[int] = ...) -> None: ...
+    profile: str
+    calibrate: bool
+    def __init__(self, model: _Optional[_Union[AutoModel, _Mapping]] = ..., gpu: _Optional[str] = ..., traffic: _Optional[_Union[AutoTraffic, _Mapping]] = ..., goodput: _Optional[str] = ..., policies: _Optional[_Iterable[str]] = ..., requests: _Optional[int] = ..., apply: _Optional[_Union[AutoPolicy.Apply, str]] = ..., margin: _Optional[float] = ..., cooldown_seconds: _Optional[int] = ..., profile: _Optional[str] = ..., calibrate: _Optional[bool] = ...) -> None: ...
 
 class AutoModel(_message.Message):
     __slots__ = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size", "torch_dtype")

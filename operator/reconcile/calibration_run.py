@@ -1,0 +1,131 @@
+"""``spec.policy.auto.calibrate`` in the reconcile pass (issue 30, item 1): make sure the
+calibration's objects exist (calibration.py) and carry this deployment as an owner, then read its
+ConfigMap: the profile once the Job wrote it, the Job's failure, or still calibrating.
+
+While it calibrates the plan waits (it does not plan from the preset meanwhile: that plan would
+be replaced minutes later, rolling the groups twice): a deployment with nothing running yet
+renders nothing, with reason ``Calibrating``; one already running keeps its running choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gearshift.operator.reconcile import calibration
+from gearshift.operator.reconcile.kube import Kube, KubeError
+from gearshift.operator.reconcile.spec import DeploymentSpec, SpecError
+from gearshift.operator.sim import auto_policy
+from gearshift.operator.sim import hardware as hw_mod
+
+FIELD = calibration.FIELD
+
+
+@dataclass(frozen=True)
+class Measured:
+    config_map: str  # where the profile is
+    text: str
+
+
+@dataclass(frozen=True)
+class Calibrating:
+    job: str
+    message: str
+
+
+def product_of(spec: DeploymentSpec, gpu: str, nodes: list[dict[str, Any]]) -> str:
+    """The ``nvidia.com/gpu.product`` value of a node the group may run on with a ``gpu`` GPU
+    (the first in sorted order when several forms of it are labelled); SpecError if none."""
+    selector = spec.scheduling.node_selector
+    found = set()
+    for n in nodes:
+        labels = (n.get("metadata") or {}).get("labels") or {}
+        if all(labels.get(k) == v for k, v in selector.items()):
+            product = labels.get(calibration.GPU_LABEL, "")
+            if product and hw_mod.preset_of_product(product) == gpu.upper():
+                found.add(product)
+    if not found:
+        where = f" matching spec.scheduling.nodeSelector {selector}" if selector else ""
+        raise SpecError(
+            f"{FIELD}: no node{where} carries a {gpu} GPU ({calibration.GPU_LABEL}) to profile on",
+            FIELD,
+        )
+    return sorted(found)[0]
+
+
+async def _ensure(kube: Kube, spec: DeploymentSpec, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The object as it is, created if missing, with ``spec`` among its owners."""
+    meta = manifest["metadata"]
+    api_version, kind = manifest["apiVersion"], manifest["kind"]
+    current = await kube.get(api_version, kind, spec.namespace, meta["name"])
+    if current is None:
+        await kube.create(manifest)  # False: created meanwhile by another pass
+        current = await kube.get(api_version, kind, spec.namespace, meta["name"])
+        if current is None:
+            raise KubeError(404, f"{kind} {meta['name']} vanished after its creation")
+        return current
+    refs = (current.get("metadata") or {}).get("ownerReferences") or []
+    if not any(r.get("uid") == spec.uid for r in refs):
+        ref = calibration.owner(spec)
+        op: dict[str, Any] = {"op": "add", "path": "/metadata/ownerReferences/-", "value": ref}
+        if not refs:
+            op = {"op": "add", "path": "/metadata/ownerReferences", "value": [ref]}
+        ops = [op]
+        await kube.json_patch(api_version, kind, spec.namespace, meta["name"], ops)
+    return current
+
+
+def _done(job: dict[str, Any]) -> bool:
+    conditions = (job.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Complete" and c.get("status") == "True" for c in conditions)
+
+
+def _failed(job: dict[str, Any]) -> str | None:
+    for c in (job.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "Failed" and c.get("status") == "True":
+            return f"{c.get('reason') or 'Failed'}: {c.get('message') or 'no message'}"
+    return None
+
+
+async def run(
+    kube: Kube, spec: DeploymentSpec, gpu: str, nodes: list[dict[str, Any]]
+) -> Measured | Calibrating:
+    """The calibration of ``spec`` on ``gpu``: measured, or still running; SpecError naming
+    spec.policy.auto.calibrate when it cannot run or its Job failed."""
+    calibration.check(spec)
+    key = calibration.key(spec, gpu)
+    name = calibration.name_of(key)
+    product = product_of(spec, gpu, nodes)
+    try:
+        # The Job is ensured last: once it names this deployment as an owner, so do the rest,
+        # and a pass needs only the Job and the ConfigMap (two GETs, not five).
+        job = await kube.get("batch/v1", "Job", spec.namespace, name)
+        owned = job is not None and any(
+            r.get("uid") == spec.uid for r in job["metadata"].get("ownerReferences") or []
+        )
+        result = await kube.get("v1", "ConfigMap", spec.namespace, name) if owned else None
+        if job is not None and result is not None:
+            objects = {"Job": job, "ConfigMap": result}
+        else:
+            objects = {
+                m["kind"]: await _ensure(kube, spec, m)
+                for m in calibration.manifests(spec, gpu, product, key)
+            }
+    except KubeError as exc:
+        raise SpecError(f"{FIELD}: cannot create the calibration's objects ({exc})", FIELD) from exc
+    text = (objects["ConfigMap"].get("data") or {}).get(auto_policy.PROFILE_KEY)
+    if text:
+        return Measured(name, str(text))
+    failed = _failed(objects["Job"])
+    if failed is None and _done(objects["Job"]):
+        failed = f"Complete, yet ConfigMap {name} holds no {auto_policy.PROFILE_KEY}"
+    if failed is not None:
+        raise SpecError(
+            f"{FIELD}: the profiling Job {name} failed ({failed}); delete it to try again", FIELD
+        )
+    layouts = ", ".join(calibration.layouts(spec.group.ranks))
+    return Calibrating(
+        name,
+        f"{FIELD}: Job {name} profiles {layouts} on a {product} node; the plan waits for its "
+        f"profile (ConfigMap {name})",
+    )
