@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -26,3 +27,11 @@ def kernels_off(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
         monkeypatch.setattr(kernels, "available", lambda: False)
 
     return off
+
+
+@pytest.fixture(scope="session")
+def generic_kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A kernel cache for the portable ``generic`` build: the two-process build test fills it and
+    the portability test then runs the kernel tests on that same library (one compile, not two;
+    either test builds it itself when it runs alone)."""
+    return tmp_path_factory.mktemp("kernels-generic")
