@@ -26,7 +26,7 @@ def _bench() -> Any:
 
 @pytest.mark.slow
 def test_the_worst_load_the_limits_allow_gets_no_server_error() -> None:
-    result = _bench().measure(probes=100, rounds=2, senders=4)
+    result = _bench().measure(probes=100, rounds=1, senders=4)
     answers = result["heavy_answers"]
     assert answers, "the heavy client got no answer: the load never ran"
     failed = {k: v for k, v in answers.items() if k.split()[1] in ("INTERNAL", "UNKNOWN")}
