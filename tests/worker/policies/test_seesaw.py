@@ -6,6 +6,7 @@ scheduler makes several transitions; greedy text must equal one process with the
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -45,7 +46,9 @@ def _seesaw(prefill: dict, decode: dict, **kw: object) -> dict:
 
 
 def _segments() -> set[str]:
-    return {p.name for p in SHM_DIR.glob(f"{PREFIX}*")}
+    """This process's segments (the groups' leader is rank 0 here; other test processes running
+    at once have theirs)."""
+    return {p.name for p in SHM_DIR.glob(f"{PREFIX}*-{os.getpid()}-*")}
 
 
 @pytest.fixture
