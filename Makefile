@@ -38,8 +38,11 @@ SERVE_SHIFT_ARGS ?= --policy shift --sp 3
 serve-shift: install
 	$(BIN)/gearshift serve --model smollm2 $(SERVE_SHIFT_ARGS) --port 8000
 
+# Two workers, a test file each at a time (module fixtures stay whole): most tests wait on
+# processes, servers and sockets, so two share CI's 2 cores (1.1 busy cores serial, 1.8 with two).
+TEST_WORKERS ?= 2
 test: install
-	$(PYTEST) --durations=30 tests
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile --durations=30 tests
 
 test-fast: install
 	$(PYTEST) -m "not slow" -x -q tests
