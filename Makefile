@@ -40,9 +40,12 @@ serve-shift: install
 
 # Two workers, a test file each at a time (module fixtures stay whole): most tests wait on
 # processes, servers and sockets, so two share CI's 2 cores (1.1 busy cores serial, 1.8 with two).
+# Tests that compare measured wall times (marked serial) run afterwards, alone.
 TEST_WORKERS ?= 2
 test: install
-	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile --durations=30 tests
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "not serial" --durations=30 tests; \
+	parallel=$$?; $(PYTEST) -m serial tests; serial=$$?; \
+	test $$parallel -eq 0 -a $$serial -eq 0
 
 test-fast: install
 	$(PYTEST) -m "not slow" -x -q tests

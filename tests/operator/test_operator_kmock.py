@@ -256,7 +256,12 @@ def test_a_threshold_change_is_applied_live_and_a_layout_change_rolls_one_group_
     first = wait_for(rolled, what="first group rolled")
     assert len(first) == 1
     (group,) = first
-    assert not api.names(PODS, {names.LABEL_GROUP: group}), "the rolled group's pods were replaced"
+    # The operator relabels the group's StatefulSet, then deletes its pods (bounded: a loaded
+    # machine may show the first before the second).
+    wait_for(
+        lambda: not api.names(PODS, {names.LABEL_GROUP: group}),
+        what="the rolled group's pods replaced",
+    )
     # The stand-in still says "serving" at the old revision, as a router may for a moment.
     other = ({"live-g0", "live-g1"} - first).pop()
     for _ in range(8):  # several passes: the second group waits while the first is not back

@@ -106,6 +106,7 @@ def test_the_fitted_efficiencies_are_those_of_the_recorded_gpu_runs() -> None:
 LAYOUTS = ("tp2", "sp2", "shift2", "pp2")
 
 
+@pytest.mark.serial
 @pytest.mark.xfail(
     strict=False,
     reason="NOT MET on the loaded 2-core host (issue 30 Prove-it): the plan picked sp2 (quick "

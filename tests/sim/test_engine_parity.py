@@ -142,6 +142,7 @@ def test_a_pipeline_keeps_the_engines_micro_batches_in_flight(
     assert engine.policy.micro_batches() == 2
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_a_profile_predicts_the_engines_wall_time_within_a_loose_bound(
     engine_of: Callable[..., LLMEngine],

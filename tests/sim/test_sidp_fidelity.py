@@ -27,6 +27,7 @@ from gearshift.worker.policies.sidp.shared_weights import segments
 from tests.worker.helpers import make_hf_checkpoint
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["WAS", "CAS"])
 def test_a_measured_cost_predicts_a_sidp_groups_wall_time_within_a_loose_bound(tmp_path, mode):

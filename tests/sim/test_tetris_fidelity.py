@@ -13,6 +13,7 @@ from benchmarks.sim_fidelity_tetris import decode_profile, measure_and_simulate
 from gearshift.operator.sim.trace import TraceRequest
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_the_tetris_simulation_predicts_a_real_groups_figures_within_a_loose_bound(tmp_path):
     model = str(random_llama(tmp_path, hidden=128, layers=2))
