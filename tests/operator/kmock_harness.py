@@ -191,6 +191,15 @@ def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
     return {}
 
 
+def events(api: Api, ns: str, name: str, reason: str) -> list[dict[str, Any]]:
+    """The events of reason ``reason`` the operator wrote about the object ``name``."""
+    return [
+        e
+        for e in api.items(f"/api/v1/namespaces/{ns}/events")
+        if (e.get("involvedObject") or {}).get("name") == name and e.get("reason") == reason
+    ]
+
+
 def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, what: str = "") -> Any:
     """Poll until `predicate()` is truthy; fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout

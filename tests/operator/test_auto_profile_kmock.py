@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 from cpu_profile import H100_NAME, LAYOUTS, MODEL, as_measured_on
-from kmock_harness import Api, OperatorProcess, condition, cr_metadata, wait_for
+from kmock_harness import Api, OperatorProcess, condition, cr_metadata, events, wait_for
 
 from gearshift.operator.reconcile import names
 from gearshift.operator.sim import calibration
@@ -60,12 +60,7 @@ def _invalid(api: Api, name: str) -> dict[str, Any]:
 
 
 def _events(api: Api, name: str) -> list[dict[str, Any]]:
-    return [
-        e
-        for e in api.items(f"/api/v1/namespaces/{NS}/events")
-        if (e.get("involvedObject") or {}).get("name") == name
-        and e.get("reason") == "PolicyPlanned"
-    ]
+    return events(api, NS, name, "PolicyPlanned")
 
 
 def _workload(api: Api, name: str) -> tuple[set[str], str, str]:

@@ -14,7 +14,15 @@ from typing import Any
 import pytest
 import yaml
 from google.protobuf import json_format
-from kmock_harness import Api, OperatorProcess, StandInAdmin, condition, cr_metadata, wait_for
+from kmock_harness import (
+    Api,
+    OperatorProcess,
+    StandInAdmin,
+    condition,
+    cr_metadata,
+    events,
+    wait_for,
+)
 
 from gearshift.operator.reconcile import names
 from gearshift.v1 import policy_pb2
@@ -68,12 +76,7 @@ def _refused(api: Api, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _events(api: Api, name: str) -> list[dict[str, Any]]:
-    return [
-        e
-        for e in api.items(f"/api/v1/namespaces/{NS}/events")
-        if (e.get("involvedObject") or {}).get("name") == name
-        and e.get("reason") == "PolicyPlanned"
-    ]
+    return events(api, NS, name, "PolicyPlanned")
 
 
 @pytest.fixture()
