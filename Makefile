@@ -48,7 +48,7 @@ test: install
 	test $$parallel -eq 0 -a $$serial -eq 0
 
 test-fast: install
-	$(PYTEST) -m "not slow" -x -q tests
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "not slow and not serial" -x -q tests
 
 lint: install
 	mkdir -p .mypy_tree/gearshift
