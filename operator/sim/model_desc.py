@@ -31,10 +31,17 @@ class ModelDesc:
     ffn: int
     vocab: int
     dtype: str = "bfloat16"
+    # config.json's ``head_dim`` where it is not hidden / heads (Qwen3, Gemma); 0: hidden / heads.
+    explicit_head_dim: int = 0
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.explicit_head_dim or self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        """The attention's width: every head's queries (and its output projection's input)."""
+        return self.heads * self.head_dim
 
     @property
     def dtype_bytes(self) -> int:
@@ -45,9 +52,10 @@ class ModelDesc:
         return DTYPE_FLOPS_KEY[self.dtype]
 
     def layer_params(self) -> int:
-        """q, o (hidden²) + k, v (hidden·kv_dim) + gate, up, down (3·hidden·ffn); norms ignored."""
+        """q, o (hidden·q_dim) + k, v (hidden·kv_dim) + gate, up, down (3·hidden·ffn); norms
+        ignored. q_dim is hidden unless config.json sets a head_dim of its own."""
         kv_dim = self.kv_heads * self.head_dim
-        return 2 * self.hidden * self.hidden + 2 * self.hidden * kv_dim + 3 * self.hidden * self.ffn
+        return 2 * self.hidden * (self.q_dim + kv_dim) + 3 * self.hidden * self.ffn
 
     def params(self) -> int:
         """All layers plus the LM head (the embedding lookup reads one row per token)."""
@@ -126,9 +134,16 @@ def from_config(cfg: Any, where: str = "config.json") -> ModelDesc:
         ffn=_int(cfg, ("intermediate_size",), where),
         vocab=_int(cfg, ("vocab_size",), where),
         dtype=dtype,
+        explicit_head_dim=_int(cfg, ("head_dim",), where) if cfg.get("head_dim") else 0,
     )
-    if desc.hidden % desc.heads or desc.heads % desc.kv_heads:
-        raise ModelDescError(f"{where}: heads must divide hidden_size and kv heads divide heads")
+    if desc.heads % desc.kv_heads:
+        raise ModelDescError(
+            f"{where}: kv heads (num_key_value_heads) must divide num_attention_heads"
+        )
+    if not desc.explicit_head_dim and desc.hidden % desc.heads:
+        raise ModelDescError(
+            f"{where}: num_attention_heads must divide hidden_size (or set head_dim)"
+        )
     return desc
 
 

@@ -129,7 +129,7 @@ class RooflineCost:
             2 * m.layers * m.layer_params(),
             2 * m.vocab * m.hidden,
             4 * m.layers,
-            m.hidden,
+            m.q_dim,
             m.weight_bytes(),
             m.kv_bytes_per_token(),
             self.hw.device.peak(m.flops_key),
@@ -138,14 +138,14 @@ class RooflineCost:
 
     def _compute(self, s: StepShape, weight_split: int, token_split: int, stages: int) -> float:
         """One rank's roofline time: its share of the weights, tokens and layers."""
-        layer_flops, head_flops, attn_layers, hidden, weights, kv_token, peak, bw = self._consts
+        layer_flops, head_flops, attn_layers, q_dim, weights, kv_token, peak, bw = self._consts
         frac = 1.0 / stages
         tokens = math.ceil(s.tokens / token_split)  # a rank cannot process part of a token
-        # 2 FLOPs per weight per token (layers, then the LM head), and 4·hidden per attended pair
+        # 2 FLOPs per weight per token (layers, then the LM head), and 4·q_dim per attended pair
         # per layer (QKᵀ and PV), split by heads under TP and by heads across SP ranks alike.
         flops = layer_flops * frac * tokens / weight_split
         flops += head_flops * tokens / weight_split / stages
-        flops += attn_layers * frac * hidden * s.attended / (weight_split * token_split)
+        flops += attn_layers * frac * q_dim * s.attended / (weight_split * token_split)
         kv_split = weight_split * token_split
         nbytes = weights * frac / weight_split
         nbytes += kv_token * frac * (s.kv_read + s.tokens) / kv_split
@@ -161,7 +161,7 @@ class RooflineCost:
         kv_dim = m.kv_heads * m.head_dim
         local = math.ceil(s.tokens / sp) * m.dtype_bytes
         # Ulysses: q, k, v scatter heads / gather sequence before attention, the output goes back.
-        widths = (m.hidden, kv_dim, kv_dim, m.hidden)
+        widths = (m.q_dim, kv_dim, kv_dim, m.q_dim)
         per_layer = sum(all_to_all(local * w, sp, self.hw.link(sp)) for w in widths)
         return self._compute(s, 1, sp, 1) + m.layers * per_layer
 

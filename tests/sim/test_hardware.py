@@ -78,6 +78,28 @@ def test_llama3_8b_shape_from_its_config() -> None:
     assert m.kv_bytes_per_token() == 2 * 32 * 8 * 128 * 2  # 128 KiB per token
 
 
+def test_an_explicit_head_dim_is_the_attentions_width() -> None:
+    """Qwen3-8B's config: 32 heads of 128 over hidden 4096 but Qwen3-0.6B's are 16 heads of 128
+    over hidden 1024, so hidden / heads (64) would halve its KV and q/o projections."""
+    cfg = json.loads(LLAMA3_8B.read_text()) | {
+        "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 128, "intermediate_size": 3072, "num_hidden_layers": 28,
+    }  # fmt: skip
+    m = model_desc.from_config(cfg)
+    assert (m.head_dim, m.q_dim) == (128, 2048)
+    assert m.kv_bytes_per_token() == 2 * 28 * 8 * 128 * 2
+    # q, o: 1024·2048 each; k, v: 1024·1024 each; gate, up, down: 1024·3072 each
+    assert m.layer_params() == 2 * 1024 * 2048 + 2 * 1024 * 1024 + 3 * 1024 * 3072
+    plain = model_desc.from_config({k: v for k, v in cfg.items() if k != "head_dim"})
+    assert (plain.head_dim, plain.q_dim) == (64, 1024)
+    odd = cfg | {"hidden_size": 1000}  # 16 heads do not divide it: fine with head_dim given
+    assert model_desc.from_config(odd).head_dim == 128
+    with pytest.raises(ModelDescError, match="head_dim"):
+        model_desc.from_config({k: v for k, v in odd.items() if k != "head_dim"})
+    with pytest.raises(ModelDescError, match="head_dim must be a positive integer"):
+        model_desc.from_config(cfg | {"head_dim": -1})
+
+
 def test_a_bad_config_is_refused_naming_the_field(tmp_path: Path) -> None:
     cfg = json.loads(LLAMA3_8B.read_text())
     del cfg["intermediate_size"]

@@ -58,6 +58,18 @@ def test_tp2_halves_the_rank_work_and_adds_two_all_reduces_per_layer() -> None:
     assert tp.time(shape) == pytest.approx(one / 2 + comm)
 
 
+def test_an_explicit_head_dim_widens_attention_and_its_weights() -> None:
+    """TOY with heads of 8 (q_dim 8 over hidden 4): q, o weigh 2·4·8, k, v 2·4·8, attention
+    4·8 FLOPs per attended pair, KV 2·8·4 bytes a token."""
+    wide = ModelDesc("wide", 1, 4, 1, 1, 4, 2, "float32", explicit_head_dim=8)
+    assert wide.layer_params() == 2 * 4 * 8 + 2 * 4 * 8 + 3 * 4 * 4
+    shape = StepShape(tokens=1, attended=10, kv_read=9)
+    compute_bound = Hardware(Device("d", {"bf16": 1000.0}, 1e6, 1e12), 2, 2, LINK, LINK, LINK)
+    flops = 2 * wide.layer_params() + 2 * 8 + 4 * 8 * 10
+    cost = RooflineCost(wide, compute_bound, Layout("one"))
+    assert cost.time(shape) == pytest.approx(flops / 1000.0)
+
+
 @pytest.fixture(scope="module")
 def llama() -> ModelDesc:
     return model_desc.load(LLAMA3_8B)
