@@ -160,7 +160,7 @@ def test_the_pipe_carries_json_not_pickle() -> None:
         (b'["AbortRequest", "r"]', "expected a AbortRequest"),
         (b'["AbortRequest", "r", "4"]', "AbortRequest.token: expected int, got '4'"),
         (b'["AbortRequest", "r", true]', "AbortRequest.token: expected int, got True"),
-        (b'["ApplyLive", {"x": [1]}, 1]', "ApplyLive.values"),
+        (b'["ApplyLive", {"x": [[1]]}, 1]', "ApplyLive.values"),
         (b'["AddRequest", "r", [1, 2.5], null, 0]', "AddRequest.prompt_token_ids"),
     ],
 )

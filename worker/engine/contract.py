@@ -18,7 +18,10 @@ if TYPE_CHECKING:
     from gearshift.worker.engine.scheduler import ScheduledBatch, Scheduler
     from gearshift.worker.kv.block_manager import BlockManager
 
-LiveValue = int | float | str
+# One element of a repeated live field: a scalar, or a message's fields by proto name.
+LiveItem = int | float | str | dict[str, int | float | str]
+# A live field's value; a repeated field's is every element in order (an update replaces them).
+LiveValue = int | float | str | tuple[LiveItem, ...]
 # A plan section's int64 values as a policy hands them over: a tensor, or a list from a policy's
 # leader half that runs without torch too (the simulator); the plan holds them as a tensor.
 SectionValues: TypeAlias = "torch.Tensor | list[int]"

@@ -43,7 +43,7 @@ from gearshift.worker.engine.device_memory import DeviceLedger
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.model.config import ModelConfig
 from gearshift.worker.p2p import P2P
-from gearshift.worker.policies import checks, kinds
+from gearshift.worker.policies import checks, kinds, live_values
 
 if TYPE_CHECKING:
     from gearshift.worker.engine.loading import ModelSpec
@@ -252,7 +252,9 @@ class Policy(ABC):
         out: dict[str, LiveValue] = {}
         msg = self.message
         for f in msg.DESCRIPTOR.fields:
-            if policy_fields.is_live(f) and f.type != FieldDescriptor.TYPE_MESSAGE:
+            if policy_fields.is_live(f) and f.is_repeated:
+                out[f.name] = live_values.items_of(f, getattr(msg, f.name))
+            elif policy_fields.is_live(f) and f.type != FieldDescriptor.TYPE_MESSAGE:
                 value = getattr(msg, f.name)
                 if f.type == FieldDescriptor.TYPE_ENUM:
                     value = f.enum_type.values_by_number[int(value)].name
@@ -278,6 +280,9 @@ class Policy(ABC):
     def _set(self, msg: Message, name: str, value: LiveValue) -> None:
         path = f"{self.kind}.{name}"
         f = msg.DESCRIPTOR.fields_by_name[name]
+        if f.is_repeated:
+            live_values.set_items(msg, f, value, path)
+            return
         if f.type == FieldDescriptor.TYPE_ENUM:
             number = f.enum_type.values_by_name.get(str(value))
             if number is None:

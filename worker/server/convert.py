@@ -13,6 +13,7 @@ from gearshift.worker.engine.llm_engine import EngineStats
 from gearshift.worker.engine.outputs import RequestMetrics, RequestOutput
 from gearshift.worker.engine.sequence import FinishReason
 from gearshift.worker.errors import InvalidRequestError
+from gearshift.worker.policies import live_values
 from gearshift.worker.sampling.logprobs import TokenLogprobs
 from gearshift.worker.sampling.params import SamplingParams
 from gearshift.worker.structured.grammar import spec_from_proto
@@ -129,7 +130,11 @@ def live_update(active: policy_pb2.Policy, requested: policy_pb2.Policy) -> dict
             "policy", f"policy kind {kind or '(none)'!r} differs from the active {active_kind!r}"
         )
     msg = policy_fields.copy_of(active)
-    msg.MergeFrom(policy_fields.message_of(requested))
+    given = policy_fields.message_of(requested)
+    for f in given.DESCRIPTOR.fields:
+        if f.is_repeated and len(getattr(given, f.name)):
+            msg.ClearField(f.name)  # a repeated field given replaces the active one's elements
+    msg.MergeFrom(given)
     merged = policy_fields.policy_of(kind, msg)
     not_live = policy_fields.non_live_changes(active, merged)
     if not_live:
@@ -142,7 +147,10 @@ def live_update(active: policy_pb2.Policy, requested: policy_pb2.Policy) -> dict
         _, name = path.split(".", 1)
         field = _field(msg.DESCRIPTOR, name)
         value = getattr(msg, name) if "." not in name else None
-        if value is None or field.is_repeated or field.type == FieldDescriptor.TYPE_MESSAGE:
+        if value is not None and field.is_repeated:
+            values[name] = live_values.items_of(field, value)  # replaces every element
+            continue
+        if value is None or field.type == FieldDescriptor.TYPE_MESSAGE:
             raise InvalidRequestError(path, f"{path} cannot be changed by this worker")
         lo, hi = policy_fields.bounds(field)
         if isinstance(value, (int, float)) and (
