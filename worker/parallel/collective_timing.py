@@ -21,12 +21,12 @@ import statistics
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from gearshift.worker.comm import CommGroup
+from gearshift.worker.p2p import P2P, Recv, Send
 
 COLLECTIVES = ("all_reduce", "all_to_all", "all_gather", "send_recv")
 ELEMENT = torch.float32  # 4 bytes; sizes are rounded down to whole elements per rank
@@ -84,17 +84,32 @@ def time_collectives(
         return {}
     out: dict[str, Points] = {}
     for name in request.names:
-        points: Points = []
-        for size in sorted(set(request.sizes)):
-            call = _Call(name, size, world, device, timedelta(seconds=request.timeout_s))
-            try:
-                call.run()  # untimed: first-call set-up (buffers, NCCL channels) is not a message's
-                samples = [_timed(call, world, device) for _ in range(request.repeats)]
-            finally:
-                call.close()
-            points.append([float(call.nbytes), statistics.median(samples)])
-        out[name] = points
+        channel = None
+        if name == "send_recv":
+            channel = _channel(world, device, timedelta(seconds=request.timeout_s))
+        try:
+            out[name] = [
+                _point(_Call(name, size, world, device, channel), request.repeats)
+                for size in sorted(set(request.sizes))
+            ]
+        finally:
+            if channel is not None:
+                channel.close()
+                dist.destroy_process_group(channel.comm.group)
     return out
+
+
+def _point(call: _Call, repeats: int) -> list[float]:
+    call.run()  # untimed: first-call set-up (buffers, NCCL channels) is not a message's
+    samples = [_timed(call, call.world, call.device) for _ in range(repeats)]
+    return [float(call.nbytes), statistics.median(samples)]
+
+
+def _channel(world: CommGroup, device: torch.device, timeout: timedelta) -> P2P:
+    """send/recv's channel, on a process group of its own (``P2P``: one channel per group)."""
+    everyone = list(range(world.size))
+    pg = dist.new_group(everyone, timeout=timeout)  # collective: every rank, in order
+    return P2P(CommGroup(world.size, world.rank, tuple(everyone), pg), P2P_LABEL, device, timeout)
 
 
 def _timed(call: _Call, world: CommGroup, device: torch.device) -> float:
@@ -117,29 +132,25 @@ def _sync(device: torch.device) -> None:
 
 class _Call:
     """One collective at one size on this rank; ``nbytes`` as the module docstring counts them
-    (``size`` rounded down to whole elements per rank). send/recv runs on a channel of its own
-    group (``P2P``: one channel per process group), closed after its points."""
+    (``size`` rounded down to whole elements per rank)."""
 
     def __init__(
-        self, name: str, size: int, world: CommGroup, device: torch.device, timeout: timedelta
+        self,
+        name: str,
+        size: int,
+        world: CommGroup,
+        device: torch.device,
+        channel: P2P | None = None,
     ) -> None:
-        self.name, self.world = name, world
+        self.name, self.world, self.device, self.channel = name, world, device, channel
         t = world.size
         per = max(1, size // ELEMENT.itemsize // t)  # elements per rank's part
         self.buf = torch.ones(
             per if name == "all_gather" else per * t, dtype=ELEMENT, device=device
         )
         self.nbytes = per * t * ELEMENT.itemsize
-        self.pg = None
-        self.channel = None
-        self.ops: list[Any] = []
-        if name == "send_recv":
-            from gearshift.worker.p2p import P2P, Recv, Send
-
-            everyone = list(range(t))
-            self.pg = dist.new_group(everyone, timeout=timeout)  # collective: every rank, in order
-            comm = CommGroup(t, world.rank, tuple(everyone), self.pg)
-            self.channel = P2P(comm, P2P_LABEL, device, timeout)
+        self.ops: list[Send | Recv] = []
+        if channel is not None:
             if world.rank > 0:
                 self.ops.append(Recv(world.rank - 1, torch.empty_like(self.buf), P2P_LABEL))
             if world.rank < t - 1:
@@ -153,10 +164,5 @@ class _Call:
         elif self.name == "all_gather":
             self.world.all_gather(self.buf)
         else:
-            assert self.channel is not None
+            assert self.channel is not None, "send_recv runs on its own channel"
             self.channel.exchange(self.ops).wait()
-
-    def close(self) -> None:
-        if self.channel is not None:
-            self.channel.close()
-            dist.destroy_process_group(self.pg)
