@@ -23,6 +23,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=Path,
         help="a calibration profile (gearshift profile --layouts): price steps from it",
     )
+    p.add_argument(
+        "--unprofiled",
+        choices=("exclude", "roofline"),
+        default=None,
+        help="with --profile: what becomes of candidates it lacks: exclude them (default), or "
+        "price them from the scaled preset's roofline with the profile's measured links",
+    )
     p.add_argument("--traffic", help="a YAML/JSON traffic file (instead of the flags below)")
     p.add_argument("--rate", type=float, help="requests per second")
     p.add_argument("--burstiness", type=float, default=1.0, help="CV of the gaps (1: Poisson)")
@@ -83,8 +90,13 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, ...]:
 
     model = model_desc.load(args.model)
     hw = hardware.load(args.hardware) if args.hardware else None
+    unprofiled = getattr(args, "unprofiled", None)
     if args.profile is not None:
-        priced = pricing.from_profile(calibration.load(args.profile), hw, args.hardware)
+        priced = pricing.from_profile(
+            calibration.load(args.profile), hw, args.hardware, unprofiled or "exclude"
+        )
+    elif unprofiled is not None:
+        raise ValueError("--unprofiled: only with --profile")
     elif hw is None:
         raise ValueError("--hardware: required without --profile")
     else:
@@ -140,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     hw = priced.hardware
     print(f"pricing: {priced.describe}")
+    print(priced.links_text())
     bar = tqdm(desc="simulating", unit="point", file=sys.stderr, disable=args.no_progress)
     try:
         report = plan_deployment(
@@ -164,6 +177,8 @@ def run(args: argparse.Namespace) -> int:
     data["hardware"] = args.hardware or f"{hw.count}x {hw.device.name} (from the profile)"
     if priced.excluded:
         print(f"excluded (not in the profile): {', '.join(priced.excluded)}")
+    if priced.roofline_priced:
+        print(f"priced from the roofline (not in the profile): {', '.join(priced.roofline_priced)}")
     print(table(data))
     if not args.no_extras and priced.profile is not None:
         print("extras skipped: SiDP's B_th and Tetris's rate table are roofline-priced")

@@ -36,6 +36,18 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "a calibration profile for gearshift plan --profile (no policy flags with it)",
     )
     p.add_argument(
+        "--collective-sizes",
+        default=None,
+        help="with --layouts: comma-separated message sizes in bytes (suffix KiB or MiB allowed) "
+        "to time each multi-rank layout's collectives at (default 4KiB,64KiB,1MiB,16MiB)",
+    )
+    p.add_argument(
+        "--collective-repeats",
+        type=int,
+        default=None,
+        help="with --layouts: timed calls per collective and size, median taken (default 5)",
+    )
+    p.add_argument(
         "--configmap",
         default=None,
         help="with --layouts: also write the profile into this ConfigMap's profile.json, as the "
@@ -72,9 +84,11 @@ def run(args: argparse.Namespace) -> int:
         from gearshift.operator.commands.profile_layouts import run_layouts
 
         return run_layouts(args, grid)
-    if args.configmap is not None:
-        print("error: --configmap: only with --layouts (a calibration profile)", file=sys.stderr)
-        return 2
+    for flag in ("configmap", "collective_sizes", "collective_repeats"):
+        if getattr(args, flag, None) is not None:
+            name = "--" + flag.replace("_", "-")
+            print(f"error: {name}: only with --layouts (a calibration profile)", file=sys.stderr)
+            return 2
     try:
         config = engine_config(
             args,

@@ -1,6 +1,8 @@
 """`gearshift profile --layouts one,tp2,...`: profile the engine once per layout on this machine
 with the same step timer as the single-policy profile (sim/profile.py), and write a calibration
-profile (sim/calibration.py) naming the device, engine version and dtype it was measured on."""
+profile (sim/calibration.py) naming the device, engine version and dtype it was measured on.
+A multi-rank layout's collectives are timed too, inside its running group's worker processes
+(worker/parallel/collective_timing.py), at the sizes of ``--collective-sizes``."""
 
 from __future__ import annotations
 
@@ -9,9 +11,13 @@ import importlib.metadata
 import platform
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gearshift.operator.sim.profile import CollectiveGrid
 
 _LAYOUT = re.compile(r"^(one|(tp|sp|pp|shift)([1-9][0-9]*))$")
+_SIZE = re.compile(r"^([1-9][0-9]*)(KiB|MiB)?$")
 
 
 def layout_policy(name: str) -> dict[str, Any]:
@@ -25,6 +31,48 @@ def layout_policy(name: str) -> dict[str, Any]:
     if degree < 2:
         raise ValueError(f"--layouts: {name!r}: a degree of at least 2 (or 'one')")
     return {"shift": {"sp": degree}} if kind == "shift" else {"static": {kind: degree}}
+
+
+def collective_grid(args: argparse.Namespace) -> CollectiveGrid:
+    """``--collective-sizes`` and ``--collective-repeats`` (defaults: sim/profile.py's)."""
+    from gearshift.operator.sim.profile import CollectiveGrid
+
+    grid = CollectiveGrid()
+    text = getattr(args, "collective_sizes", None)
+    if text is not None:
+        sizes = []
+        for part in (p.strip() for p in text.split(",")):
+            m = _SIZE.match(part)
+            if not m:
+                raise ValueError(
+                    f"--collective-sizes: {part!r} is not a byte count (4096, 64KiB, 16MiB)"
+                )
+            sizes.append(int(m.group(1)) << {None: 0, "KiB": 10, "MiB": 20}[m.group(2)])
+        if len(set(sizes)) < 2:
+            raise ValueError(
+                "--collective-sizes: at least two distinct sizes (a line has two terms)"
+            )
+        grid = CollectiveGrid(tuple(sorted(set(sizes))), grid.repeats)
+    repeats = getattr(args, "collective_repeats", None)
+    if repeats is not None:
+        if repeats < 1:
+            raise ValueError(f"--collective-repeats: at least 1, got {repeats}")
+        grid = CollectiveGrid(grid.sizes, repeats)
+    return grid
+
+
+def time_collectives(engine: Any, grid: CollectiveGrid) -> dict[str, Any]:
+    """The layout's collectives timed on ``engine``'s running group: {name: {ranks, points}}
+    (empty for one rank)."""
+    from gearshift.worker.engine.executor import GroupExecutor
+    from gearshift.worker.parallel.collective_timing import CollectiveRequest
+
+    names = engine.policy.collectives()
+    if not names or not isinstance(engine.executor, GroupExecutor):
+        return {}
+    request = CollectiveRequest(tuple(names), grid.sizes, grid.repeats)
+    points = engine.executor.time_collectives(request)
+    return {n: {"ranks": engine.policy.world_size, "points": p} for n, p in points.items()}
 
 
 def device_name(device: str) -> tuple[str, str]:
@@ -44,6 +92,7 @@ def device_name(device: str) -> tuple[str, str]:
 
 
 def run_layouts(args: argparse.Namespace, grid: Any) -> int:
+    from gearshift.operator.sim import calibration
     from gearshift.operator.sim.calibration import CalibrationProfile, LayoutProfile, layout_of
     from gearshift.operator.sim.cost_model import CostModelError
     from gearshift.operator.sim.profile import measure
@@ -61,6 +110,7 @@ def run_layouts(args: argparse.Namespace, grid: Any) -> int:
         if not names or len(set(names)) != len(names):
             raise ValueError(f"--layouts: distinct layout names, got {args.layouts!r}")
         policies = {n: layout_policy(n) for n in names}
+        collective = collective_grid(args)
         config = engine_config(args, enable_prefix_caching=False, skip_tokenizer_init=True)
         api = _api_server(getattr(args, "configmap", None))
     except (GearshiftError, ValueError) as exc:
@@ -77,10 +127,15 @@ def run_layouts(args: argparse.Namespace, grid: Any) -> int:
         try:
             about = {"model": args.model, "max_num_batched_tokens": config.max_num_batched_tokens}
             cost = measure(engine, grid, args.seed).model(about)
+            timed = time_collectives(engine, collective)
             layouts[name] = LayoutProfile(
-                policy, engine.blocks.num_blocks, engine.blocks.block_size, cost
+                policy,
+                engine.blocks.num_blocks,
+                engine.blocks.block_size,
+                cost,
+                calibration.collectives_from(timed, f"layouts.{name}.collectives"),
             )
-        except CostModelError as exc:
+        except (CostModelError, calibration.ProfileError) as exc:
             print(f"error: {name}: {exc}", file=sys.stderr)
             return 1
         finally:

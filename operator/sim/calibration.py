@@ -9,11 +9,15 @@ The file is JSON, ``format: gearshift.profile/1``::
      "engine_version": "0.1.0", "dtype": "bfloat16", "model": "...",
      "layouts": {"tp2": {"policy": {"static": {"tp": 2}}, "kv_blocks": 900, "block_size": 16,
                          "step_cost": {<a gearshift.step-cost/1 fit>},
-                         "collectives": {"all_reduce": [[bytes, seconds], ...]}}}}
+                         "collectives": {"all_reduce": {"ranks": 2,
+                                                        "points": [[bytes, seconds], ...]}}}}}
 
 Each layout's step cost is a whole step as the engine runs it, so its collectives are inside it;
-``collectives`` records them on their own where the layout has them (measured beside the steps).
-Anything unknown or missing is refused with the key's path (``ProfileError``).
+``collectives`` records them on their own where the layout has them: timed inside the layout's
+running group (worker/parallel/collective_timing.py says what ``bytes`` counts per collective) over
+``ranks`` ranks, the median of repeated calls at each size. One-rank layouts have none (``{}``).
+``links.py`` fits α + bytes/bandwidth to them. Anything unknown or missing is refused with the
+key's path (``ProfileError``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ FORMAT = "gearshift.profile/1"
 TOP_KEYS = ("format", "device", "device_kind", "devices", "engine_version", "dtype", "model")
 LAYOUT_KEYS = ("policy", "kv_blocks", "block_size", "step_cost", "collectives")
 STEP_KEYS = ("format", "prefill", "decode", "decode_scale", "about")
+COLLECTIVE_KEYS = ("ranks", "points")
+# parallel/collective_timing.py's names (repeated here: the operator reads profiles without torch).
+COLLECTIVES = ("all_reduce", "all_to_all", "all_gather", "send_recv")
 
 
 class ProfileError(ValueError):
@@ -57,6 +64,40 @@ def layout_of(policy: dict[str, Any]) -> str | None:
 
 
 @dataclass(frozen=True)
+class Collective:
+    """One collective timed over ``ranks`` ranks: [[bytes, seconds], ...] in size order."""
+
+    ranks: int
+    points: list[list[float]]
+
+
+def collectives_from(data: Any, where: str) -> dict[str, Collective]:
+    """The ``collectives`` mapping of a layout, checked; ``where`` prefixes every error."""
+    if not isinstance(data, dict):
+        raise ProfileError(f"{where}: expected a mapping of collective to {{ranks, points}}")
+    out = {}
+    for name, body in data.items():
+        at = f"{where}.{name}"
+        if name not in COLLECTIVES:
+            raise ProfileError(f"{at}: unknown collective (known: {', '.join(COLLECTIVES)})")
+        _mapping(body, at, COLLECTIVE_KEYS)
+        ranks = _integer(body, "ranks", at)
+        if ranks < 2:
+            raise ProfileError(f"{at}.ranks: a collective needs at least 2 ranks, got {ranks}")
+        points = body.get("points")
+        ok = isinstance(points, list) and all(
+            isinstance(p, list) and len(p) == 2 and all(_positive(v) for v in p) for p in points
+        )
+        if not ok or not points:
+            raise ProfileError(f"{at}.points: expected [[bytes, seconds], ...], each positive")
+        sizes = [p[0] for p in points]
+        if len(set(sizes)) < 2:
+            raise ProfileError(f"{at}.points: at least two distinct sizes (α and bandwidth)")
+        out[str(name)] = Collective(ranks, sorted([float(b), float(t)] for b, t in points))
+    return out
+
+
+@dataclass(frozen=True)
 class LayoutProfile:
     """One layout's measured step cost and KV capacity (blocks of ``block_size`` tokens)."""
 
@@ -64,7 +105,7 @@ class LayoutProfile:
     kv_blocks: int
     block_size: int
     step_cost: StepCostModel
-    collectives: dict[str, list[list[float]]] = field(default_factory=dict)
+    collectives: dict[str, Collective] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         c = self.step_cost
@@ -79,7 +120,7 @@ class LayoutProfile:
                 "decode_scale": [list(p) for p in c.decode_scale],
                 "about": c.about,
             },
-            "collectives": self.collectives,
+            "collectives": {n: asdict(c) for n, c in self.collectives.items()},
         }
 
 
@@ -171,21 +212,13 @@ def _layout(body: Any, where: str) -> LayoutProfile:
     policy = body.get("policy")
     if not isinstance(policy, dict):
         raise ProfileError(f"{where}.policy: expected the CRD's policy object")
-    collectives = body.get("collectives", {})
-    if not isinstance(collectives, dict):
-        raise ProfileError(f"{where}.collectives: expected a mapping of collective to points")
-    for name, points in collectives.items():
-        ok = isinstance(points, list) and all(
-            isinstance(p, list) and len(p) == 2 and all(_positive(v) for v in p) for p in points
-        )
-        if not ok:
-            raise ProfileError(f"{where}.collectives.{name}: expected [[bytes, seconds], ...]")
+    collectives = collectives_from(body.get("collectives", {}), f"{where}.collectives")
     return LayoutProfile(
         policy,
         _integer(body, "kv_blocks", where),
         _integer(body, "block_size", where),
         _step_cost(body.get("step_cost"), f"{where}.step_cost"),
-        {str(k): [[float(b), float(s)] for b, s in v] for k, v in collectives.items()},
+        collectives,
     )
 
 

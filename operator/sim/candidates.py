@@ -283,7 +283,7 @@ def _tetris_groups(
                 if sp not in fitted:
                     fitted[sp] = tetris_models.fit(model, hw, sp, ptp)
             rules = PlannerRules({sp: fitted[sp] for sp in sizes}, 1024, 4)
-            link = hw.link(size)
+            link = hw.link_for("send_recv", size)  # the hand-off: KV pieces, point to point
             group = TetrisGroupSim(
                 prefill,
                 decode,

@@ -61,12 +61,27 @@ class Hardware:
     about: dict[str, Any] = field(default_factory=dict)
     bridge: Link | None = None  # joins groups of up to bridge_size (NVLink bridges on PCIe)
     bridge_size: int = 1
+    # Links fitted to a profile's measured collectives (links.py): (collective, ranks, link).
+    measured: tuple[tuple[str, int, Link], ...] = ()
 
     def link(self, group_size: int) -> Link:
         """The slowest link a group of ``group_size`` consecutive ranks crosses."""
         if self.bridge is not None and group_size <= self.bridge_size:
             return self.bridge
         return self.intra_node if group_size <= self.devices_per_node else self.inter_node
+
+    def link_for(self, collective: str, group_size: int, preset: Link | None = None) -> Link:
+        """The link pricing ``collective`` over ``group_size`` ranks: a measured one where this
+        collective was measured on a group crossing the same link class (``link``) as this
+        group, the nearest group size first; else the preset's (``preset`` or ``link``)."""
+        base = self.link(group_size) if preset is None else preset
+        best: tuple[int, Link] | None = None
+        for name, ranks, fitted in self.measured:
+            if name != collective or self.link(ranks) != base:
+                continue
+            if best is None or abs(ranks - group_size) < best[0]:
+                best = (abs(ranks - group_size), fitted)
+        return base if best is None else best[1]
 
 
 # Datasheet figures (dense, no sparsity). H100/H200: NVIDIA H100 and H200 Tensor Core GPU
@@ -77,22 +92,34 @@ class Hardware:
 # Inter-node: one 400 Gb/s NDR InfiniBand NIC per GPU (DGX H100/H200 system guide) = 50 GB/s.
 #
 # Latencies (α, per message) are not datasheet figures, and none is measured on a machine of
-# ours. NVLink 3 µs: NCCL's own cost model puts one ring hop of its Simple protocol (the one large
-# messages use) on NVLink at 3.4 µs (``hwLat`` in NCCL's src/graph/tuning.cc/tuning.h, the table
-# NCCL picks its algorithms by; its figures move between NCCL versions). PCIe 5 µs and network
-# 10 µs are ASSUMPTIONS: the same table puts both above NVLink (the network several times
-# above, the NIC and switch in the path), and these keep that order; they are good to an order
-# of magnitude only. They decide TP 8 against TP 4 x 2 for small steps, so a calibrated
-# profile (issue 30, item 1) should replace them wherever one exists.
-_NVLINK = Link(bandwidth=450 * GB, latency=3 * US)
-_PCIE5 = Link(bandwidth=64 * GB, latency=5 * US)
-_PCIE4 = Link(bandwidth=32 * GB, latency=5 * US)
+# ours. A profile's measured collectives replace them where it has them (``Hardware.measured``,
+# links.py; ``gearshift plan`` says which link came from where). They decide TP 8 against
+# TP 4 x 2 for small steps. Each constant's source:
+# - NVLink α 3 µs: NCCL's own cost model puts one ring hop of its Simple protocol (the one large
+#   messages use) on NVLink at 3.4 µs (``hwLat`` in NCCL's src/graph/tuning.cc, the table NCCL
+#   picks its algorithms by; its figures move between NCCL versions), rounded down.
+# - PCIe α 5 µs: unsourced: an assumption that keeps NCCL's order (the same table puts PCIe
+#   above NVLink); good to an order of magnitude only.
+# - network α 10 µs: unsourced: an assumption that keeps NCCL's order (the table puts the
+#   network several times above NVLink: the NIC and switch are in the path).
+# - bridge α 3 µs: unsourced: taken equal to NVLink's (a bridge is NVLink between two or four
+#   cards, without a switch).
+_NVLINK = Link(bandwidth=450 * GB, latency=3 * US)  # H100/H200 SXM datasheets: 900 GB/s both ways
+_PCIE5 = Link(bandwidth=64 * GB, latency=5 * US)  # PCIe Gen5 x16: 128 GB/s both ways (datasheets)
+_PCIE4 = Link(bandwidth=32 * GB, latency=5 * US)  # PCIe Gen4 x16: 64 GB/s both ways (L4 datasheet)
+# One 400 Gb/s NDR InfiniBand NIC per GPU (NVIDIA DGX H100/H200 user guide: eight ConnectX-7
+# for eight GPUs) = 50 GB/s one way.
 _IB_NDR = Link(bandwidth=50 * GB, latency=10 * US)
 # NVLink bridges of the PCIe cards (H100 PCIe, H100 NVL: a 2-GPU bridge, 600 GB/s both ways;
 # H200 NVL: a 2- or 4-GPU bridge, 900 GB/s both ways; their datasheets). A group larger than a
 # bridge talks over PCIe Gen5.
 _BRIDGE_H100 = Link(bandwidth=300 * GB, latency=3 * US)
 _BRIDGE_H200 = Link(bandwidth=450 * GB, latency=3 * US)
+# L4 servers' network: unsourced: 200 Gb/s (25 GB/s) is a common NIC of PCIe inference servers,
+# not a figure of an L4 document (the card has no network of its own).
+_NET_200G = Link(bandwidth=25 * GB, latency=10 * US)
+# devices_per_node 8: NVIDIA DGX/HGX H100 and H200 systems hold eight GPUs; PCIe cards and L4:
+# unsourced: eight is a common PCIe server (vendor-specific; a hardware file sets it).
 
 
 @dataclass(frozen=True)
@@ -139,8 +166,7 @@ PRESETS: dict[str, Preset] = {
         _BRIDGE_H200, 4,
     ),
     "L4": Preset(
-        Device("L4", _flops(121, 242), 24 * GB, 300 * GB), 8, _PCIE4,
-        Link(bandwidth=25 * GB, latency=10 * US), _PCIE4,
+        Device("L4", _flops(121, 242), 24 * GB, 300 * GB), 8, _PCIE4, _NET_200G, _PCIE4,
     ),
 }  # fmt: skip
 

@@ -17,9 +17,16 @@ a profile of the target (``gearshift profile --layouts``) replaces them. ``tests
 test_pricing.py`` re-derives both from the JSON files.
 
 With a profile, a static or Shift layout the profile covers takes its measured step cost and KV
-blocks; every other candidate (a layout it does not cover, SiDP, Seesaw, Tetris) is EXCLUDED
-rather than priced from a roofline: a CPU profile has no roofline to scale, and mixing measured
-with specified costs would compare unlike figures. The report lists what was excluded.
+blocks (its collectives are inside that cost); by default every other candidate (a layout it does
+not cover, SiDP, Seesaw, Tetris) is EXCLUDED rather than priced from a roofline: a CPU profile has
+no roofline to scale, and mixing measured with specified costs would compare unlike figures. The
+report lists what was excluded. ``unprofiled="roofline"`` (``plan --unprofiled roofline``, a
+profile of a GPU with a preset only) prices those from the scaled preset instead, with the links
+fitted to the profile's measured collectives (links.py) in place of the preset's wherever a
+collective was measured over the same link class: TP's all-reduces, Ulysses' all-to-alls, PP's
+and Tetris' point-to-point sends and SiDP's fetches. Host↔device copies (Seesaw's KV swaps and
+re-shards) are not measured: the preset's ``host_device`` link prices them. The report names,
+for every link, where it came from (``links``).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from gearshift.operator.sim.hardware import (
     preset_of_product,
 )
 from gearshift.operator.sim.hardware import preset as preset_hw
+from gearshift.operator.sim.links import MeasuredLink, measured_links
 
 # The fitted efficiencies (module docstring); None would mean "not usable" (then 1.0, said so).
 COMPUTE_EFFICIENCY: float | None = 0.0272
@@ -54,6 +62,9 @@ class Pricing:
     describe: str
     profile: CalibrationProfile | None = None
     excluded: list[str] = field(default_factory=list)  # filled by ``apply``
+    unprofiled: str = "exclude"  # or "roofline": what becomes of candidates the profile lacks
+    roofline_priced: list[str] = field(default_factory=list)  # filled by ``apply``
+    links: list[MeasuredLink] = field(default_factory=list)  # in ``hardware.measured``
 
     def apply(self, candidates: list[Any]) -> list[Any]:
         """The candidates to simulate: with a profile, the covered ones with measured costs."""
@@ -64,7 +75,11 @@ class Pricing:
             name = layout_of(c.policy) if c.kind in ("static", "shift") else None
             lp = self.profile.layouts.get(name) if name else None
             if lp is None:
-                self.excluded.append(c.name)
+                if self.unprofiled == "roofline":
+                    self.roofline_priced.append(c.name)
+                    kept.append(c)
+                else:
+                    self.excluded.append(c.name)
                 continue
             config = replace(c.config, num_blocks=lp.kv_blocks, block_size=lp.block_size)
             kept.append(
@@ -86,7 +101,56 @@ class Pricing:
                 "layouts": list(self.profile.layouts),
             }
             out["excluded_not_in_profile"] = list(self.excluded)
+            out["unprofiled"] = self.unprofiled
+            out["priced_from_roofline"] = list(self.roofline_priced)
+        out["links"] = self.links_json()
         return out
+
+    def links_json(self) -> dict[str, Any]:
+        """Which link constants priced collectives: fitted to the profile, or the preset's."""
+        hw = self.hardware
+        preset = {
+            "intra_node": hw.intra_node,
+            "inter_node": hw.inter_node,
+            "host_device": hw.host_device,
+            **({"bridge": hw.bridge} if hw.bridge is not None else {}),
+        }
+        if "preset" in hw.about and hw.about["preset"] is None:
+            preset = {}  # a device without a preset (a CPU profile's): its links are placeholders
+        used = self.profile is None or self.unprofiled == "roofline"
+        return {
+            "from_profile": [m.to_json() for m in self.links],
+            "from_preset": {
+                k: {"bandwidth_bytes_per_s": v.bandwidth, "latency_s": v.latency}
+                for k, v in preset.items()
+            },
+            "used_by": (
+                "roofline-priced candidates: a profile link where its collective was measured "
+                "over the same link class, the preset's otherwise"
+                if used
+                else "no candidate: every one kept is priced from its measured steps, whose "
+                "collectives are inside them"
+            ),
+        }
+
+    def links_text(self) -> str:
+        """``links_json`` as lines for the terminal."""
+        data = self.links_json()
+        lines = [f"links (used by {data['used_by']}):"]
+        for m in self.links:
+            lines.append(
+                f"  profile: {m.collective} over {m.ranks} ranks ({m.layout}): "
+                f"alpha {m.link.latency * 1e6:.1f} us, {m.link.bandwidth / GB:.3g} GB/s "
+                f"({m.points} points, fit error {m.mean_rel_error:.0%})"
+            )
+        if not data["from_preset"]:
+            lines.append("  preset: none (the profile's device has no preset)")
+        for name, v in data["from_preset"].items():
+            lines.append(
+                f"  preset: {name}: alpha {v['latency_s'] * 1e6:.1f} us, "
+                f"{v['bandwidth_bytes_per_s'] / GB:.3g} GB/s"
+            )
+        return "\n".join(lines)
 
 
 def scaled_preset(hw: Hardware) -> Pricing:
@@ -110,8 +174,17 @@ def scaled_preset(hw: Hardware) -> Pricing:
     )
 
 
-def from_profile(profile: CalibrationProfile, hw: Hardware | None, given: str | None) -> Pricing:
-    """Pricing by ``profile``; ``hw`` (from ``--hardware`` ``given``) must be the same device."""
+def from_profile(
+    profile: CalibrationProfile,
+    hw: Hardware | None,
+    given: str | None,
+    unprofiled: str = "exclude",
+) -> Pricing:
+    """Pricing by ``profile``; ``hw`` (from ``--hardware`` ``given``) must be the same device.
+    ``unprofiled``: ``exclude`` the candidates the profile lacks, or price them by the scaled
+    preset's ``roofline`` with the profile's measured links (module docstring)."""
+    if unprofiled not in ("exclude", "roofline"):
+        raise HardwareError(f"--unprofiled: exclude or roofline, got {unprofiled!r}")
     preset = preset_of_product(profile.device) if profile.device_kind == "cuda" else None
     if hw is not None:
         if preset is None or hw.device.name.upper() != preset:
@@ -128,5 +201,17 @@ def from_profile(profile: CalibrationProfile, hw: Hardware | None, given: str | 
         # kept candidate takes its KV capacity from the profile; the memory is not a limit.
         dev = Device(profile.device, {profile.dtype: 1.0}, 1e6 * GB, 1.0)
         link = Link(1.0, 0.0)
-        base = Hardware(dev, profile.devices, profile.devices, link, link, link, {})
-    return Pricing(base, f"the profile {profile.describe()}", profile)
+        base = Hardware(dev, profile.devices, profile.devices, link, link, link, {"preset": None})
+    fitted = measured_links(profile)
+    base = replace(base, measured=tuple((m.collective, m.ranks, m.link) for m in fitted))
+    describe = f"the profile {profile.describe()}"
+    if unprofiled == "roofline":
+        if preset is None:
+            raise HardwareError(
+                f"--unprofiled roofline: the profile was measured on {profile.device} "
+                f"({profile.device_kind}), which has no preset to price a roofline from"
+            )
+        scaled = scaled_preset(base)
+        base = scaled.hardware
+        describe += f"; candidates it lacks: {scaled.describe}, with its measured links"
+    return Pricing(base, describe, profile, unprofiled=unprofiled, links=fitted)

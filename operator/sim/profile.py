@@ -43,6 +43,23 @@ class ProfileGrid:
     repeats: int = 2
 
 
+# Message sizes ``gearshift profile --layouts`` times each collective at (``--collective-sizes``):
+# 4 KiB (a decode step's activations on a small model: the α end) to 16 MiB (a long prefill
+# chunk's: the bandwidth end), four points a decade and a half apart, so that both terms of
+# α + bytes/bandwidth are pinned. Five timed calls each, median (``--collective-repeats``); on this
+# CPU's gloo that is about a second per layout.
+COLLECTIVE_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
+COLLECTIVE_REPEATS = 5
+
+
+@dataclass(frozen=True)
+class CollectiveGrid:
+    """Which message sizes (bytes) each collective of a multi-rank layout is timed at."""
+
+    sizes: tuple[int, ...] = COLLECTIVE_SIZES
+    repeats: int = COLLECTIVE_REPEATS
+
+
 @dataclass
 class Profile:
     """The timed samples of one run, and the model fitted to them."""

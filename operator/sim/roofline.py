@@ -5,9 +5,11 @@ Per rank, compute = max(FLOPs / peak, bytes / memory bandwidth), where bytes are
 of the weights (read once per step) plus the KV it reads and writes. Collectives are priced with
 the α-β model on the slowest link the group crosses: a ring all-reduce of B bytes over t ranks
 costs 2(t−1)/t · B / bw + 2(t−1)·latency; an all-to-all of a rank's B bytes costs (s−1)/s · B / bw
-+ (s−1)·latency. Activations, norms, kernel launch overheads and compute/comm overlap are not
-modelled. PP is priced as one batch's whole trip through the stages; the simulator overlaps
-micro-batches when its ``Deployment`` says how many are in flight (``micro_batches``, ``stages``).
++ (s−1)·latency. The link is the preset's, or one fitted to a profile's measured collective
+(``Hardware.link_for``, links.py). Activations, norms, kernel launch overheads and compute/comm
+overlap are not modelled. PP is priced as one batch's whole trip through the stages; the
+simulator overlaps micro-batches when its ``Deployment`` says how many are in flight
+(``micro_batches``, ``stages``).
 """
 
 from __future__ import annotations
@@ -153,7 +155,7 @@ class RooflineCost:
 
     def _tp(self, s: StepShape, t: int) -> float:
         act = s.tokens * self.model.hidden * self.model.dtype_bytes
-        comm = 2 * self.model.layers * all_reduce(act, t, self.hw.link(t))
+        comm = 2 * self.model.layers * all_reduce(act, t, self.hw.link_for("all_reduce", t))
         return self._compute(s, t, 1, 1) + comm
 
     def _sp(self, s: StepShape, sp: int) -> float:
@@ -162,9 +164,10 @@ class RooflineCost:
         local = math.ceil(s.tokens / sp) * m.dtype_bytes
         # Ulysses: q, k, v scatter heads / gather sequence before attention, the output goes back.
         widths = (m.q_dim, kv_dim, kv_dim, m.q_dim)
-        per_layer = sum(all_to_all(local * w, sp, self.hw.link(sp)) for w in widths)
+        link = self.hw.link_for("all_to_all", sp)
+        per_layer = sum(all_to_all(local * w, sp, link) for w in widths)
         return self._compute(s, 1, sp, 1) + m.layers * per_layer
 
     def _pp(self, s: StepShape, p: int) -> float:
         act = s.tokens * self.model.hidden * self.model.dtype_bytes
-        return p * self._compute(s, 1, 1, p) + (p - 1) * p2p(act, self.hw.link(p))
+        return p * self._compute(s, 1, 1, p) + (p - 1) * p2p(act, self.hw.link_for("send_recv", p))

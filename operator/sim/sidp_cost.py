@@ -105,7 +105,7 @@ class SidpCost:
     @functools.cached_property
     def _fetch(self) -> float:
         shard = rank_bytes(self.model, self.dp, self.tp).ffn_layer
-        return p2p(shard, self.hw.intra_node)
+        return p2p(shard, self.hw.link_for("send_recv", 2, self.hw.intra_node))
 
     def was(self, s: StepShape, base: float | None = None) -> float:
         base = self._base.time(s) if base is None else base
@@ -114,7 +114,8 @@ class SidpCost:
     def cas(self, s: StepShape, base: float | None = None) -> float:
         act = s.tokens * self.model.hidden * self.model.dtype_bytes / self.tp
         base = self._base.time(s) if base is None else base
-        return base + self.remote_layers * 2 * p2p(act, self.hw.intra_node)
+        link = self.hw.link_for("send_recv", 2, self.hw.intra_node)
+        return base + self.remote_layers * 2 * p2p(act, link)
 
     def time(self, s: StepShape) -> float:
         base = self._base.time(s)

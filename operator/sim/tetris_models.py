@@ -38,7 +38,7 @@ def chunk_seconds(
         return compute
     # Each hop moves one instance's K and V (its 1/sp of C + L tokens, its TP shard of heads).
     kv = model.kv_bytes_per_token() / model.layers * (history + length) / sp / tp
-    ring = model.layers * (sp - 1) * p2p(kv, hw.link(sp * tp))
+    ring = model.layers * (sp - 1) * p2p(kv, hw.link_for("send_recv", sp * tp))
     return max(compute, ring)
 
 

@@ -66,6 +66,46 @@ def test_a_malformed_profile_is_refused_naming_the_key(change: dict, named: str)
         calibration.from_dict(_profile(**change))
 
 
+GOOD_POINTS = [[4096.0, 1e-4], [16777216.0, 2e-3]]
+
+
+def test_measured_collectives_round_trip(tmp_path: Path) -> None:
+    data = _profile()
+    data["layouts"]["tp2"]["collectives"] = {"all_reduce": {"ranks": 2, "points": GOOD_POINTS}}  # type: ignore[index]
+    path = tmp_path / "p.json"
+    calibration.from_dict(data).save(path)
+    again = calibration.load(path)
+    assert again.layouts["tp2"].collectives == {
+        "all_reduce": calibration.Collective(2, GOOD_POINTS)
+    }
+    assert json.loads(path.read_text())["layouts"]["tp2"]["collectives"] == {
+        "all_reduce": {"ranks": 2, "points": GOOD_POINTS}
+    }
+
+
+@pytest.mark.parametrize(
+    ("collectives", "named"),
+    [
+        ([], "collectives"),
+        ({"broadcast": {"ranks": 2, "points": GOOD_POINTS}}, "collectives.broadcast"),
+        ({"all_reduce": GOOD_POINTS}, "collectives.all_reduce"),
+        ({"all_reduce": {"ranks": 1, "points": GOOD_POINTS}}, "collectives.all_reduce.ranks"),
+        ({"all_reduce": {"ranks": 2}}, "collectives.all_reduce.points"),
+        ({"all_reduce": {"ranks": 2, "points": [[4096, 0]]}}, "collectives.all_reduce.points"),
+        ({"all_reduce": {"ranks": 2, "points": [[4096, 1e-4]]}}, "collectives.all_reduce.points"),
+        ({"all_reduce": {"ranks": 2, "points": [[4096, -1e-4], [8192, 1]]}}, "all_reduce.points"),
+        ({"all_reduce": {"ranks": 2, "points": GOOD_POINTS, "x": 1}}, "collectives.all_reduce.x"),
+    ],
+)
+def test_malformed_collectives_are_refused_naming_the_path(collectives: object, named: str) -> None:
+    data = _profile()
+    data["layouts"]["tp2"]["collectives"] = collectives  # type: ignore[index]
+    with pytest.raises(
+        calibration.ProfileError, match=r"profile\.layouts\.tp2\..*" + named.replace(".", r"\.")
+    ):
+        calibration.from_dict(data)
+
+
 def test_a_bad_step_cost_is_refused_naming_its_key() -> None:
     data = _profile()
     data["layouts"]["tp2"]["step_cost"]["decode"] = {"a": "x", "b": 0, "c": 0}  # type: ignore[index]

@@ -19,11 +19,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gearshift.worker.engine.control import KEEPALIVE, SHUTDOWN, STEP, ControlChannel
+from gearshift.worker.comm import CommGroup
+from gearshift.worker.engine.control import (
+    COLLECTIVES,
+    KEEPALIVE,
+    SHUTDOWN,
+    STEP,
+    ControlChannel,
+)
 from gearshift.worker.engine.model_runner import Done, ModelRunner, StepHandle
 from gearshift.worker.engine.plan import StepPlan
 from gearshift.worker.errors import GroupFailure
 from gearshift.worker.p2p import P2P
+from gearshift.worker.parallel.collective_timing import (
+    CollectiveRequest,
+    Points,
+    time_collectives,
+)
 from gearshift.worker.parallel.pipeline import recv_logits
 from gearshift.worker.parallel.watchdog import Watchdog
 from gearshift.worker.step_phases import StepPhases
@@ -122,6 +134,18 @@ class GroupExecutor:
         if self.failure is None:
             self.channel.keepalive()
 
+    def time_collectives(self, request: CollectiveRequest) -> dict[str, Points]:
+        """Time ``request``'s collectives on every rank of the group (an idle group: no step in
+        flight); each one's [[bytes, seconds], ...], the slowest rank's."""
+        self.runner.flush()
+
+        def run() -> dict[str, Points]:
+            self.channel.send(COLLECTIVES, request)
+            return time_collectives(request, world_group(), self.runner.device)
+
+        result: dict[str, Points] = self.guard(run)
+        return result
+
     def shutdown(self) -> None:
         """Stop every rank: an orderly goodbye if the group is healthy, kills if it is not."""
         if self._closed:
@@ -144,6 +168,12 @@ class GroupExecutor:
             self.store = None
             if self._on_shutdown is not None:
                 self._on_shutdown()
+
+
+def world_group() -> CommGroup:
+    """The default process group (the layout's whole group) as a ``CommGroup``."""
+    size = dist.get_world_size()
+    return CommGroup(size, dist.get_rank(), tuple(range(size)))
 
 
 def _pipelined(runner: ModelRunner) -> bool:
@@ -180,6 +210,10 @@ def follow(runner: ModelRunner, channel: ControlChannel, watchdog: Watchdog) -> 
             if kind == SHUTDOWN:
                 break
             if kind == KEEPALIVE or plan is None:
+                continue
+            if isinstance(plan, CollectiveRequest):
+                runner.flush()  # a pipeline stage's sends of the last step are out first
+                time_collectives(plan, world_group(), runner.device)
                 continue
             assert kind == STEP
             runner.execute(plan)

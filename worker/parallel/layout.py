@@ -44,6 +44,13 @@ class Layout:
     def world_size(self) -> int:
         return self.pp * self.sp * self.tp
 
+    def collectives(self) -> tuple[str, ...]:
+        """The collectives this layout's steps run (parallel/collective_timing.py's names): TP's
+        all-reduces, Ulysses' all-to-alls and KV all-gather (Alg. 1), PP's activation sends."""
+        used: tuple[str, ...] = ("all_reduce",) if self.tp > 1 else ()
+        used += ("all_to_all", "all_gather") if self.sp > 1 else ()
+        return used + (("send_recv",) if self.pp > 1 else ())
+
     def stage(self, rank: int) -> int:
         return rank // self.stage_size
 

@@ -169,6 +169,11 @@ class Policy(ABC):
 
     # ---- the leader ------------------------------------------------------------------------
 
+    def collectives(self) -> tuple[str, ...]:
+        """The collectives the group's steps run, by parallel/collective_timing.py's names, for
+        ``gearshift profile`` to time on the running group (none: nothing timed)."""
+        return ()
+
     def micro_batches(self) -> int:
         """Steps the engine keeps in flight (pipeline stages); 1 runs one step at a time."""
         return 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 from gearshift.worker.engine.control import SHUTDOWN, STEP, ControlChannel
 from gearshift.worker.engine.llm_engine import LLMEngine
 from gearshift.worker.engine.model_runner import ModelRunner
+from gearshift.worker.engine.plan import StepPlan
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.launch.replica_rank import IDLE_WAIT_S
 from gearshift.worker.launch.tetris.links import LeaderLink
@@ -93,7 +94,7 @@ def follow_decode_leader(runner: ModelRunner, channel: ControlChannel) -> None:
         kind, plan = channel.recv()
         if kind == SHUTDOWN:
             break
-        if kind == STEP and plan is not None:
+        if kind == STEP and isinstance(plan, StepPlan):
             runner.execute(plan)
     runner.flush()
     runner.shutdown()

@@ -69,6 +69,11 @@ class ShiftPolicy(Policy):
             kv_heads=layout.kv_heads_per_rank(cfg.num_kv_heads),
         )
 
+    def collectives(self) -> tuple[str, ...]:
+        # The shift gear is TP over every rank (§3.3.2): all-reduces even when the base is SP.
+        base = self.layout.collectives()
+        return base if "all_reduce" in base else ("all_reduce", *base)
+
     def choose_gear(self, batch: ScheduledBatch) -> int:
         return BASE if batch.num_tokens > self.threshold else SHIFT
 

@@ -52,6 +52,9 @@ class StaticPolicy(Policy):
             closers=[c.close for c in (stage, logits) if c is not None],
         )
 
+    def collectives(self) -> tuple[str, ...]:
+        return self.layout.collectives()
+
     def micro_batches(self) -> int:
         return self.layout.pp
 

@@ -1,0 +1,68 @@
+"""``gearshift profile --layouts`` times each multi-rank layout's collectives inside its running
+group (issue 30, item 1): the session's real CPU profile (cpu_profile.py: tp2 and pp2 of a tiny
+random Llama over gloo) carries them, and they read back through the profile reader."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from gearshift.operator.cli import build_parser
+from gearshift.operator.commands.profile_layouts import collective_grid
+from gearshift.operator.sim import calibration, links
+from gearshift.operator.sim.profile import COLLECTIVE_REPEATS, COLLECTIVE_SIZES, CollectiveGrid
+
+
+def test_each_two_rank_layout_records_its_timed_collectives(cpu_profile: str) -> None:
+    profile = calibration.parse(cpu_profile, "cpu profile")
+    used = {name: set(lp.collectives) for name, lp in profile.layouts.items()}
+    assert used == {"tp2": {"all_reduce"}, "pp2": {"send_recv"}}
+    for name, lp in profile.layouts.items():
+        for collective, measured in lp.collectives.items():
+            assert measured.ranks == 2
+            sizes = [b for b, _ in measured.points]
+            # The default grid, each size rounded to whole float32 elements per rank.
+            assert sizes == sorted(sizes) and len(sizes) == len(COLLECTIVE_SIZES)
+            assert all(abs(b - s) <= 8 for b, s in zip(sizes, COLLECTIVE_SIZES, strict=True))
+            seconds = [t for _, t in measured.points]
+            assert all(t > 0 for t in seconds)
+            # Timed, not computed: moving 4096 times the bytes over gloo takes longer.
+            assert seconds[-1] > seconds[0], (name, collective, measured.points)
+            assert links.fit(collective, measured) is not None, (name, collective)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--collective-sizes", "4KiB"], "--collective-sizes: at least two distinct sizes"),
+        (["--collective-sizes", "4KB,1MiB"], "--collective-sizes: '4KB' is not a byte count"),
+        (["--collective-repeats", "0"], "--collective-repeats: at least 1"),
+    ],
+)
+def test_a_bad_collective_grid_is_refused(flags: list[str], message: str) -> None:
+    args = build_parser().parse_args(["profile", "--layouts", "tp2", *flags, "-o", "p.json"])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        collective_grid(args)
+
+
+def test_the_collective_grid_is_read_from_its_flags() -> None:
+    args = build_parser().parse_args(
+        ["profile", "--layouts", "tp2", "--collective-sizes", "1MiB,4096,64KiB",
+         "--collective-repeats", "3", "-o", "p.json"]
+    )  # fmt: skip
+    assert collective_grid(args) == CollectiveGrid((4096, 65536, 1 << 20), 3)
+    default = build_parser().parse_args(["profile", "--layouts", "tp2", "-o", "p.json"])
+    assert collective_grid(default) == CollectiveGrid(COLLECTIVE_SIZES, COLLECTIVE_REPEATS)
+
+
+def test_the_collective_grid_needs_layouts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = build_parser().parse_args(
+        ["profile", "--collective-repeats", "3", "-o", str(tmp_path / "p.json")]
+    )
+    assert args.func(args) == 2
+    assert "--collective-repeats: only with --layouts" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
