@@ -1,0 +1,146 @@
+"""SiDP CaS with overlap: each replica's step runs as two micro-batches whose exchange with a
+layer's owner is in flight while the other micro-batch's attention runs (SiDP §4.3) (fp32, gloo
+under NCCL's rules, real processes).
+
+Greedy tokens equal the one-process engine's with overlap on for dp 2 and 3, with idle replicas
+(dummy steps), with uneven rows per replica and a one-row replica that cannot split, and with TP
+inside replicas; the overlap is counted (messages still posted while the other half's attention
+ran), and none is counted with ``casOverlap`` off. The attention split itself is checked against
+the unsplit batch at every cut.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gearshift.worker.attention.cpu_backend import CpuAttention
+from gearshift.worker.attention.torch_ref import TorchAttention
+from gearshift.worker.policies.sidp.cas import split_rows
+from gearshift.worker.policies.sidp.ownership import Ownership
+from tests.worker.attention.triton_batches import make_batch
+from tests.worker.policies.test_sidp_replicas import (
+    Work,
+    _assert_all_equal,
+    _greedy,
+    _prompts,
+    _reference,
+    _work,
+    replica_factory,  # noqa: F401 - the fixture
+)
+
+
+def test_split_rows_is_two_halves_from_two_rows_on() -> None:
+    assert split_rows(0, True) == []
+    assert split_rows(1, True) == [1]
+    assert split_rows(2, True) == [1, 1]
+    assert split_rows(7, True) == [4, 3]
+    assert split_rows(7, False) == [7]
+
+
+@pytest.mark.parametrize("backend", [CpuAttention, TorchAttention])
+def test_split_batch_attends_as_the_whole_at_every_cut(backend: type) -> None:
+    # Decodes, a chunk with cached history, and a fresh chunk: every cut, including cuts inside
+    # a chunk (the second part attends to the first's KV as history).
+    batch = make_batch(
+        [9, 3, 14], [(5, 12), (6, 6)], kv_heads=2, group=2, head_dim=8, block_size=4, seed=5
+    )
+    core = backend(8**-0.5)
+    kv_whole = batch.kv()
+    whole = core.forward(batch.q, batch.k, batch.v, kv_whole, batch.meta)
+    tokens = batch.q.shape[0]
+    for cut in range(1, tokens):
+        first, second = batch.meta.split(cut)
+        assert first.num_actual_tokens == cut and second.num_actual_tokens == tokens - cut
+        kv = batch.kv()
+        halves = (slice(0, cut), slice(cut, tokens))
+        outs = [
+            core.forward(batch.q[h], batch.k[h], batch.v[h], kv, m)
+            for h, m in zip(halves, (first, second), strict=True)
+        ]
+        torch.testing.assert_close(torch.cat(outs), whole, rtol=1e-5, atol=1e-5, msg=f"cut {cut}")
+        assert torch.equal(kv[0], kv_whole[0]) and torch.equal(kv[1], kv_whole[1]), cut
+
+
+def test_a_batch_with_padding_or_an_empty_half_is_not_split() -> None:
+    batch = make_batch([5, 6], [], kv_heads=1, group=1, head_dim=4, block_size=4, padding=2)
+    with pytest.raises(ValueError, match="padding 2"):
+        batch.meta.split(1)
+    plain = make_batch([5, 6], [], kv_heads=1, group=1, head_dim=4, block_size=4)
+    for cut in (0, 2):
+        with pytest.raises(ValueError, match="cannot split"):
+            plain.meta.split(cut)
+
+
+def _per_split_step(dp: int, layers: int, replica: int) -> int:
+    """Overlapped messages of one split step: per layer it does not own, A's rows during B's
+    attention, and B's answer during A's attention of the next layer (none after the last)."""
+    own = Ownership(dp, layers)
+    remote = [layer for layer in range(layers) if own.owner(layer) != replica]
+    return len(remote) + len([layer for layer in remote if layer < layers - 1])
+
+
+def _check_overlap(group, dp: int, layers: int, split: set[int]) -> None:
+    for r in range(dp):
+        stats = group.stats(r)["policy"]
+        done = int(stats["sidp_cas_overlapped"])
+        if r in split:
+            # Whole split steps only: every one posts the same messages.
+            assert done > 0 and done % _per_split_step(dp, layers, r) == 0, (r, done)
+        else:
+            assert done == 0, (r, done)
+        assert 0 <= stats["sidp_cas_overlapped_moving"] <= done
+
+
+@pytest.mark.parametrize(("dp", "layers"), [(2, 4), (3, 5)])
+def test_overlapped_cas_matches_the_reference(tiny_checkpoint, replica_factory, dp, layers):  # noqa: F811
+    folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=layers)
+    prompts = _prompts(4)
+    want = dict(zip(map(tuple, prompts), _reference(folder, prompts, 8), strict=True))
+    group = replica_factory(folder, {"dp": dp, "mode": "CAS"})
+    work = _work(dp, prompts, 8)
+    _assert_all_equal(group.generate(work), work, want)
+    _check_overlap(group, dp, layers, set(range(dp)))
+    assert all(group.stats(r)["policy"]["sidp_cas_fused_rows"] > 0 for r in range(dp))
+
+
+def test_overlap_off_posts_nothing_in_flight(tiny_checkpoint, replica_factory):  # noqa: F811
+    folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=4)
+    prompts = _prompts(4)
+    want = dict(zip(map(tuple, prompts), _reference(folder, prompts, 6), strict=True))
+    group = replica_factory(folder, {"dp": 2, "mode": "CAS", "casOverlap": False})
+    work = _work(2, prompts, 6)
+    _assert_all_equal(group.generate(work), work, want)
+    _check_overlap(group, 2, 4, set())
+
+
+def test_idle_replicas_and_uneven_rows_with_overlap(tiny_checkpoint, replica_factory):  # noqa: F811
+    layers = 6
+    folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=layers)
+    prompts = _prompts(5)
+    single = [7]  # one token: its replica has one row in every step and never splits
+    every = [*prompts, single]
+    want = dict(zip(map(tuple, every), _reference(folder, every, 6), strict=True))
+    group = replica_factory(folder, {"dp": 4, "mode": "CAS"})
+    # Replica 0: four sequences, replica 1: one of one row, replica 2: two, replica 3: idle.
+    work: Work = {
+        0: [(f"a{i}", p, _greedy(6)) for i, p in enumerate(prompts[:4])],
+        1: [("b0", single, _greedy(6))],
+        2: [(f"c{i}", p, _greedy(6)) for i, p in enumerate(prompts[3:])],
+    }
+    _assert_all_equal(group.generate(work), work, want)
+    _check_overlap(group, 4, layers, {0, 2})
+    # The idle replica served its layers; owners skipped it (dummy skipping).
+    assert group.stats(3)["policy"]["sidp_cas_fused_rows"] > 0
+    assert group.stats(3)["engine"].steps == 0
+    assert group.stats(0)["policy"]["sidp_skipped_dummies"] > 0
+
+
+def test_overlap_with_tp_ranks_inside_replicas(tiny_checkpoint, replica_factory):  # noqa: F811
+    folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=4)
+    prompts = _prompts(4)
+    want = dict(zip(map(tuple, prompts), _reference(folder, prompts, 6), strict=True))
+    group = replica_factory(folder, {"dp": 2, "tp": 2, "mode": "CAS"})
+    work = _work(2, prompts, 6)
+    _assert_all_equal(group.generate(work), work, want)
+    _check_overlap(group, 2, 4, {0, 1})
