@@ -3,6 +3,7 @@ while the other's attention runs (SiDP §4.3), against one exchange per layer af
 
     .venv/bin/python benchmarks/sidp_overlap.py          # → benchmarks/sidp_overlap.json
     .venv/bin/python benchmarks/sidp_overlap.py --quick  # a smaller model, 3 repetitions
+    .venv/bin/python benchmarks/sidp_overlap.py --dp 3   # → benchmarks/sidp_overlap_dp3.json
 
 dp replicas (one process each, one torch thread), fp32, a random Llama-shaped model, CaS pinned:
 the regime CaS is for, the small-batch tail (a few sequences per replica). Both groups run at
@@ -166,7 +167,12 @@ def main() -> None:
     )
     print(json.dumps(summary, indent=2))
     print(report["statement"])
-    out = HERE / ("sidp_overlap_quick.json" if args.quick else "sidp_overlap.json")
+    name = (
+        "sidp_overlap"
+        + (f"_dp{args.dp}" if args.dp != 2 else "")
+        + ("_quick" if args.quick else "")
+    )
+    out = HERE / f"{name}.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
 
 

@@ -5,8 +5,8 @@ under NCCL's rules, real processes).
 Greedy tokens equal the one-process engine's with overlap on for dp 2 and 3, with idle replicas
 (dummy steps), with uneven rows per replica and a one-row replica that cannot split, and with TP
 inside replicas; the overlap is counted (messages still posted while the other half's attention
-ran), and none is counted with ``casOverlap`` off. The attention split itself is checked against
-the unsplit batch at every cut.
+ran), and none is counted with ``casOverlap`` off (the default). The attention split itself is
+checked against the unsplit batch at every cut; ``casOverlap`` cannot change while a group runs.
 """
 
 from __future__ import annotations
@@ -14,10 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gearshift.v1 import policy_pb2
 from gearshift.worker.attention.cpu_backend import CpuAttention
 from gearshift.worker.attention.torch_ref import TorchAttention
+from gearshift.worker.errors import InvalidRequestError
+from gearshift.worker.policies.registry import make_policy
 from gearshift.worker.policies.sidp.cas import split_rows
 from gearshift.worker.policies.sidp.ownership import Ownership
+from gearshift.worker.server.convert import live_update
 from tests.worker.attention.triton_batches import make_batch
 from tests.worker.policies.test_sidp_replicas import (
     Work,
@@ -97,18 +101,20 @@ def test_overlapped_cas_matches_the_reference(tiny_checkpoint, replica_factory, 
     folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=layers)
     prompts = _prompts(4)
     want = dict(zip(map(tuple, prompts), _reference(folder, prompts, 8), strict=True))
-    group = replica_factory(folder, {"dp": dp, "mode": "CAS"})
+    group = replica_factory(folder, {"dp": dp, "mode": "CAS", "casOverlap": True})
     work = _work(dp, prompts, 8)
     _assert_all_equal(group.generate(work), work, want)
     _check_overlap(group, dp, layers, set(range(dp)))
     assert all(group.stats(r)["policy"]["sidp_cas_fused_rows"] > 0 for r in range(dp))
 
 
-def test_overlap_off_posts_nothing_in_flight(tiny_checkpoint, replica_factory):  # noqa: F811
+@pytest.mark.parametrize("sidp", [{"casOverlap": False}, {}])
+def test_overlap_off_posts_nothing_in_flight(tiny_checkpoint, replica_factory, sidp):  # noqa: F811
+    # Off by default (benchmarks/sidp_overlap.py: slower on the CPU hosts measured).
     folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=4)
     prompts = _prompts(4)
     want = dict(zip(map(tuple, prompts), _reference(folder, prompts, 6), strict=True))
-    group = replica_factory(folder, {"dp": 2, "mode": "CAS", "casOverlap": False})
+    group = replica_factory(folder, {"dp": 2, "mode": "CAS", **sidp})
     work = _work(2, prompts, 6)
     _assert_all_equal(group.generate(work), work, want)
     _check_overlap(group, 2, 4, set())
@@ -121,7 +127,7 @@ def test_idle_replicas_and_uneven_rows_with_overlap(tiny_checkpoint, replica_fac
     single = [7]  # one token: its replica has one row in every step and never splits
     every = [*prompts, single]
     want = dict(zip(map(tuple, every), _reference(folder, every, 6), strict=True))
-    group = replica_factory(folder, {"dp": 4, "mode": "CAS"})
+    group = replica_factory(folder, {"dp": 4, "mode": "CAS", "casOverlap": True})
     # Replica 0: four sequences, replica 1: one of one row, replica 2: two, replica 3: idle.
     work: Work = {
         0: [(f"a{i}", p, _greedy(6)) for i, p in enumerate(prompts[:4])],
@@ -140,7 +146,21 @@ def test_overlap_with_tp_ranks_inside_replicas(tiny_checkpoint, replica_factory)
     folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=4)
     prompts = _prompts(4)
     want = dict(zip(map(tuple, prompts), _reference(folder, prompts, 6), strict=True))
-    group = replica_factory(folder, {"dp": 2, "tp": 2, "mode": "CAS"})
+    group = replica_factory(folder, {"dp": 2, "tp": 2, "mode": "CAS", "casOverlap": True})
     work = _work(2, prompts, 6)
     _assert_all_equal(group.generate(work), work, want)
     _check_overlap(group, 2, 4, {0, 1})
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_cas_overlap_is_fixed_while_a_group_runs(value: bool) -> None:
+    active = make_policy({"sidp": {"dp": 2, "mode": "CAS", "casOverlap": not value}}).to_proto()
+    assert active.sidp.cas_overlap is (not value)
+    requested = policy_pb2.Policy(sidp=policy_pb2.SidpPolicy(cas_overlap=value))
+    with pytest.raises(InvalidRequestError, match="cas_overlap") as err:
+        live_update(active, requested)
+    assert err.value.field == "sidp.cas_overlap"
+
+
+def test_cas_overlap_defaults_to_off() -> None:
+    assert make_policy({"sidp": {"dp": 2}}).to_proto().sidp.cas_overlap is False
