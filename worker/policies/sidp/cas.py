@@ -87,7 +87,7 @@ class LayerCall:
             self._staging = ex._stage(sum(staged))
         elif not self.sizes and not ex.dummy_skipping:
             self.sizes = [1]  # an idle replica without skipping sends one zero row
-        if not self.sizes and (self.serving or ex.dummy_skipping):
+        if not self.sizes:
             self._finish()  # nothing of this rank's own: an owner serves the others at once
 
     @property
@@ -118,7 +118,7 @@ class LayerCall:
             return self._out[part]
         pending, out = self._recvs[part]
         pending.wait()
-        return out[: min(out.shape[0], self._real(part))]
+        return out if self.rows else out[:0]  # an idle replica's zero row is dropped
 
     def outstanding(self, part: int) -> Pending | None:
         """Part ``part``'s message still posted and not waited for, if any."""
@@ -129,9 +129,6 @@ class LayerCall:
         else:
             pending = self._sends[part] if part < len(self._sends) else None
         return pending if pending is not None and not pending.waited else None
-
-    def _real(self, part: int) -> int:
-        return self.sizes[part] if self.rows else 0
 
     def _finish(self) -> None:
         if self.serving:
