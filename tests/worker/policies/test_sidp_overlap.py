@@ -164,3 +164,16 @@ def test_cas_overlap_is_fixed_while_a_group_runs(value: bool) -> None:
 
 def test_cas_overlap_defaults_to_off() -> None:
     assert make_policy({"sidp": {"dp": 2}}).to_proto().sidp.cas_overlap is False
+
+
+def test_overlap_without_dummy_skipping(tiny_checkpoint, replica_factory):  # noqa: F811
+    # The idle replica sends one zero row per layer it does not own; the busy ones send halves.
+    folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=5)
+    prompts = _prompts(3)
+    want = dict(zip(map(tuple, prompts), _reference(folder, prompts, 6), strict=True))
+    sidp = {"dp": 3, "mode": "CAS", "casOverlap": True, "dummySkipping": False}
+    group = replica_factory(folder, sidp)
+    work = _work(3, prompts, 6, idle={2})
+    _assert_all_equal(group.generate(work), work, want)
+    _check_overlap(group, 3, 5, {0, 1})
+    assert all(group.stats(r)["policy"]["sidp_skipped_dummies"] == 0 for r in range(3))
