@@ -177,3 +177,9 @@ def test_overlap_without_dummy_skipping(tiny_checkpoint, replica_factory):  # no
     _assert_all_equal(group.generate(work), work, want)
     _check_overlap(group, 3, 5, {0, 1})
     assert all(group.stats(r)["policy"]["sidp_skipped_dummies"] == 0 for r in range(3))
+
+
+@pytest.mark.parametrize("value", ["yes", 1])
+def test_a_cas_overlap_that_is_not_a_bool_is_refused_naming_it(value: object) -> None:
+    with pytest.raises(InvalidRequestError, match="casOverlap"):
+        make_policy({"sidp": {"dp": 2, "casOverlap": value}})

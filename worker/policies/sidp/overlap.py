@@ -10,7 +10,8 @@ owner still receives every replica's halves before its one fused GEMM of the lay
 and idle replicas still send nothing (dummy skipping: ``cas.py``). The attention of each half is
 that of its own sequences (``AttentionMetadata.split``), so the tokens are the plain loop's.
 
-A replica with one row, a step with padding rows, or WaS runs the plain layer loop.
+A replica with one row, a step with padding rows, a group of one replica, or WaS runs the plain
+layer loop.
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ class CasOverlap:
         meta: AttentionMetadata,
         core: AttentionCore,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.service.mode != Mode.CAS or not self.cas.overlap or meta.num_padding:
+        cas = self.cas
+        if self.service.mode != Mode.CAS or not cas.overlap or cas.channel is None:
+            return None  # WaS, overlap off, or one replica (it owns every layer: no exchange)
+        if meta.num_padding:
             return None
         rows = hidden.shape[0]
         sizes = split_rows(rows, True)
@@ -57,7 +61,7 @@ class CasOverlap:
         ropes = [(rope[0][h], rope[1][h]) for h in halves]
         hid = [hidden[h] for h in halves]
         res: list[torch.Tensor | None] = [None if residual is None else residual[h] for h in halves]
-        tp, cas = self.service.tp, self.cas
+        tp = self.service.tp
         prev: LayerCall | None = None
         for index, (layer, kv) in enumerate(zip(layers, kv_caches, strict=True)):
             call = cas.call(index, self.service.owned.get(index), rows)
