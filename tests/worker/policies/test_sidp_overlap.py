@@ -11,6 +11,8 @@ checked against the unsplit batch at every cut; ``casOverlap`` cannot change whi
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from gearshift.v1 import policy_pb2
 from gearshift.worker.attention.cpu_backend import CpuAttention
 from gearshift.worker.attention.torch_ref import TorchAttention
 from gearshift.worker.errors import InvalidRequestError
+from gearshift.worker.p2p import COMM_RULES_ENV
 from gearshift.worker.policies.registry import make_policy
 from gearshift.worker.policies.sidp.cas import split_rows
 from gearshift.worker.policies.sidp.ownership import Ownership
@@ -85,6 +88,9 @@ def _per_split_step(dp: int, layers: int, replica: int) -> int:
 
 
 def _check_overlap(group, dp: int, layers: int, split: set[int]) -> None:
+    # The group ran under NCCL's point-to-point rules (tests/conftest.py sets them for every
+    # test): each message's header was checked against its receive.
+    assert os.environ[COMM_RULES_ENV] == "nccl"
     for r in range(dp):
         stats = group.stats(r)["policy"]
         done = int(stats["sidp_cas_overlapped"])
