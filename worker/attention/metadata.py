@@ -156,3 +156,77 @@ class AttentionMetadata:
             row_range=(rows[0], rows[-1] + 1) if contiguous else None,
             dense=dense,
         )
+
+    def split(self, rows: int) -> tuple[AttentionMetadata, AttentionMetadata]:
+        """The batch as two micro-batches: token rows [0, rows) and [rows, T), attended one
+        after the other (the first writes its KV before the second reads it).
+
+        A prefill chunk that straddles ``rows`` becomes two chunks of one sequence: the second
+        attends to the first's tokens as cached history, as chunked prefill does. Batches with
+        padding are not split (ValueError), nor at 0 or T."""
+        total = self.num_actual_tokens
+        if self.num_padding or not 0 < rows < total:
+            raise ValueError(f"cannot split {total} tokens (padding {self.num_padding}) at {rows}")
+        nd = self.num_decodes
+        if rows <= nd:
+            first = AttentionMetadata(
+                num_decodes=rows,
+                slot_mapping=self.slot_mapping[:rows],
+                block_tables=self.block_tables[:rows],
+                seq_lens=self.seq_lens[:rows],
+                max_decode_seq_len=self.max_decode_seq_len,  # a bound: masked past each length
+                prefill_starts=(),
+                prefill_query_lens=(),
+                prefill_seq_lens=(),
+            )
+            second = AttentionMetadata(
+                num_decodes=nd - rows,
+                slot_mapping=self.slot_mapping[rows:],
+                block_tables=self.block_tables[rows:],
+                seq_lens=self.seq_lens[rows:],
+                max_decode_seq_len=self.max_decode_seq_len if nd > rows else 0,
+                prefill_starts=tuple(s - rows for s in self.prefill_starts),
+                prefill_query_lens=self.prefill_query_lens,
+                prefill_seq_lens=self.prefill_seq_lens,
+            )
+            return first, second
+        # The chunk holding row ``rows - 1``; ``cut`` of its query rows go to the first half.
+        i = max(c for c, s in enumerate(self.prefill_starts) if s < rows)
+        start, qlen, seq_len = (
+            self.prefill_starts[i],
+            self.prefill_query_lens[i],
+            self.prefill_seq_lens[i],
+        )
+        cut = rows - start
+        whole = cut == qlen
+        first_lens = self.seq_lens[: nd + i + 1]
+        if not whole:
+            # The first part's context ends at its last query row.
+            first_lens = first_lens.clone()
+            first_lens[-1] = seq_len - (qlen - cut)
+        first = AttentionMetadata(
+            num_decodes=nd,
+            slot_mapping=self.slot_mapping[:rows],
+            block_tables=self.block_tables[: nd + i + 1],
+            seq_lens=first_lens,
+            max_decode_seq_len=self.max_decode_seq_len,
+            prefill_starts=self.prefill_starts[: i + 1],
+            prefill_query_lens=(*self.prefill_query_lens[:i], cut),
+            prefill_seq_lens=(*self.prefill_seq_lens[:i], seq_len - (qlen - cut)),
+        )
+        rest = i + 1 if whole else i  # the second half's first chunk
+        starts = [rows] if not whole else []
+        starts += list(self.prefill_starts[i + 1 :])
+        query_lens = [qlen - cut] if not whole else []
+        query_lens += list(self.prefill_query_lens[i + 1 :])
+        second = AttentionMetadata(
+            num_decodes=0,
+            slot_mapping=self.slot_mapping[rows:],
+            block_tables=self.block_tables[nd + rest :],
+            seq_lens=self.seq_lens[nd + rest :],
+            max_decode_seq_len=0,
+            prefill_starts=tuple(s - rows for s in starts),
+            prefill_query_lens=tuple(query_lens),
+            prefill_seq_lens=self.prefill_seq_lens[rest:],
+        )
+        return first, second

@@ -7,7 +7,7 @@ injected (``AttentionCore``) so parallel layouts can wrap it without forking the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol, runtime_checkable
 
@@ -38,6 +38,21 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin for this step's positions
 # A policy's FFN for a global layer index, used instead of the layer's own weights (e.g. FFN
 # weights that live on another rank); the module maps [T, hidden] to [T, hidden].
 MlpFactory = Callable[[int], nn.Module]
+# A policy's way to run a step's decoder layers (e.g. SiDP's CaS micro-batches, which interleave
+# the layers of two halves of the batch): (layers, rope, hidden, residual, kv caches, metadata,
+# core) → (hidden, residual), or None when this step runs the plain layer loop.
+LayerRunner = Callable[
+    [
+        Sequence["LlamaDecoderLayer"],
+        Rope,
+        torch.Tensor,
+        torch.Tensor | None,
+        Sequence[LayerKV],
+        AttentionMetadata,
+        AttentionCore,
+    ],
+    tuple[torch.Tensor, torch.Tensor] | None,
+]
 # The FFN tensors of one layer in the fused decode op's slot order: gate|up weight, its bias,
 # down weight, its bias.
 FfnTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
@@ -226,14 +241,26 @@ class LlamaDecoderLayer(nn.Module):
         """(MLP output, residual stream): the caller adds them in the next norm (vLLM-style),
         so every residual add is fused into an RMSNorm pass. Same rounding as Hugging Face's
         ``hidden = residual + out`` followed by a norm."""
+        normed, residual = self.attend(rope, hidden, residual, kv, meta, core)
+        return self.mlp(normed), residual
+
+    def attend(
+        self,
+        rope: Rope,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+        core: AttentionCore,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` up to the FFN: (the FFN's normed input, residual stream)."""
         if residual is None:
             residual = hidden
             normed = self.input_layernorm(hidden)
         else:
             normed, residual = self.input_layernorm.add_forward(hidden, residual)
         attn = self.self_attn(rope, normed, kv, meta, core)
-        normed, residual = self.post_attention_layernorm.add_forward(attn, residual)
-        return self.mlp(normed), residual
+        return self.post_attention_layernorm.add_forward(attn, residual)
 
     def fused_decode(
         self,
@@ -341,6 +368,7 @@ class LlamaForCausalLM(nn.Module):
         self.fused_layers: list[LlamaDecoderLayer] = []
         self.lenders: list[LendsFfn] = []  # the fused layers' policy FFNs, asked every step
         self.fused_choice: object = None  # fused_ops.FusedChoice on CUDA, once chosen
+        self.layer_runner: LayerRunner | None = None  # a policy's layer loop (set after build)
         self.model = LlamaModel(cfg, max_positions, tp, dtype, device, layers, mlp_factory)
         self.lm_head = (
             ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
@@ -392,9 +420,14 @@ class LlamaForCausalLM(nn.Module):
         if scale is not None:
             for fused, kv in zip(self.fused_layers, kv_caches, strict=True):
                 hidden, residual = fused.fused_decode(rope, hidden, residual, kv, meta, scale)
-        else:
-            for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-                hidden, residual = layer(rope, hidden, residual, kv, meta, core)
+            return hidden, residual
+        if self.layer_runner is not None:
+            layers = [layer for layer in self.model.layers if isinstance(layer, LlamaDecoderLayer)]
+            out = self.layer_runner(layers, rope, hidden, residual, kv_caches, meta, core)
+            if out is not None:
+                return out
+        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+            hidden, residual = layer(rope, hidden, residual, kv, meta, core)
         return hidden, residual
 
     def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:

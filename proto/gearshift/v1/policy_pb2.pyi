@@ -80,7 +80,7 @@ class SeesawPolicy(_message.Message):
     def __init__(self, prefill: _Optional[_Union[GearLayout, _Mapping]] = ..., decode: _Optional[_Union[GearLayout, _Mapping]] = ..., host_kv_capacity_bytes: _Optional[int] = ..., host_kv_capacity_fraction: _Optional[float] = ..., async_swap: _Optional[bool] = ..., pinned_staging_bytes: _Optional[int] = ..., prefetch_max_sequences: _Optional[int] = ..., switch_to_decode_at_host_usage: _Optional[float] = ..., switch_to_prefill_at_host_usage: _Optional[float] = ...) -> None: ...
 
 class SidpPolicy(_message.Message):
-    __slots__ = ("dp", "tp", "mode", "was_cache_slots", "cas_slots", "prefetch_depth", "peak_shifting", "dummy_skipping", "cas_enter_batch_size", "was_enter_batch_size", "window_steps", "min_dwell_steps")
+    __slots__ = ("dp", "tp", "mode", "was_cache_slots", "cas_slots", "prefetch_depth", "peak_shifting", "dummy_skipping", "cas_enter_batch_size", "was_enter_batch_size", "window_steps", "min_dwell_steps", "cas_overlap")
     class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         MODE_UNSPECIFIED: _ClassVar[SidpPolicy.Mode]
@@ -103,6 +103,7 @@ class SidpPolicy(_message.Message):
     WAS_ENTER_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     WINDOW_STEPS_FIELD_NUMBER: _ClassVar[int]
     MIN_DWELL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CAS_OVERLAP_FIELD_NUMBER: _ClassVar[int]
     dp: int
     tp: int
     mode: SidpPolicy.Mode
@@ -115,7 +116,8 @@ class SidpPolicy(_message.Message):
     was_enter_batch_size: int
     window_steps: int
     min_dwell_steps: int
-    def __init__(self, dp: _Optional[int] = ..., tp: _Optional[int] = ..., mode: _Optional[_Union[SidpPolicy.Mode, str]] = ..., was_cache_slots: _Optional[int] = ..., cas_slots: _Optional[int] = ..., prefetch_depth: _Optional[int] = ..., peak_shifting: _Optional[bool] = ..., dummy_skipping: _Optional[bool] = ..., cas_enter_batch_size: _Optional[int] = ..., was_enter_batch_size: _Optional[int] = ..., window_steps: _Optional[int] = ..., min_dwell_steps: _Optional[int] = ...) -> None: ...
+    cas_overlap: bool
+    def __init__(self, dp: _Optional[int] = ..., tp: _Optional[int] = ..., mode: _Optional[_Union[SidpPolicy.Mode, str]] = ..., was_cache_slots: _Optional[int] = ..., cas_slots: _Optional[int] = ..., prefetch_depth: _Optional[int] = ..., peak_shifting: _Optional[bool] = ..., dummy_skipping: _Optional[bool] = ..., cas_enter_batch_size: _Optional[int] = ..., was_enter_batch_size: _Optional[int] = ..., window_steps: _Optional[int] = ..., min_dwell_steps: _Optional[int] = ..., cas_overlap: _Optional[bool] = ...) -> None: ...
 
 class TetrisPolicy(_message.Message):
     __slots__ = ("prefill_instances", "prefill_tp", "decode_instances", "decode_tp", "chunk_granularity", "max_sp", "power_of_two_sp", "max_chunks", "improvement_rate", "improvement_rate_table", "rate_window_seconds", "decode_placement", "transfer_backends", "transfer_buffer_bytes", "layerwise_transfer", "latency_models", "auto_profile_tokens")

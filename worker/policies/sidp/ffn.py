@@ -104,6 +104,10 @@ class CasRunner(Protocol):
 
     def run(self, layer: int, x: torch.Tensor, owned: FfnWeights | None) -> torch.Tensor: ...
 
+    def settle(self) -> None:
+        """Wait for the messages a step left posted."""
+        ...
+
 
 @dataclass
 class FfnService:
@@ -122,6 +126,8 @@ class FfnService:
             return False
         self.mode = mode
         if mode == Mode.WAS:
+            if self.cas is not None:
+                self.cas.settle()  # an owner's last answers of the CaS steps
             # The CaS steps in between consumed no slots: restart the prefetch window.
             self.housekeeper.reset()
         else:

@@ -37,6 +37,7 @@ from gearshift.worker.policies.sidp.gpu_topology import check_peer_access
 from gearshift.worker.policies.sidp.group_step import GroupStep, request_mode
 from gearshift.worker.policies.sidp.handles import Expect, RankSegments, SegmentAddress, exchange
 from gearshift.worker.policies.sidp.housekeeper import Housekeeper
+from gearshift.worker.policies.sidp.overlap import CasOverlap
 from gearshift.worker.policies.sidp.ownership import Ownership, WeightBytes, weight_bytes
 from gearshift.worker.policies.sidp.shared_weights import (
     DeviceSegment,
@@ -295,6 +296,7 @@ class SidpPolicy(Policy):
                 tp_rank=tp_rank,
                 device=ctx.device,
                 timeout=ctx.timeout,
+                overlap=msg.cas_overlap,
             )
             service = FfnService(owned, housekeeper, cas, self.initial_mode, tp_group)
             core = ctx.make_core()
@@ -306,6 +308,8 @@ class SidpPolicy(Policy):
                 show_progress=ctx.show_progress,
                 mlp_factory=lambda layer: SidpFFN(layer, service, owned.get(layer)),
             )
+            # CaS steps run as two overlapping micro-batches where a replica can split its rows.
+            model.layer_runner = CasOverlap(service, cas)
             if on_gpu:
                 torch.cuda.synchronize(ctx.device)  # the owned shards are written on the device
             if self.world_size > 1:
@@ -402,6 +406,8 @@ class SidpPolicy(Policy):
         if isinstance(cas, CasExchange):
             out["sidp_cas_fused_rows"] = float(cas.stats.fused_rows)
             out["sidp_skipped_dummies"] = float(cas.stats.skipped_dummies)
+            out["sidp_cas_overlapped"] = float(cas.stats.overlapped)
+            out["sidp_cas_overlapped_moving"] = float(cas.stats.overlapped_moving)
         if self._sync is not None:
             out["sidp_switches"] = float(self._sync.switches)
         return out
@@ -419,6 +425,8 @@ class SidpPolicy(Policy):
             "sidp_slot_waits",
             "sidp_cas_fused_rows",
             "sidp_skipped_dummies",
+            "sidp_cas_overlapped",
+            "sidp_cas_overlapped_moving",
         ):
             out[key] = sum(part.get(key, 0.0) for part in replicas)
         # AUTO's thresholds and the profile behind them: the same on every replica (the figures
@@ -436,7 +444,7 @@ class SidpPolicy(Policy):
     def apply_group_live(self, store: Any, values: dict[str, Any]) -> None:
         """A pinned ``mode`` reaches every replica at one step boundary (group_step); the
         controller's thresholds are the router's. What a running replica cannot take is refused."""
-        for name in ("prefetch_depth", "dummy_skipping"):
+        for name in ("prefetch_depth", "dummy_skipping", "cas_overlap"):
             if name in values:
                 raise InvalidRequestError(
                     f"sidp.{name}",
