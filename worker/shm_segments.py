@@ -17,6 +17,7 @@ import os
 import re
 import secrets
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import NoReturn
 
@@ -95,6 +96,19 @@ def segments(prefix: str, key: str | None = None, shm_dir: Path = SHM_DIR) -> li
         return []
     start = prefix + (f"{safe_key(key)}-" if key is not None else "")
     return sorted(e.name for e in shm_dir.iterdir() if e.name.startswith(start))
+
+
+def created_by(names: Iterable[str], pids: Iterable[int]) -> list[str]:
+    """The names among ``names`` whose creator (the pid ``segment_name`` put in) is in ``pids``:
+    a check for one group's leaks that another group running beside it cannot fail."""
+    wanted = {int(p) for p in pids}
+    pattern = re.compile(r"-(\d+)-[0-9a-f]+(?:-|$)")
+    out = []
+    for name in names:
+        m = pattern.search(name)
+        if m is not None and int(m.group(1)) in wanted:
+            out.append(name)
+    return out
 
 
 def clean_stale(prefix: str, key: str | None = None, shm_dir: Path = SHM_DIR) -> list[str]:

@@ -80,3 +80,13 @@ def test_hard_exit_unlinks_the_segments_this_process_created() -> None:
     names = done.stdout.split()
     assert len(names) == 2 and all(tag in n for n in names), done.stdout
     assert not [n for n in names if (shm_segments.SHM_DIR / n).exists()]
+
+
+def test_created_by_keeps_only_the_segments_of_the_given_creators() -> None:
+    mine = shm_segments.segment_name("gearshift-sidp-", "local", "-l0-t0")
+    other = f"gearshift-sidp-local-{os.getpid() + 1}-0123456789ab-l1-t0"
+    also_mine = shm_segments.segment_name("gearshift-kv-", "k")  # no suffix
+    names = [mine, other, also_mine, "gearshift-sidp-garbage"]
+    assert shm_segments.created_by(names, [os.getpid()]) == [mine, also_mine]
+    assert shm_segments.created_by(names, [os.getpid() + 1]) == [other]
+    assert shm_segments.created_by(names, []) == []

@@ -8,6 +8,7 @@ shared-memory segment or KV block outlives a group.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -78,7 +79,9 @@ def replica_factory() -> Iterator[Callable[..., ReplicaGroup]]:
         reports = handle.shutdown()
         assert all(r["leaked_blocks"] == 0 and r["all_free"] for r in reports), reports
         assert all(not p.is_alive() for p in handle.procs), "a replica outlived its group"
-    assert segments() == [], "shared-memory segments left behind"
+    # Only this test's: another test's group may run beside it (pytest-xdist workers).
+    mine = [os.getpid(), *(p.pid for h in groups for p in h.procs)]
+    assert segments(pids=mine) == [], "shared-memory segments left behind"
 
 
 def _assert_all_equal(results: dict[str, tuple[list[int], str]], work: Work, want: dict) -> None:
@@ -221,7 +224,7 @@ def test_a_killed_replica_ends_the_group_with_a_named_error(tiny_checkpoint, rep
     group.kill()
     # The dead owners' segments are stale now; the next start (here: the cleaner) unlinks them.
     clean_stale()
-    assert segments() == []
+    assert segments(pids=[os.getpid(), *(p.pid for p in group.procs)]) == []
 
 
 def test_stale_segments_of_dead_processes_are_cleaned_at_start(tmp_path: Path) -> None:
@@ -308,4 +311,4 @@ def test_one_replica_is_a_plain_engine_that_owns_every_layer(tiny_checkpoint, mo
         engine.shutdown()
     assert got == want
     assert stats["sidp_fetched_weight_bytes"] == 0  # nothing is remote
-    assert segments() == []
+    assert segments(pids=[os.getpid()]) == []

@@ -8,6 +8,7 @@ across group-wide switches mid-generation; each rank holds its formula's TP-shar
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -159,4 +160,4 @@ def test_a_killed_tp_follower_ends_the_group_naming_its_replica(
         assert not proc.is_alive()
     group.kill()
     clean_stale()
-    assert segments() == []
+    assert segments(pids=[os.getpid(), *(p.pid for p in group.procs)]) == []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,9 +42,12 @@ def clean_stale(shm_dir: Path = SHM_DIR) -> list[str]:
     return shm_segments.clean_stale(PREFIX, None, shm_dir)
 
 
-def segments(key: str | None = None, shm_dir: Path = SHM_DIR) -> list[str]:
-    """Names of live SiDP segments (of one group key, or all)."""
-    return shm_segments.segments(PREFIX, key, shm_dir)
+def segments(
+    key: str | None = None, shm_dir: Path = SHM_DIR, pids: Iterable[int] | None = None
+) -> list[str]:
+    """Names of live SiDP segments (of one group key, or all; created by ``pids``, or anyone)."""
+    names = shm_segments.segments(PREFIX, key, shm_dir)
+    return names if pids is None else shm_segments.created_by(names, pids)
 
 
 @dataclass(frozen=True)
