@@ -228,3 +228,39 @@ def test_a_prefix_written_in_one_prefill_phase_hits_in_the_next_after_two_switch
     assert [t.to for t in lead.transitions][:2] == [Phase.DECODE, Phase.PREFILL]
     assert seq.num_cached_tokens == len(shared)
     assert engine.blocks.prefix_hit_tokens == len(shared)
+
+
+def test_a_kept_sequence_aborted_in_the_prefill_phase_frees_its_blocks_and_pages(
+    no_leftover_segments,  # noqa: F811
+    tiny_checkpoint,
+    group_factory,
+    engine_factory,
+):
+    folder = _model(tiny_checkpoint)
+    pool = _prompts(6, seed=21)
+    first = {"a0": pool[0], "a1": pool[1]}
+    second = {"b0": pool[4], "b1": pool[5]}
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = _want(engine_factory, folder, {"a0": pool[0], **second}, params)
+
+    engine = group_factory(folder, _seesaw(P2, T2), kv_cache_bytes=DEVICE_KV, **ENGINE)
+    lead = engine.policy.leader
+    freed: list[int] = []
+
+    def abort_a_kept_one() -> None:
+        assert set(lead.kept.seqs) == set(first)
+        seq = lead.kept.seqs["a1"]
+        blocks = list(seq.blocks.block_ids)
+        free = engine.blocks.num_free_blocks
+        assert blocks and engine.abort_request("a1")
+        assert "a1" not in lead.kept and "a1" not in lead.held()
+        assert lead.pages.held.get("a1") is None  # no host page either
+        freed.append(engine.blocks.num_free_blocks - free)
+        freed.append(len(blocks))
+
+    got = _decoding_then_more_prompts(engine, first, second, params, abort_a_kept_one)
+    del got["a1"]
+    assert got == want
+    assert freed[0] == freed[1] > 0  # every block it held, at once (none was in flight)
+    assert lead.pages.used == 0 and not lead.on_host and not lead.draining and not lead.kept
+    assert engine.policy.stats()["kept_parked_sequences"] == 0
