@@ -44,6 +44,7 @@ class KeptSequences:
         return len(self.seqs)
 
     def keep(self, seqs: Seq[Sequence]) -> None:
+        """The switch to prefill: ``seqs`` (decoding, in admission order) keep their blocks."""
         for seq in seqs:
             self.seqs[seq.request_id] = seq
         self.kept += len(seqs)
@@ -55,10 +56,8 @@ class KeptSequences:
         return out
 
     def forget(self, rid: str) -> None:
+        """``rid`` is no longer kept (parked, finished or aborted)."""
         self.seqs.pop(rid, None)
-
-    def blocks(self) -> int:
-        return sum(len(s.blocks.block_ids) for s in self.seqs.values())
 
     def plan_parking(
         self, need: int, free_blocks: int, free_pages: int, block_size: int, own_blocks: list[int]
