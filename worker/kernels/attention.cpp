@@ -1,13 +1,15 @@
 // Paged decode attention with the KV write fused in, and a plain paged KV write.
 //
 // Cache layout (worker/kv/cache.py): [num_blocks, kv_heads, block_size, head_dim], head-major, so
-// one block's rows of consecutive KV heads are one contiguous run. A task is one sequence (all of
-// its KV heads when the batch has enough sequences to keep every thread busy, else one head): it
-// writes the sequence's new key/value, then streams the sequence's blocks once, tile by tile,
-// scoring every query head of a KV head against each key row it loads (GQA), with an online
-// softmax across tiles. Scores, softmax and the weighted sum stay in fp32; only the output is
-// rounded to the storage dtype. Decode attention reads its whole KV from memory every step, so
-// the kernel prefetches ahead, into the next task's blocks too.
+// one block's rows of consecutive KV heads are one contiguous run. Blocks need not be adjacent:
+// the block stride may exceed one block (Seesaw's block-major buffer, where a block of every
+// layer lies in one slab: policies/seesaw/rank_hook.py DeviceKV); inside a block everything is
+// contiguous. A task is one sequence (all of its KV heads when the batch has enough sequences to
+// keep every thread busy, else one head): it writes the sequence's new key/value, then streams
+// the sequence's blocks once, tile by tile, scoring every query head of a KV head against each
+// key row it loads (GQA), with an online softmax across tiles. Scores, softmax and the weighted
+// sum stay in fp32; only the output is rounded to the storage dtype. Decode attention reads its
+// whole KV from memory every step, so the kernel prefetches ahead, into the next task's blocks too.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -26,11 +28,11 @@ namespace {
 constexpr int64_t kTile = 128;  // positions scored before each online-softmax update
 
 struct CacheGeometry {
-  int64_t num_blocks, kv_heads, block_size, dim;
+  int64_t num_blocks, kv_heads, block_size, dim, block_stride;
 
   // Element offset of (block, head, offset-in-block, 0).
   inline int64_t at(int64_t block, int64_t head, int64_t off) const {
-    return ((block * kv_heads + head) * block_size + off) * dim;
+    return block * block_stride + (head * block_size + off) * dim;
   }
 };
 
@@ -410,7 +412,18 @@ void check_kv_args(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "k_cache/v_cache must both be [blocks, kv_heads, block_size, head_dim], got ",
               k_cache.sizes(), " and ", v_cache.sizes());
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV caches must be contiguous");
+  // Each block contiguous ([kv_heads, block_size, head_dim] row-major); blocks may be strided.
+  for (const at::Tensor* c : {&k_cache, &v_cache}) {
+    const int64_t row = c->size(3), block = c->size(1) * c->size(2) * row;
+    TORCH_CHECK((row <= 1 || c->stride(3) == 1) && (c->size(2) <= 1 || c->stride(2) == row) &&
+                    (c->size(1) <= 1 || c->stride(1) == c->size(2) * row) &&
+                    (c->size(0) <= 1 || c->stride(0) >= block),
+                "KV caches must be contiguous within each block (block stride >= one block), "
+                "got strides ", c->strides(), " for sizes ", c->sizes());
+  }
+  TORCH_CHECK(k_cache.size(0) <= 1 || k_cache.stride(0) == v_cache.stride(0),
+              "k_cache/v_cache block strides differ: ", k_cache.stride(0), " and ",
+              v_cache.stride(0));
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes(), "k/v must both be [tokens, kv_heads, ",
               "head_dim], got ", k.sizes(), " and ", v.sizes());
   TORCH_CHECK(k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(3),
@@ -430,7 +443,7 @@ void check_kv_args(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k
 }
 
 CacheGeometry geometry(const at::Tensor& cache) {
-  return {cache.size(0), cache.size(1), cache.size(2), cache.size(3)};
+  return {cache.size(0), cache.size(1), cache.size(2), cache.size(3), cache.stride(0)};
 }
 
 void check_slot(int64_t slot, const CacheGeometry& g) {

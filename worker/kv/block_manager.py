@@ -10,6 +10,11 @@ Python's deterministic tuple hash of token ids allowed. A request's cache_salt (
 the hash of its first block: requests with different salts never share a block, and their
 cached_prompt_tokens reveal nothing about each other's prompts.
 
+A block's KV is only valid in the layout that wrote it. A policy whose ranks view the cache in
+more than one layout (Seesaw's gears) sets ``view`` to the layout its next steps write: every
+block hash includes it, so a lookup hits only blocks written in the current view, and a cached
+block of another view keeps its entry (no reset) until its slot is handed out again.
+
 Block tables live in one persistent int64 array, a row per running sequence, so building a step's
 block-table tensor is a single numpy fancy-index instead of a Python loop over sequences.
 """
@@ -73,6 +78,8 @@ class BlockManager:
         self.prefix_queries = 0
         self.prefix_hit_tokens = 0
         self._hash_key = secrets.token_bytes(_HASH_BYTES)
+        # The KV layout blocks are written in from now on (0: the only one most policies have).
+        self.view = 0
 
     def _digest(self, parent: int, payload: bytes) -> int:
         data = parent.to_bytes(_HASH_BYTES, "little") + payload
@@ -80,8 +87,12 @@ class BlockManager:
         return int.from_bytes(digest, "little")
 
     def block_hash_of(self, parent: int, tokens: Sequence[int]) -> int:
-        """The chained hash of a full block of `tokens` after the block hashed `parent`."""
-        return self._digest(parent, array("q", tokens).tobytes())
+        """The chained hash of a full block of `tokens` after the block hashed `parent`, in the
+        current ``view`` (its 8 extra bytes make the payload's length differ from view 0's)."""
+        payload = array("q", tokens).tobytes()
+        if self.view:
+            payload = self.view.to_bytes(8, "little") + payload
+        return self._digest(parent, payload)
 
     def root(self, salt: str = "") -> int:
         """The parent hash of a sequence's first block: salted requests start their own chain."""

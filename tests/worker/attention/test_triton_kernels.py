@@ -225,3 +225,28 @@ def test_any_block_size_the_engine_allows(block_size):
         [150, 9], [(11, 140)], kv_heads=2, group=2, head_dim=32, block_size=block_size, seed=5
     )
     _assert_matches_reference(batch)
+
+
+def test_block_strided_caches_give_the_results_of_contiguous_ones():
+    """Seesaw's block-major device KV (rank_hook.DeviceKV): a layer's blocks are a slab apart,
+    with the other layers' data between them; the kernels take the block stride."""
+    batch = make_batch(
+        [9, 40], [(12, 21)], kv_heads=2, group=3, head_dim=32, block_size=16, padding=2, seed=5
+    )
+    scale = 32**-0.5
+    want_kv = batch.kv()
+    want, want_lse = TritonAttention(scale).forward_lse(
+        batch.q, batch.k, batch.v, want_kv, batch.meta
+    )
+    n, block = batch.k_cache.shape[0], batch.k_cache[0].numel()
+    slabs = torch.full((n, 3 * block), float("nan"))  # keys, values, another layer's data
+    kc = slabs[:, :block].view(batch.k_cache.shape)
+    vc = slabs[:, block : 2 * block].view(batch.v_cache.shape)
+    kc.copy_(batch.k_cache)
+    vc.copy_(batch.v_cache)
+    assert kc.stride(0) == 3 * block
+    out, lse = TritonAttention(scale).forward_lse(batch.q, batch.k, batch.v, (kc, vc), batch.meta)
+    assert torch.equal(kc, want_kv[0]) and torch.equal(vc, want_kv[1])
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+    assert torch.isnan(slabs[:, 2 * block :]).all()

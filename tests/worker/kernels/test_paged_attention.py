@@ -255,3 +255,56 @@ def test_cpu_backend_prefill_only_steps_and_kernels_off_equal_the_reference(kern
     ref_kv = (k_cache.clone(), v_cache.clone())
     expected = TorchAttention(DIM**-0.5).forward(q, k, v, ref_kv, meta)
     assert torch.equal(CpuAttention(DIM**-0.5).forward(q, k, v, kv, meta), expected)
+
+
+def _block_major(k_cache: torch.Tensor, v_cache: torch.Tensor, spare: int = 5):
+    """The caches as views of one buffer of slabs, a slab per block holding its keys, its values
+    and ``spare`` rows of NaN (Seesaw's block-major device KV: rank_hook.DeviceKV)."""
+    n, block = k_cache.shape[0], k_cache[0].numel()
+    slabs = torch.full((n, 2 * block + spare * k_cache.shape[-1]), float("nan"))
+    slabs = slabs.to(k_cache.dtype)
+    k = slabs[:, :block].view(k_cache.shape)
+    v = slabs[:, block : 2 * block].view(v_cache.shape)
+    k.copy_(k_cache)
+    v.copy_(v_cache)
+    return slabs, k, v
+
+
+@pytest.mark.parametrize("threads", [1, 4], indirect=True)
+def test_block_strided_caches_give_the_contiguous_results_and_touch_only_their_blocks(threads):
+    batch = make_batch(LENGTHS, 3, 3, 4, torch.float32, skip=(2,))
+    want_out, want_kc, want_vc = run_kernel(batch, 0.125)
+    slabs, kc, vc = _block_major(batch.k_cache, batch.v_cache)
+    assert kc.stride(0) > kc[0].numel() and not kc.is_contiguous()
+    out = torch.empty(batch.q.shape, dtype=batch.q.dtype)
+    kernels.paged_decode_attention(
+        out, batch.q, batch.k, batch.v, kc, vc, batch.slots, batch.tables, batch.lens, 0.125
+    )
+    assert torch.equal(out, want_out) and torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
+    assert torch.isnan(slabs[:, 2 * kc[0].numel() :]).all()  # nothing outside the blocks
+    _, kc2, vc2 = _block_major(batch.k_cache, batch.v_cache)
+    kernels.write_kv(batch.k, batch.v, kc2, vc2, batch.slots)
+    assert torch.equal(kc2, want_kc) and torch.equal(vc2, want_vc)
+
+
+def test_cpu_backend_on_block_strided_caches_equals_the_reference_on_them():
+    q, k, v, k_cache, v_cache, meta = _mixed_step(torch.float32)
+    _, *ref_kv = _block_major(k_cache, v_cache)
+    expected = TorchAttention(DIM**-0.5).forward(q, k, v, (ref_kv[0], ref_kv[1]), meta)
+    _, kc, vc = _block_major(k_cache, v_cache)
+    got = CpuAttention(DIM**-0.5).forward(q, k, v, (kc, vc), meta)
+    assert torch.equal(kc, ref_kv[0]) and torch.equal(vc, ref_kv[1])
+    torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
+
+
+def test_a_cache_not_contiguous_inside_its_blocks_is_refused():
+    batch = make_batch([9, 4], 2, 1, 4, torch.float32)
+    kc = batch.k_cache.transpose(1, 2).contiguous().transpose(1, 2)  # heads strided in a block
+    vc = batch.v_cache.transpose(1, 2).contiguous().transpose(1, 2)
+    out = torch.empty(batch.q.shape, dtype=batch.q.dtype)
+    with pytest.raises(RuntimeError, match="contiguous within each block"):
+        kernels.paged_decode_attention(
+            out, batch.q, batch.k, batch.v, kc, vc, batch.slots, batch.tables, batch.lens, 0.125
+        )
+    with pytest.raises(RuntimeError, match="contiguous within each block"):
+        kernels.write_kv(batch.k, batch.v, kc, vc, batch.slots)

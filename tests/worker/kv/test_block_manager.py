@@ -176,3 +176,38 @@ def test_allocate_where_takes_only_accepted_blocks_all_or_nothing():
     assert list(bm.tables[t.row][:3]) == [1, 3, 5]
     bm.free_table(t)
     assert bm.leaked_blocks() == []
+
+
+def test_a_block_hits_only_in_the_view_that_wrote_it_and_keeps_its_entry_across_views():
+    """Seesaw's gears view the cache differently: a block cached while view 0 wrote it is no hit
+    in view 1, survives view 1's work on other blocks, and hits again back in view 0."""
+    bm = _bm(6)
+    tokens = list(range(8))
+    a = BlockTable()
+    bm.allocate(a, 8)
+    bm.cache_full_blocks(a, tokens, 8)  # written in view 0
+    written = tuple(a.block_ids)
+    bm.free_table(a)
+    bm.view = 1
+    assert bm.match_prefix(tokens, 8).block_ids == ()
+    b = BlockTable()  # view 1 writes the same tokens elsewhere: a distinct entry
+    bm.allocate(b, 8)
+    bm.cache_full_blocks(b, tokens, 8)
+    assert set(b.block_ids).isdisjoint(written)
+    assert bm.match_prefix(tokens, 8).block_ids == tuple(b.block_ids)
+    b_ids = list(b.block_ids)
+    bm.free_table(b)
+    bm.view = 0
+    assert bm.match_prefix(tokens, 8).block_ids == written
+    # A table that grows on in another view chains on: its later blocks hit in neither view
+    # (each view still hits its own two blocks of the first eight tokens).
+    c = BlockTable()
+    bm.allocate(c, 16, bm.match_prefix(tokens, 8))
+    bm.view = 1
+    bm.cache_full_blocks(c, [*tokens, *range(20, 28)], 16)
+    for view in (0, 1):
+        bm.view = view
+        hit = bm.match_prefix([*tokens, *range(20, 28)], 16).block_ids
+        assert hit == (written if view == 0 else tuple(b_ids)) and len(c.block_ids) == 4
+    bm.free_table(c)
+    assert bm.leaked_blocks() == []

@@ -5,20 +5,27 @@ Prefill phase: only prefill steps run (on the prefill gear); every prompt whose 
 moves to the host store and its device blocks free. A prompt is admitted only if its whole KV
 fits the host pages and the device blocks the prompts being prefilled leave free (the step's
 ``admit_blocks``), so no prefill is preempted and none finds the store full: nothing is
-recomputed. The phase ends when the host store's usage reaches
-``switch_to_decode_at_host_usage``, the next prompt (arrival order) does not fit the pages left,
-no prompt waits, or every sequence seat (``max_num_seqs``) is held; partial prefills finish
-first (no new admissions) and no step may be in flight.
+recomputed. The phase ends when the host store's usage (counting the pages the prompts being
+prefilled will take) reaches ``switch_to_decode_at_host_usage``, the next prompt (arrival
+order) does not fit the pages left, no prompt waits, or every sequence seat (``max_num_seqs``)
+is held; partial prefills finish first (no new admissions) and no step may be in flight.
 
 Decode phase: decode steps with continuous batching (on the decode gear); sequences are
 on-boarded from the host store as device blocks free (up to ``prefetch_max_sequences`` a
 step). A decode step whose sequences need more new blocks than are free parks the youngest in
 the host store instead of letting the scheduler preempt them. The phase ends when the host
 usage has fallen to ``switch_to_prefill_at_host_usage``, prompts wait, a sequence seat is free
-for them, and parking the sequences still decoding costs the next prefill phase no prompt (else
-it would end sooner and a later phase, two more switches, would take what it leaves): those
-sequences move to the host store (they resume in the next decode phase), so the device holds no
-KV when the gear changes (the two gears view the device buffer differently: rank_hook.DeviceKV).
+for them, and parking the sequences still decoding would cost the next prefill phase no prompt
+(else it would end sooner and a later phase, two more switches, would take what it leaves).
+Those sequences keep their device blocks through the prefill phase (keep.py): the device KV is
+block-major (rank_hook.DeviceKV), so block b of one gear shares memory with block b of the other
+only, and the prefill gear never touches a block it was not given. They are parked in the host
+store only when the prefill phase needs their blocks (the next prompt does not fit the free
+ones), youngest first, and otherwise decode again in the next decode phase with no copy.
+
+Prefix cache: the block manager's hash namespace (``view``) is the gear whose view the next
+steps write, so a prompt hits only blocks written in the current gear's view; cached blocks of
+the other gear keep their entries through a switch (no reset) until their slots are reused.
 
 Host usage counts the pages of sequences whose KV lives only on the host. A swapped-in sequence
 keeps its pages until its first decode step has come back (then every rank has read them).
@@ -48,6 +55,7 @@ from typing import TYPE_CHECKING
 
 from gearshift.worker.engine.contract import QueueView, StepKind, StepRequest
 from gearshift.worker.engine.sequence import Sequence, SequenceStatus
+from gearshift.worker.policies.seesaw.keep import KeptSequences
 from gearshift.worker.policies.seesaw.overlap import GearOverlap
 from gearshift.worker.policies.seesaw.pages import PageAllocator
 from gearshift.worker.policies.seesaw.readiness import ReadinessBoard, SwapInQueue
@@ -59,6 +67,8 @@ if TYPE_CHECKING:
 PREFILL_GEAR, DECODE_GEAR = 0, 1
 # The plan sections this leader writes and every rank's hook (rank_hook.py) acts on.
 SWAP_OUT = "seesaw.swap_out"  # pairs (host page, device block), gear of the previous plan
+# Swap-outs of sequences kept on the device from another gear's view: that gear, then pairs.
+SWAP_OUT_KEPT = "seesaw.swap_out_kept"
 SWAP_IN = "seesaw.swap_in"  # the ticket, then pairs (host page, device block), gear of this plan
 # The gear whose view a plan's swap-ins write, when not the plan's own (overlapping prefill).
 SWAP_IN_GEAR = "seesaw.swap_in_gear"
@@ -137,6 +147,8 @@ class SeesawLeader:
         self.on_host: dict[str, Sequence] = {}  # KV only in the host store
         self.draining: dict[str, tuple[Sequence, int]] = {}  # swapped in; pages kept until
         self._out: list[int] = []  # (page, block) pairs of this step's swap-outs
+        self._out_kept: list[int] = []  # pairs of kept sequences, read from the decode view
+        self.kept = KeptSequences()  # decoding, held on the device through a prefill phase
         self._in: list[int] = []
         self._to_free: list[Sequence] = []
         self._switched = False
@@ -160,7 +172,7 @@ class SeesawLeader:
     def pending(self) -> tuple[int, int, bool]:
         """(blocks to the host, blocks from it, whether it re-shards) of the plan being built:
         what the simulator (operator/sim/seesaw_sim.py) prices a step by."""
-        return len(self._out) // 2, len(self._in) // 2, self._switched
+        return (len(self._out) + len(self._out_kept)) // 2, len(self._in) // 2, self._switched
 
     @property
     def host_usage(self) -> float:
@@ -173,6 +185,7 @@ class SeesawLeader:
         self.on_host.pop(rid, None)
         self.draining.pop(rid, None)
         self.early.pop(rid, None)
+        self.kept.forget(rid)
         if rid in self.queue:
             # Ranks may still write its blocks and read its pages: both wait for the copies.
             self.queue.retire(rid, self.pages.detach(rid))
@@ -198,20 +211,23 @@ class SeesawLeader:
 
     def held(self) -> frozenset[str]:
         leaving = frozenset(s.request_id for s in self._to_free)
-        return frozenset(self.on_host) | leaving | frozenset(self.queue.pending) | set(self.early)
+        held = frozenset(self.on_host) | leaving | frozenset(self.queue.pending)
+        return held | set(self.early) | set(self.kept.seqs)
 
     def plan_sections(self) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
         if self._out:
             out[SWAP_OUT] = list(self._out)
+        if self._out_kept:
+            out[SWAP_OUT_KEPT] = [DECODE_GEAR, *self._out_kept]
         if self._in:
             out[SWAP_IN] = [self._ticket, *self._in]
             if self._in_gear is not None:
                 out[SWAP_IN_GEAR] = [self._in_gear]
-        if self._out or self._in:
+        if self._out or self._out_kept or self._in:
             # Swap-outs are numbered (this plan's is outs + 1): ranks report theirs written on
             # the board, and a swap-in waits there for every swap-out up to this number.
-            number = self.outs + (1 if self._out else 0)
+            number = self.outs + (1 if self._out or self._out_kept else 0)
             out[OUT_NUMBER] = [number]
         if self._await:
             out[AWAIT] = []
@@ -219,19 +235,18 @@ class SeesawLeader:
 
     def step_submitted(self) -> None:
         assert self.blocks is not None
-        self.swap_out_bytes += len(self._out) // 2 * self.page_bytes
-        self.outs += 1 if self._out else 0
+        outs = (len(self._out) + len(self._out_kept)) // 2
+        self.swap_out_bytes += outs * self.page_bytes
+        self.outs += 1 if outs else 0
         self.swap_in_bytes += len(self._in) // 2 * self.page_bytes
         if self._in and self.async_swap:
             self.queue.sent(self._ticket, self.plans)
         self.plans += 1
         self._await = False
         for seq in self._to_free:
-            self.blocks.free_table(seq.blocks)
-        if self._switched:
-            # Cached blocks hold the old gear's view of the KV: no prefix may hit them now.
-            self.blocks.reset_prefix_cache()
+            self.blocks.free_table(seq.blocks)  # cached blocks keep their gear's hashes
         self._out, self._in, self._to_free, self._switched = [], [], [], False
+        self._out_kept = []
         self._in_gear = None
 
     # ---- phases ----------------------------------------------------------------------------
@@ -241,16 +256,18 @@ class SeesawLeader:
         busy = self.held()
         return [s for s in self.scheduler.running if s.request_id not in busy]
 
-    def _swap_out(self, seq: Sequence) -> bool:
-        """Queue ``seq``'s computed KV for the host store; False if the store has no room."""
+    def _swap_out(self, seq: Sequence, kept: bool = False) -> bool:
+        """Queue ``seq``'s computed KV for the host store (``kept``: from the decode gear's
+        view while the prefill gear runs); False if the store has no room."""
         self.pages.release(seq.request_id)  # its own pages of an earlier stay, if any
         self.draining.pop(seq.request_id, None)
         count = -(-seq.num_computed_tokens // self.block_size)
         got = self.pages.allocate(seq.request_id, count)
         if got is None:
             return False
+        pairs = self._out_kept if kept else self._out
         for page, block in zip(got, seq.blocks.block_ids[:count], strict=True):
-            self._out += [page, block]
+            pairs += [page, block]
         self.on_host[seq.request_id] = seq
         self._to_free.append(seq)
         return True
@@ -263,11 +280,12 @@ class SeesawLeader:
         if to is Phase.DECODE:
             self.early.clear()  # decode with the others once the board has them
             self._ending = None
+            self.kept.release_all()  # they decode again, in the view that holds their KV
         self._switched = True
         assert self.blocks is not None
-        # Cached blocks hold the old gear's view of the KV: no prefix may hit them from now on
-        # (and those of the sequences leaving with this plan go once they are freed).
-        self.blocks.reset_prefix_cache()
+        # Blocks the next steps write hash in the new gear's namespace: prefixes hit only blocks
+        # written in its view; the old gear's cached blocks stay cached, unreachable until then.
+        self.blocks.view = PREFILL_GEAR if to is Phase.PREFILL else DECODE_GEAR
 
     def _pages(self, seq: Sequence) -> int:
         """Host pages (= device blocks) ``seq``'s KV takes once its current tokens are computed."""
@@ -296,7 +314,11 @@ class SeesawLeader:
         partial = [s for s in self._resident() if s.num_tokens - s.num_computed_tokens > 1]
         waiting = len(self.scheduler.waiting)
         host, device = self._admission(partial)
-        usage = self.host_usage
+        # The usage once the prompts being prefilled are in: their pages are already committed
+        # (admission counted them), so a threshold below 1 is not overshot by them. (Sequences
+        # kept on the device take no pages: without this the phase ran past the threshold.)
+        committed = sum(self._pages(s) for s in partial) / max(1, self.pages.num_pages)
+        usage = self.host_usage + committed
         reason = ""
         if self._ending is not None:
             # Sequences on-boarded for the decode phase hold blocks: admit no prompt.
@@ -305,7 +327,7 @@ class SeesawLeader:
             reason = f"host usage {usage:.3f} >= {t.to_decode}"
         elif full:
             reason = "host store full"
-        elif not waiting and not partial and (self.on_host or self._resident()):
+        elif not waiting and not partial and (self.on_host or self._resident() or self.kept):
             reason = "no prompt waits"
         elif waiting and len(self.scheduler.running) >= self.scheduler.config.max_num_seqs:
             # Sequences parked on the host still hold their seats: no waiting prompt can start
@@ -315,6 +337,8 @@ class SeesawLeader:
             # The next prompt (arrival order) does not fit what the store has left: the
             # store is as full as this trace lets it be (§4.2: switch when it is full).
             reason = f"next prompt needs {need} host pages, {max(0, host)} free"
+        elif waiting and need > device and self.kept and not self._park_kept(need, host, device):
+            reason = f"next prompt needs {need} device blocks, {max(0, device)} free"
         if not reason:
             pp = self.depths[PREFILL_GEAR]
             seats = -(-(len(partial) + waiting) // pp) if pp > 1 else None
@@ -331,6 +355,33 @@ class SeesawLeader:
                 self.scheduler.preempt(seq)  # no room on the host: recompute it later
         self._switch(Phase.DECODE, usage, reason)
         return self._decode_step(queues)
+
+    def _park_kept(self, need: int, host: int, device: int) -> bool:
+        """The next prompt needs ``need`` device blocks, more than the ``device`` free: park
+        the youngest kept sequences whose blocks make room (their blocks free with this plan,
+        the prompt is admitted by the next). False if that cannot let it in (keep.py)."""
+        assert self.blocks is not None
+        refs = self.blocks.ref_counts
+        own = [sum(1 for b in s.blocks.block_ids if refs[b] == 1) for s in self.kept.seqs.values()]
+        plan = self.kept.plan_parking(need, device, host, self.block_size, own)
+        if not plan.enough:
+            return False
+        for seq in plan.victims:
+            if not self._swap_out(seq, kept=True):
+                return False  # never: the plan counted the pages; the phase ends (a guard)
+            self.kept.forget(seq.request_id)
+            self.kept.parked += 1
+        return True
+
+    def _keep_decoding(self) -> None:
+        """At the switch to prefill: the sequences decoding now keep their device blocks (and
+        give back the pages of their last stay on the host: every rank has read them, as no
+        swap-in is outstanding and no step is in flight)."""
+        resident = self._resident()
+        for seq in resident:
+            self.draining.pop(seq.request_id, None)
+            self.pages.release(seq.request_id)
+        self.kept.keep(resident)
 
     def _decode_step(self, queues: QueueView) -> StepRequest:
         assert self.scheduler is not None and self.blocks is not None
@@ -350,15 +401,11 @@ class SeesawLeader:
         ):
             if queues.in_flight or self.queue.busy:
                 return self._wait(queues)  # no copy may run into the next gear's view
-            for seq in self._resident():
-                if not self._swap_out(seq):
-                    self.scheduler.preempt(seq)
+            self._keep_decoding()
             self._switch(
                 Phase.PREFILL, usage, f"host usage {usage:.3f} <= {t.to_prefill}, prompts wait"
             )
-            # This plan only parks the decoding sequences and re-shards: the blocks they free
-            # still carry prefix hashes of the decode gear's view until it has been submitted.
-            return StepRequest(StepKind.NONE)
+            return self._prefill_step(queues)
         if not self._park_for_growth(queues):
             return StepRequest(StepKind.NONE)  # let the steps in flight finish first
         self._swap_in(t.prefetch_max)
@@ -401,9 +448,10 @@ class SeesawLeader:
         return True
 
     def _parking_is_free(self, t: Thresholds) -> bool:
-        """Park the sequences still decoding only where that costs the next prefill phase no
-        prompt: their pages would otherwise shrink it, and a later phase (two more switches)
-        would take the prompts it leaves. Until then decoding goes on and they finish."""
+        """Switch while sequences still decode only where parking all of them would cost the
+        next prefill phase no prompt: they are kept on the device, but the phase may need their
+        blocks (keep.py), and their pages would then shrink it, so that a later phase (two more
+        switches) would take the prompts it leaves. Until then decoding goes on and they finish."""
         assert self.scheduler is not None
         held = sum(len(self.pages.held.get(r, ())) for r in self.on_host)
         parked = sum(-(-s.num_computed_tokens // self.block_size) for s in self._resident())
@@ -499,7 +547,7 @@ class SeesawLeader:
                 continue
             # As in the decode phase: a block per sequence that will decode stays free.
             need = self.blocks.blocks_needed(seq.num_tokens)
-            if self.blocks.num_free_blocks - need < len(self.early) + 1:
+            if self.blocks.num_free_blocks - need < len(self.early) + len(self.kept) + 1:
                 break
             if not self.blocks.allocate_where(seq.blocks, seq.num_tokens, apart):
                 break

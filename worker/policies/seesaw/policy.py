@@ -311,4 +311,8 @@ class SeesawPolicy(Policy):
             "host_kv_usage": lead.host_usage,
             "parked_sequences": float(lead.parked),
             "early_swap_in_sequences": float(lead.early_swap_ins),
+            # Decoding sequences kept on the device at switches to prefill, and those of them
+            # parked to the host because the prefill phase needed their blocks (keep.py).
+            "kept_sequences": float(lead.kept.kept),
+            "kept_parked_sequences": float(lead.kept.parked),
         }

@@ -2,12 +2,13 @@
 plan's gear is not the active one (§4.1, §4.2).
 
 The device KV cache is one buffer per rank that each gear views its own way: the prefill gear
-as its stage's layers x its heads, the decode gear as its own. The scheduler switches gears only
-when no sequence's KV is on the device in the old gear's view, so a view never reads the other's
-data; the decode gear's may already hold swap-ins into blocks that share no memory with any
-block the prefill gear used since (overlap.py). Order inside one
-plan: swap-outs (written by the gear that ran the previous plan), the switch, then swap-ins
-(read into the new gear's view).
+as its stage's layers x its heads, the decode gear as its own, both block-major (DeviceKV), so
+a block id is the same memory in both views. A gear only reads blocks the leader gave it in its
+own view: sequences decoding keep their blocks (in the decode view) through a prefill phase, and
+the decode gear's view may already hold swap-ins into blocks that the prefill gear does not use
+(overlap.py). Order inside one plan: swap-outs (from the view of the gear that ran the previous
+plan; those of kept sequences from the decode view), the switch, then swap-ins (into the new
+gear's view).
 
 With ``async_swap`` a swap-in is not waited for: the prefetcher thread copies this rank's shard
 while the main thread runs the plans that follow (decode steps of resident sequences), then
@@ -38,7 +39,13 @@ from gearshift.worker.engine.plan import StepPlan
 from gearshift.worker.kv.cache import LayerKV, zeroed
 from gearshift.worker.policies.seesaw.async_copy import CopyWorker, Staging
 from gearshift.worker.policies.seesaw.host_kv import HostKVStore
-from gearshift.worker.policies.seesaw.leader import OUT_NUMBER, SWAP_IN, SWAP_IN_GEAR, SWAP_OUT
+from gearshift.worker.policies.seesaw.leader import (
+    OUT_NUMBER,
+    SWAP_IN,
+    SWAP_IN_GEAR,
+    SWAP_OUT,
+    SWAP_OUT_KEPT,
+)
 from gearshift.worker.policies.seesaw.readiness import ReadinessBoard
 from gearshift.worker.policies.seesaw.weights import WeightSet
 
@@ -58,7 +65,17 @@ class GearKV:
 
 
 class DeviceKV:
-    """One buffer, viewed per gear as [layers][k, v] of [blocks, heads, block_size, D]."""
+    """One buffer of ``num_blocks`` slabs; gear g views block b as [layers][k, v] of
+    [heads, block_size, D] at the start of slab b (per layer: [blocks, heads, block_size, D]
+    with a block stride of one slab).
+
+    Block-major, so that a block id means the same memory to both gears (overlap.py): block b of
+    one gear overlaps block b of the other and no other. A sequence's blocks then stay valid in
+    the view that wrote them while the other gear runs on other blocks (kept through a prefill
+    phase, keep.py), and a freed block keeps the prefix-cache entry of the view that wrote it
+    (the block manager's hash namespace) until it is handed out again. Attention kernels take the
+    block stride (torch reference, Triton, the C++ CPU kernels: each block contiguous inside).
+    """
 
     def __init__(
         self,
@@ -69,15 +86,18 @@ class DeviceKV:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        per_block = max(2 * len(g.layers) * len(g.heads) for g in gears) * block_size * head_dim
-        self.buffer = zeroed((num_blocks * per_block,), dtype, device)
+        unit = block_size * head_dim  # one head's block
+        slab = max(2 * len(g.layers) * len(g.heads) for g in gears) * unit
+        self.slab = slab  # elements per block id
+        self.buffer = zeroed((num_blocks * slab,), dtype, device)
+        slabs = self.buffer.view(num_blocks, slab)
         self.views: list[list[LayerKV]] = []
         for g in gears:
-            n = len(g.layers) * 2 * num_blocks * len(g.heads) * block_size * head_dim
-            v = self.buffer[:n].view(
-                len(g.layers), 2, num_blocks, len(g.heads), block_size, head_dim
+            used = 2 * len(g.layers) * len(g.heads) * unit
+            v = slabs[:, :used].view(
+                num_blocks, len(g.layers), 2, len(g.heads), block_size, head_dim
             )
-            self.views.append([(v[i, 0], v[i, 1]) for i in range(len(g.layers))])
+            self.views.append([(v[:, i, 0], v[:, i, 1]) for i in range(len(g.layers))])
 
 
 @dataclass
@@ -148,7 +168,9 @@ class SeesawRankHook:
         numbered = plan.section(OUT_NUMBER)
         number = int(numbered[0]) if numbered is not None else 0
         out = self._pairs(plan.section(SWAP_OUT))
-        if out is not None:
+        kept_section = plan.section(SWAP_OUT_KEPT)
+        kept = self._pairs(kept_section[1:]) if kept_section is not None else None
+        if out is not None or kept is not None:
             if self.prefetcher is None:
                 # A page may be written again once its sequence ended (even mid swap-in): no
                 # rank may still be reading it from an earlier plan. (Asynchronously, the
@@ -156,8 +178,12 @@ class SeesawRankHook:
                 waited = time.perf_counter()
                 self.barrier()
                 self.counters.out_barrier_seconds += time.perf_counter() - waited
-            if self.gears[self.active].writer:
-                self._swap_out(out[0], out[1])
+            if out is not None and self.gears[self.active].writer:
+                self._swap_out(out[0], out[1], self.active)
+            if kept is not None and kept_section is not None:
+                gear = int(kept_section[0])  # the view that holds them (not the running gear's)
+                if self.gears[gear].writer:
+                    self._swap_out(kept[0], kept[1], gear)
             self._written(number)
         if plan.gear != self.active:
             if self.prefetcher is not None and self.prefetch_gears - {plan.gear}:
@@ -176,7 +202,7 @@ class SeesawRankHook:
             target = plan.section(SWAP_IN_GEAR)
             gear = int(target[0]) if target is not None else plan.gear
             self._swap_in(int(section[0]), number, swap_in[0], swap_in[1], gear)
-        if out is not None or swap_in is not None:
+        if out is not None or kept is not None or swap_in is not None:
             self.counters.seconds += time.perf_counter() - start
 
     def _written(self, number: int) -> None:
@@ -219,8 +245,8 @@ class SeesawRankHook:
             done.synchronize()  # the writer thread waits, not compute
         self.store.write_part(pages, layer, kv, heads, staged)
 
-    def _swap_out(self, pages: torch.Tensor, blocks: torch.Tensor) -> None:
-        g, views = self.gears[self.active], self.kv.views[self.active]
+    def _swap_out(self, pages: torch.Tensor, blocks: torch.Tensor, gear: int) -> None:
+        g, views = self.gears[gear], self.kv.views[gear]
         if self.writer is None:
             self.counters.bytes_out += self.store.write_shard(
                 pages, blocks, views, g.layers, g.heads
