@@ -83,12 +83,10 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, ...]:
 
     model = model_desc.load(args.model)
     hw = hardware.load(args.hardware) if args.hardware else None
-    if args.profile is not None:
-        priced = pricing.from_profile(calibration.load(args.profile), hw, args.hardware)
-    elif hw is None:
+    if args.profile is None and hw is None:
         raise ValueError("--hardware: required without --profile")
-    else:
-        priced = pricing.scaled_preset(hw)
+    profile = calibration.load(args.profile) if args.profile is not None else None
+    priced = pricing.choose(hw, profile, args.hardware)  # policy: auto's rule too
     if args.traffic:
         if args.rate is not None:
             raise ValueError("--rate: give the traffic as --traffic FILE or as flags, not both")

@@ -31,7 +31,8 @@ from gearshift.v1 import policy_fields, policy_pb2
 # Set by NVIDIA's GPU feature discovery on every GPU node, e.g. "NVIDIA-H100-80GB-HBM3".
 GPU_LABEL = "nvidia.com/gpu.product"
 # Bump when the planner's rules change, so stored choices are planned again after an upgrade.
-PLANNER_VERSION = 1
+# 2: priced from the scaled preset, as gearshift plan is (issue 30), not the datasheet one.
+PLANNER_VERSION = 2
 
 
 class Waiting(Exception):

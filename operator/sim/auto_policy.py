@@ -224,21 +224,23 @@ def choose(
     profile_text: str | None = None,
     observed: dict[str, Any] | None = None,
 ) -> AutoChoice:
-    """Plan one group of ``shape`` on ``gpu`` devices, priced from the preset or, with
+    """Plan one group of ``shape`` on ``gpu`` devices, priced from the scaled preset or, with
     ``auto.profile``, from ``profile_text`` (its ConfigMap's), under the declared traffic or
     ``observed`` figures (traffic_of); AutoError names the field."""
     model = model_of(auto)
     hw = hardware_of(gpu, shape)
-    priced: pricing_mod.Pricing | None = None
+    profile: calibration.CalibrationProfile | None = None
     about: dict[str, str] | None = None
-    pricing = f"the {hw.device.name} preset (datasheet roofline)"
     if auto.HasField("profile"):
         if profile_text is None:
             raise AutoError(PROFILE_FIELD, f"ConfigMap {auto.profile} was not read")
         profile = profile_of(auto, gpu, profile_text)
-        # plan --profile's pricing (pricing.py), on the group's own hardware shape.
-        priced = pricing_mod.from_profile(profile, hw, gpu)
         about = {"configMap": auto.profile, "describe": profile.describe()}
+    # gearshift plan's rule (pricing.choose), on the group's own hardware shape: the profile,
+    # else the preset scaled by the efficiencies fitted to the recorded GPU measurement.
+    priced = pricing_mod.choose(hw, profile, gpu)
+    pricing = priced.describe
+    if profile is not None:
         pricing = f"the profile in ConfigMap {auto.profile}: {profile.describe()}"
     traffic = traffic_of(auto, shape, observed)
     kinds = kinds_of(auto)
@@ -247,7 +249,7 @@ def choose(
     try:
         report = plan_deployment(
             model,
-            hw,
+            priced.hardware,
             traffic,
             goodput,
             settings=settings,
@@ -257,16 +259,16 @@ def choose(
         )
     except ValueError as exc:  # no candidate fits the group, or none the profile covers
         raise AutoError(
-            PROFILE_FIELD if priced else FIELD, str(exc).removeprefix("--profile: ")
+            PROFILE_FIELD if profile else FIELD, str(exc).removeprefix("--profile: ")
         ) from None
     best = report.recommended
     if best is None:
         raise AutoError(FIELD, f"no layout could be simulated: {report.reason}")
     policy, reason = best.candidate.policy, report.reason
     at = best.at_rate
-    if priced is not None and priced.excluded:
+    if priced.excluded:
         reason += f"; not in the profile, so not candidates: {', '.join(priced.excluded)}"
-    if best.candidate.kind == "shift" and priced is not None:
+    if best.candidate.kind == "shift" and profile is not None:
         # The measured step cost is the engine's at its default threshold; tuning would price
         # the other thresholds from the roofline, a second pricing the profile replaces.
         reason += "; threshold: the engine's default (the one the profile measured)"

@@ -110,6 +110,18 @@ def scaled_preset(hw: Hardware) -> Pricing:
     )
 
 
+def choose(
+    hw: Hardware | None, profile: CalibrationProfile | None, given: str | None = None
+) -> Pricing:
+    """The one rule of ``gearshift plan`` and ``policy: auto``: the profile when there is one
+    (``hw``, from ``given``, must then be its device), else ``hw``'s scaled preset."""
+    if profile is not None:
+        return from_profile(profile, hw, given)
+    if hw is None:
+        raise HardwareError("--hardware: required without --profile")
+    return scaled_preset(hw)
+
+
 def from_profile(profile: CalibrationProfile, hw: Hardware | None, given: str | None) -> Pricing:
     """Pricing by ``profile``; ``hw`` (from ``--hardware`` ``given``) must be the same device."""
     preset = preset_of_product(profile.device) if profile.device_kind == "cuda" else None

@@ -33,6 +33,7 @@ def _body(name: str) -> dict[str, Any]:
     a = body["spec"]["policy"]["auto"]
     a.pop("goodput")
     a.update(gpu="H100", requests=10, policies=["static", "shift"], traffic=copy.deepcopy(CHAT))
+    a["margin"] = 0  # the default cooldown (30 min) is what holds the second plan
     return body
 
 
