@@ -171,7 +171,8 @@ class Reconciler:
         profile: str | None = None
         if auto.calibrates(parsed):
             gpu = auto.gpu_of(parsed, nodes)
-            measured = await calibration_run.run(self.kube, parsed, gpu, nodes or [])
+            retry = self.settings.calibration
+            measured = await calibration_run.run(self.kube, parsed, gpu, nodes or [], now, retry)
             if isinstance(measured, calibration_run.Calibrating):
                 chosen = auto.hold(parsed, before, measured.message)
                 self.plans[owner] = chosen.status
