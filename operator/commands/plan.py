@@ -91,16 +91,13 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, ...]:
     model = model_desc.load(args.model)
     hw = hardware.load(args.hardware) if args.hardware else None
     unprofiled = getattr(args, "unprofiled", None)
-    if args.profile is not None:
-        priced = pricing.from_profile(
-            calibration.load(args.profile), hw, args.hardware, unprofiled or "exclude"
-        )
-    elif unprofiled is not None:
+    if args.profile is None and unprofiled is not None:
         raise ValueError("--unprofiled: only with --profile")
-    elif hw is None:
+    if args.profile is None and hw is None:
         raise ValueError("--hardware: required without --profile")
-    else:
-        priced = pricing.scaled_preset(hw)
+    profile = calibration.load(args.profile) if args.profile is not None else None
+    # policy: auto's rule too (pricing.choose)
+    priced = pricing.choose(hw, profile, args.hardware, unprofiled or "exclude")
     if args.traffic:
         if args.rate is not None:
             raise ValueError("--rate: give the traffic as --traffic FILE or as flags, not both")

@@ -22,7 +22,7 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from gearshift.operator.reconcile import auto_apply, restarts
+from gearshift.operator.reconcile import auto_apply, auto_traffic, restarts
 from gearshift.operator.reconcile.auto_planner import Failed, PlanRequest, run_plan
 from gearshift.operator.reconcile.spec import DeploymentSpec, SpecError, parse_policy
 from gearshift.operator.sim import auto_policy
@@ -31,7 +31,8 @@ from gearshift.v1 import policy_fields, policy_pb2
 # Set by NVIDIA's GPU feature discovery on every GPU node, e.g. "NVIDIA-H100-80GB-HBM3".
 GPU_LABEL = "nvidia.com/gpu.product"
 # Bump when the planner's rules change, so stored choices are planned again after an upgrade.
-PLANNER_VERSION = 1
+# 2: priced from the scaled preset, as gearshift plan is (issue 30), not the datasheet one.
+PLANNER_VERSION = 2
 
 
 class Waiting(Exception):
@@ -97,7 +98,7 @@ def hold(spec: DeploymentSpec, before: dict[str, Any], message: str) -> Resolved
     plan comes; with none running yet, Waiting (nothing is rendered, reason Calibrating)."""
     if not isinstance(before.get("policy"), dict):
         raise Waiting(None, message, False, reason="Calibrating")
-    kept = {k: v for k, v in before.items() if k not in _TRANSIENT}
+    kept = {k: v for k, v in before.items() if k not in TRANSIENT}
     status = {**kept, "calibrating": {"message": message}}
     return Resolved(with_policy(spec, before["policy"]), status, False)
 
@@ -156,7 +157,12 @@ def _shape(spec: DeploymentSpec) -> auto_policy.GroupShape:
 _NOT_INPUTS = ("apply", "margin", "cooldownSeconds")
 
 
-def digest(spec: DeploymentSpec, gpu: str, profile: str | None = None) -> str:
+def digest(
+    spec: DeploymentSpec,
+    gpu: str,
+    profile: str | None = None,
+    traffic: auto_traffic.PlanTraffic | None = None,
+) -> str:
     fields = json_format.MessageToDict(spec.policy.auto)
     inputs: dict[str, Any] = {
         "auto": {k: v for k, v in fields.items() if k not in _NOT_INPUTS},
@@ -166,15 +172,21 @@ def digest(spec: DeploymentSpec, gpu: str, profile: str | None = None) -> str:
     }
     if profile is not None:  # its content, not only its name: a rewritten ConfigMap replans
         inputs["profile"] = hashlib.sha256(profile.encode()).hexdigest()
+    if auto_traffic.observes(spec.policy.auto):  # the quantised figures (None: the declared)
+        inputs["observed"] = traffic.figures if traffic is not None else None
     text = json.dumps(inputs, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def inputs(
-    spec: DeploymentSpec, nodes: list[dict[str, Any]] | None, profile: str | None = None
+    spec: DeploymentSpec,
+    nodes: list[dict[str, Any]] | None,
+    profile: str | None = None,
+    traffic: auto_traffic.PlanTraffic | None = None,
 ) -> tuple[str, str]:
     """The GPU the group runs on and the digest of everything a plan depends on; ``profile``:
-    the text of ``auto.profile``'s ConfigMap (``profile_text``), checked here against the GPU."""
+    the text of ``auto.profile``'s ConfigMap (``profile_text``), checked here against the GPU;
+    ``traffic``: with ``traffic.source: Observed``, what auto_traffic chose."""
     auto = spec.policy.auto
     gpu = gpu_of(spec, nodes)
     if auto.HasField("profile"):
@@ -186,7 +198,7 @@ def inputs(
             auto_policy.profile_of(auto, gpu, profile)
         except auto_policy.AutoError as exc:
             raise SpecError(str(exc), exc.field) from None
-    return gpu, digest(spec, gpu, profile)
+    return gpu, digest(spec, gpu, profile, traffic)
 
 
 PROFILE_FIELD = auto_policy.PROFILE_FIELD
@@ -229,7 +241,12 @@ def needs_plan(before: dict[str, Any], key: str) -> bool:
     return not (running or recommended)
 
 
-def request(spec: DeploymentSpec, gpu: str, profile: str | None = None) -> PlanRequest:
+def request(
+    spec: DeploymentSpec,
+    gpu: str,
+    profile: str | None = None,
+    traffic: auto_traffic.PlanTraffic | None = None,
+) -> PlanRequest:
     shape = _shape(spec)
     return PlanRequest(
         spec.policy.auto.SerializeToString(),
@@ -239,12 +256,18 @@ def request(spec: DeploymentSpec, gpu: str, profile: str | None = None) -> PlanR
         shape.replicas,
         shape.max_model_len,
         profile,
+        traffic.figures if traffic is not None else None,
     )
 
 
-def plan_now(spec: DeploymentSpec, gpu: str, profile: str | None = None) -> dict[str, Any]:
+def plan_now(
+    spec: DeploymentSpec,
+    gpu: str,
+    profile: str | None = None,
+    traffic: auto_traffic.PlanTraffic | None = None,
+) -> dict[str, Any]:
     """Plan in this process (``runnable``; the operator plans in a child, auto_planner.py)."""
-    answer = run_plan(request(spec, gpu, profile))
+    answer = run_plan(request(spec, gpu, profile, traffic))
     if isinstance(answer, Failed):
         raise SpecError(answer.message, answer.field)
     return answer.plan
@@ -257,15 +280,35 @@ def resolve(
     key: str,
     now: dt.datetime,
     fresh: dict[str, Any] | None = None,
+    traffic: auto_traffic.PlanTraffic | None = None,
 ) -> Resolved:
     """The spec running the policy ``auto_apply`` keeps or takes, and status.auto.
 
     ``before``: the last status.auto; ``fresh``: a plan just made from ``key`` (None: the
-    stored plans are up to date, ``needs_plan`` is False)."""
+    stored plans are up to date, ``needs_plan`` is False); ``traffic``: what an Observed
+    source planned from (auto_traffic), shown with the plan."""
+    resolved = _resolve(spec, before, gpu, key, now, fresh, traffic)
+    if traffic is not None and traffic.observing:
+        status = {**resolved.status, "observing": {"message": traffic.observing}}
+        return replace(resolved, status=status)
+    return resolved
+
+
+def _resolve(
+    spec: DeploymentSpec,
+    before: dict[str, Any],
+    gpu: str,
+    key: str,
+    now: dt.datetime,
+    fresh: dict[str, Any] | None,
+    traffic: auto_traffic.PlanTraffic | None,
+) -> Resolved:
     running = before if isinstance(before.get("policy"), dict) else None
-    kept = {k: v for k, v in (running or {}).items() if k not in _TRANSIENT}
+    kept = {k: v for k, v in (running or {}).items() if k not in TRANSIENT}
     if fresh is not None:
         plan = {**fresh, "inputs": key, "gpu": gpu, "plannedAt": restarts.format_time(now)}
+        if traffic is not None:
+            plan["traffic"] = traffic.status
     else:
         plan = dict(before.get("recommendation") or {})
         if plan.get("inputs") != key:  # the running plan is the latest
@@ -291,7 +334,7 @@ def resolve(
 
 
 # Keys of status.auto that describe a later plan, not the running one.
-_TRANSIENT = ("recommendation", "planning", "error", "calibrating")
+TRANSIENT = ("recommendation", "planning", "error", "calibrating", "observing")
 
 
 def with_policy(spec: DeploymentSpec, policy: dict[str, Any]) -> DeploymentSpec:

@@ -22,8 +22,9 @@ Owner = tuple[str, str, str]  # namespace, name, uid
 
 @dataclass(frozen=True)
 class PlanRequest:
-    """What a child plans from: the AutoPolicy (serialized), the GPU, the group's shape and,
-    with ``auto.profile``, the profile's text (read from its ConfigMap by the operator)."""
+    """What a child plans from: the AutoPolicy (serialized), the GPU, the group's shape,
+    with ``auto.profile`` the profile's text (read from its ConfigMap by the operator), and
+    observed traffic figures."""
 
     auto: bytes
     gpu: str
@@ -32,6 +33,9 @@ class PlanRequest:
     replicas: int
     max_model_len: int | None
     profile: str | None = None
+    # traffic.source: Observed: the router's figures to plan from (auto_traffic.py); None:
+    # the declared traffic.
+    traffic: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,7 @@ def run_plan(request: PlanRequest) -> Planned | Failed:
     )
     try:
         auto = policy_pb2.AutoPolicy.FromString(request.auto)
-        choice = auto_policy.choose(auto, request.gpu, shape, request.profile)
+        choice = auto_policy.choose(auto, request.gpu, shape, request.profile, request.traffic)
     except auto_policy.AutoError as exc:
         return Failed(exc.field, str(exc))
     plan = Planned(

@@ -9,10 +9,12 @@ renders nothing, with reason ``Calibrating``; one already running keeps its runn
 
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import dataclass
 from typing import Any
 
-from gearshift.operator.reconcile import calibration
+from gearshift.operator.reconcile import calibration, restarts
+from gearshift.operator.reconcile import calibration_retry as retry
 from gearshift.operator.reconcile.kube import Kube, KubeError
 from gearshift.operator.reconcile.spec import DeploymentSpec, SpecError
 from gearshift.operator.sim import auto_policy
@@ -88,10 +90,16 @@ def _failed(job: dict[str, Any]) -> str | None:
 
 
 async def run(
-    kube: Kube, spec: DeploymentSpec, gpu: str, nodes: list[dict[str, Any]]
+    kube: Kube,
+    spec: DeploymentSpec,
+    gpu: str,
+    nodes: list[dict[str, Any]],
+    now: dt.datetime,
+    rules: retry.CalibrationRetry,
 ) -> Measured | Calibrating:
-    """The calibration of ``spec`` on ``gpu``: measured, or still running; SpecError naming
-    spec.policy.auto.calibrate when it cannot run or its Job failed."""
+    """The calibration of ``spec`` on ``gpu``: measured, or still running (a failed Job waits
+    for its next attempt: calibration_retry.py); SpecError naming spec.policy.auto.calibrate
+    when it cannot run or its last attempt failed."""
     calibration.check(spec)
     key = calibration.key(spec, gpu)
     name = calibration.name_of(key)
@@ -119,13 +127,78 @@ async def run(
     failed = _failed(objects["Job"])
     if failed is None and _done(objects["Job"]):
         failed = f"Complete, yet ConfigMap {name} holds no {auto_policy.PROFILE_KEY}"
+    annotations = (objects["ConfigMap"].get("metadata") or {}).get("annotations") or {}
+    attempt = int(annotations.get(retry.ATTEMPT_ANNOTATION) or 1)
+    of = f"attempt {attempt} of {rules.attempts}"
     if failed is not None:
-        raise SpecError(
-            f"{FIELD}: the profiling Job {name} failed ({failed}); delete it to try again", FIELD
-        )
+        try:
+            fresh = calibration.job(spec, gpu, product, key)
+            return await _after_failure(kube, spec, objects, fresh, failed, attempt, now, rules)
+        except KubeError as exc:
+            raise SpecError(f"{FIELD}: cannot retry the Job {name} ({exc})", FIELD) from exc
     layouts = ", ".join(calibration.layouts(spec.group.ranks))
     return Calibrating(
         name,
-        f"{FIELD}: Job {name} profiles {layouts} on a {product} node; the plan waits for its "
-        f"profile (ConfigMap {name})",
+        f"{FIELD}: Job {name} ({of}) profiles {layouts} on a {product} node; the plan waits "
+        f"for its profile (ConfigMap {name})",
     )
+
+
+async def _after_failure(
+    kube: Kube,
+    spec: DeploymentSpec,
+    objects: dict[str, dict[str, Any]],
+    fresh: dict[str, Any],
+    failed: str,
+    attempt: int,
+    now: dt.datetime,
+    rules: retry.CalibrationRetry,
+) -> Calibrating:
+    """A failed Job: its next attempt waits, starts now, or there is none (SpecError)."""
+    job, config_map = objects["Job"], objects["ConfigMap"]
+    meta = job["metadata"]
+    name, uid = meta["name"], meta.get("uid", "")
+    annotations = (config_map.get("metadata") or {}).get("annotations") or {}
+    if uid and annotations.get(retry.RETIRED_ANNOTATION) == uid:
+        # Already counted and deleted: the deletion is still in flight.
+        await _delete_job(kube, spec, name)
+        return Calibrating(name, f"{FIELD}: Job {name} attempt {attempt} is being created")
+    failed_at = _failed_at(job)
+    decision = retry.decide(rules, attempt, failed_at, now)
+    if isinstance(decision, retry.GiveUp):
+        raise SpecError(
+            f"{FIELD}: the profiling Job {name} failed ({failed}) on attempt {attempt} of "
+            f"{rules.attempts}: no attempt is left; delete it to try again",
+            FIELD,
+        )
+    done = f"{FIELD}: the profiling Job {name} failed ({failed}) on attempt {attempt}"
+    if isinstance(decision, retry.Wait):
+        when = restarts.format_time(decision.at)
+        return Calibrating(
+            name, f"{done} of {rules.attempts}; attempt {decision.attempt} starts at {when}"
+        )
+    # Count first: if the pass stops between the two calls the next one finds the Job retired.
+    counted = {
+        **annotations,
+        retry.ATTEMPT_ANNOTATION: str(decision.attempt),
+        retry.RETIRED_ANNOTATION: uid,
+    }
+    ops = [{"op": "add", "path": "/metadata/annotations", "value": counted}]
+    await kube.json_patch("v1", "ConfigMap", spec.namespace, name, ops)
+    await _delete_job(kube, spec, name)
+    await kube.create(fresh)  # False: the old one is still being deleted (the next pass)
+    return Calibrating(
+        name, f"{done} of {rules.attempts}; attempt {decision.attempt} of {rules.attempts} started"
+    )
+
+
+async def _delete_job(kube: Kube, spec: DeploymentSpec, name: str) -> None:
+    await kube.delete("batch/v1", "Job", spec.namespace, name, propagation="Background")
+
+
+def _failed_at(job: dict[str, Any]) -> dt.datetime | None:
+    """When the Job failed (its Failed condition's transition), else when it was created."""
+    for c in (job.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "Failed" and c.get("lastTransitionTime"):
+            return restarts.parse_time(c["lastTransitionTime"])
+    return restarts.parse_time((job.get("metadata") or {}).get("creationTimestamp"))

@@ -462,6 +462,21 @@ def auto_status_schema() -> dict[str, Any]:
         "predicted": _obj({**figures, "kvTokens": {"type": "integer"}}),
         "considered": {"type": "array", "items": line, "x-kubernetes-list-type": "atomic"},
         "plannedAt": {"type": "string", "format": "date-time"},
+        "traffic": _obj(
+            {
+                "source": {"type": "string", "description": "Declared or Observed."},
+                "figures": {
+                    "type": "object",
+                    "x-kubernetes-preserve-unknown-fields": True,
+                    "description": "The observed traffic planned from (rate for the whole "
+                    "deployment, burstiness, prompt and output lengths), quantised.",
+                },
+                "requests": {"type": "integer", "description": "Requests in the window."},
+                "windowSeconds": {"type": "number"},
+                "message": {"type": "string"},
+            },
+            "traffic.source: Observed: the traffic this plan was made from.",
+        ),
     }
     note = _obj({"inputs": {"type": "string"}, "message": {"type": "string"}})
     held = {
@@ -484,6 +499,10 @@ def auto_status_schema() -> dict[str, Any]:
             "calibrating": _obj(
                 {"message": {"type": "string"}},
                 "auto.calibrate's profiling Job is running; the running choice is kept.",
+            ),
+            "observing": _obj(
+                {"message": {"type": "string"}},
+                "traffic.source: Observed could not read the router; the running choice is kept.",
             ),
         },
         "policy: auto's running choice (absent for other policies).",

@@ -208,10 +208,21 @@ class Kube:
         }
         await self._acall("POST", f"/api/v1/namespaces/{namespace}/events", body)
 
-    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
-        """Delete; False when it was already gone."""
+    async def delete(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        propagation: str | None = None,
+    ) -> bool:
+        """Delete; False when it was already gone. ``propagation``: DeleteOptions'
+        propagationPolicy (a Job's API default orphans its pods; Background deletes them)."""
+        body = None
+        if propagation is not None:
+            body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": propagation}
         try:
-            await self._acall("DELETE", _path(api_version, kind, namespace, name))
+            await self._acall("DELETE", _path(api_version, kind, namespace, name), body)
         except KubeError as exc:
             if exc.status == 404:
                 return False

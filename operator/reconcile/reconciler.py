@@ -18,6 +18,7 @@ from typing import Any
 from gearshift.operator.reconcile import (
     auto,
     auto_planner,
+    auto_traffic,
     calibration_run,
     model_pin,
     names,
@@ -39,6 +40,9 @@ from gearshift.v1 import policy_fields, policy_pb2, router_pb2
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.policies import checks
 from gearshift.worker.policies.support import check_supported
+
+# The router's Admin.GetStatus answer, or None and why not.
+RouterRead = tuple[router_pb2.RouterStatus | None, str]
 
 # Listed once per pass; every child of these kinds carries the deployment label.
 SNAPSHOT_KINDS = [
@@ -74,7 +78,7 @@ class Reconciler:
         previous = dict(body.get("status") or {})
         meta = body.get("metadata", {})
         try:
-            spec, chosen = await self._runnable(body, previous, now)
+            spec, chosen, router_read = await self._runnable(body, previous, now)
             # Off the event loop: it may ask the Hub (bounded by model_pin.RESOLVE_TIMEOUT_S).
             spec, pinned = await asyncio.to_thread(
                 model_pin.pin, spec, previous.get("model"), self.resolver
@@ -119,7 +123,8 @@ class Reconciler:
             self.settings.admin_timeout_seconds,
             admin_token,
         )
-        router, router_error = await self._router_status(admin)
+        # traffic.source: Observed read the router before planning; the same answer serves here.
+        router, router_error = router_read or await self._router_status(admin)
         result = await self._converge(
             spec, admin, router, router_error, previous, now, surge_only=chosen is not None
         )
@@ -140,16 +145,17 @@ class Reconciler:
 
     async def _runnable(
         self, body: dict[str, Any], previous: dict[str, Any], now: dt.datetime
-    ) -> tuple[DeploymentSpec, auto.Resolved | None]:
+    ) -> tuple[DeploymentSpec, auto.Resolved | None, RouterRead | None]:
         """runnable(), planning off the reconcile path: in the planner's child process (a pass
-        polls it and goes on with the running choice), or in a thread without a planner."""
+        polls it and goes on with the running choice), or in a thread without a planner. The
+        router's status when traffic.source: Observed read it (None: not read)."""
         parsed = parse(body)
         owner = (parsed.namespace, parsed.name, parsed.uid)
         if not auto.is_auto(parsed):
             self.plans.pop(owner, None)
             if self.planner is not None:
                 self.planner.forget(owner)
-            return runnable(body, previous, None, now)
+            return (*runnable(body, previous, None, now), None)
         nodes = None
         if auto.needs_nodes(parsed):
             try:
@@ -165,16 +171,22 @@ class Reconciler:
         profile: str | None = None
         if auto.calibrates(parsed):
             gpu = auto.gpu_of(parsed, nodes)
-            measured = await calibration_run.run(self.kube, parsed, gpu, nodes or [])
+            retry = self.settings.calibration
+            measured = await calibration_run.run(self.kube, parsed, gpu, nodes or [], now, retry)
             if isinstance(measured, calibration_run.Calibrating):
                 chosen = auto.hold(parsed, before, measured.message)
                 self.plans[owner] = chosen.status
-                return checked(chosen.spec, planned=True), chosen
+                return checked(chosen.spec, planned=True), chosen, None
             parsed, profile = auto.with_profile(parsed, measured.config_map), measured.text
         else:
             profile = await self._profile(parsed)
-        gpu, key = auto.inputs(parsed, nodes, profile)
-        chosen = await self._plan(parsed, owner, before, gpu, key, now, profile)
+        router_read: RouterRead | None = None
+        traffic: auto_traffic.PlanTraffic | None = None
+        if auto_traffic.observes(parsed.policy.auto):
+            router_read = await self._router_status(await self._admin(parsed))
+            traffic = auto_traffic.choose(*router_read, before)
+        gpu, key = auto.inputs(parsed, nodes, profile, traffic)
+        chosen = await self._plan(parsed, owner, before, gpu, key, now, profile, traffic)
         self.plans[owner] = chosen.status
         if chosen.event is not None:
             self.logger.info("%s", chosen.event.message)
@@ -185,7 +197,14 @@ class Reconciler:
                 )
             except KubeError as exc:  # an event is a courtesy; status.auto says the same
                 self.logger.warning("could not post the %s event: %s", chosen.event.reason, exc)
-        return checked(chosen.spec, planned=True), chosen
+        return checked(chosen.spec, planned=True), chosen, router_read
+
+    async def _admin(self, spec: DeploymentSpec) -> AdminClient:
+        return AdminClient(
+            self.settings.admin_address_for(spec.name, spec.namespace),
+            self.settings.admin_timeout_seconds,
+            await self.tokens.admin_token(spec),
+        )
 
     async def _profile(self, spec: DeploymentSpec) -> str | None:
         """The text of the profile ConfigMap ``auto.profile`` names, read each pass (its
@@ -209,15 +228,16 @@ class Reconciler:
         key: str,
         now: dt.datetime,
         profile: str | None = None,
+        traffic: auto_traffic.PlanTraffic | None = None,
     ) -> auto.Resolved:
         if not auto.needs_plan(before, key):
-            return auto.resolve(spec, before, gpu, key, now)
+            return auto.resolve(spec, before, gpu, key, now, traffic=traffic)
         if self.planner is None:
-            fresh = await asyncio.to_thread(auto.plan_now, spec, gpu, profile)
-            return auto.resolve(spec, before, gpu, key, now, fresh)
-        outcome = self.planner.poll(owner, key, auto.request(spec, gpu, profile))
+            fresh = await asyncio.to_thread(auto.plan_now, spec, gpu, profile, traffic)
+            return auto.resolve(spec, before, gpu, key, now, fresh, traffic)
+        outcome = self.planner.poll(owner, key, auto.request(spec, gpu, profile, traffic))
         if isinstance(outcome, auto_planner.Planned):
-            return auto.resolve(spec, before, gpu, key, now, outcome.plan)
+            return auto.resolve(spec, before, gpu, key, now, outcome.plan, traffic)
         if isinstance(outcome, auto_planner.Failed):
             raise SpecError(outcome.message, outcome.field)
         field = auto.auto_policy.FIELD
@@ -233,8 +253,11 @@ class Reconciler:
             message = f"{field}: planning (in a child process of the operator)"
         note = {"inputs": key, "message": message}
         running = isinstance(before.get("policy"), dict)
-        kept = {k: v for k, v in before.items() if k not in ("planning", "error", "calibrating")}
+        drop = ("planning", "error", "calibrating", "observing")
+        kept = {k: v for k, v in before.items() if k not in drop}
         status_auto = {**kept, ("error" if timed_out else "planning"): note}
+        if traffic is not None and traffic.observing:
+            status_auto["observing"] = {"message": traffic.observing}
         if not running:  # status.auto is the running choice: none yet (the conditions say why)
             raise auto.Waiting(None, message, timed_out)
         resolved = auto.Resolved(auto.with_policy(spec, before["policy"]), status_auto, False)
@@ -244,9 +267,7 @@ class Reconciler:
             raise auto.Waiting(status_auto, message, timed_out) from None
         return resolved
 
-    async def _router_status(
-        self, admin: AdminClient
-    ) -> tuple[router_pb2.RouterStatus | None, str]:
+    async def _router_status(self, admin: AdminClient) -> RouterRead:
         try:
             return await admin.get_status(), ""
         except AdminUnavailable as exc:
@@ -514,10 +535,12 @@ def runnable(
     nodes: list[dict[str, Any]] | None = None,
     now: dt.datetime | None = None,
     profile_map: dict[str, Any] | None = None,
+    router: router_pb2.RouterStatus | None = None,
 ) -> tuple[DeploymentSpec, auto.Resolved | None]:
     """The parsed spec, with `policy: auto` replaced by its running choice (planned here, in
     this process, when no stored plan matches); SpecError when it is invalid or asks for what
-    the engine cannot run. ``profile_map``: the ConfigMap ``auto.profile`` names, when set.
+    the engine cannot run. ``profile_map``: the ConfigMap ``auto.profile`` names, when set;
+    ``router``: its status, for ``traffic.source: Observed`` (None: not reachable).
 
     A spec the schema accepts but no worker can run renders no children: its pods could only
     crash-loop (worker/policies/support.py holds the rule, shared with the worker and `serve`).
@@ -530,9 +553,13 @@ def runnable(
         raise SpecError(f"{field}: runs a profiling Job: only the operator plans it", field)
     before = (previous or {}).get("auto") or {}
     profile = None if auto.profile_name(spec) is None else auto.profile_text(spec, profile_map)
-    gpu, key = auto.inputs(spec, nodes, profile)
-    fresh = auto.plan_now(spec, gpu, profile) if auto.needs_plan(before, key) else None
-    chosen = auto.resolve(spec, before, gpu, key, now or dt.datetime.now(dt.UTC), fresh)
+    traffic = None
+    if auto_traffic.observes(spec.policy.auto):
+        traffic = auto_traffic.choose(router, "not given", before)
+    gpu, key = auto.inputs(spec, nodes, profile, traffic)
+    fresh = auto.plan_now(spec, gpu, profile, traffic) if auto.needs_plan(before, key) else None
+    at = now or dt.datetime.now(dt.UTC)
+    chosen = auto.resolve(spec, before, gpu, key, at, fresh, traffic)
     return checked(chosen.spec, planned=True), chosen
 
 

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from gearshift.operator.reconcile import names
+from gearshift.operator.reconcile.calibration_retry import CalibrationRetry
 from gearshift.operator.reconcile.render_network import DnsPeer, OperatorPeer
 
 DEFAULT_ADMIN_ADDRESS = "{router_admin}.{namespace}.svc.{cluster_domain}:{port}"
@@ -32,6 +33,10 @@ class OperatorSettings:
     # planned again after plan_retry_seconds (auto_planner.py).
     plan_timeout_seconds: float = 300.0
     plan_retry_seconds: float = 600.0
+    # auto.calibrate: a failed profiling Job is deleted and created again after a backoff that
+    # doubles from the first value up to the cap, for at most this many attempts in all
+    # (calibration_retry.py).
+    calibration: CalibrationRetry = field(default_factory=CalibrationRetry)
 
     def admin_address_for(self, name: str, namespace: str) -> str:
         return self.admin_address.format(
@@ -53,6 +58,11 @@ class OperatorSettings:
             key_file=e.get("GEARSHIFT_OPERATOR_KEY_FILE", ""),
             plan_timeout_seconds=float(e.get("GEARSHIFT_PLAN_TIMEOUT_SECONDS", "300")),
             plan_retry_seconds=float(e.get("GEARSHIFT_PLAN_RETRY_SECONDS", "600")),
+            calibration=CalibrationRetry(
+                attempts=int(e.get("GEARSHIFT_CALIBRATION_ATTEMPTS", "3")),
+                backoff_s=float(e.get("GEARSHIFT_CALIBRATION_BACKOFF_SECONDS", "300")),
+                max_backoff_s=float(e.get("GEARSHIFT_CALIBRATION_BACKOFF_MAX_SECONDS", "3600")),
+            ),
             dns=DnsPeer(parse_labels(e.get("GEARSHIFT_DNS_LABELS", "")) or DnsPeer().labels),
             operator=OperatorPeer(
                 namespace=e.get("GEARSHIFT_OPERATOR_NAMESPACE", ""),

@@ -209,7 +209,20 @@ def parse_policy(raw: dict[str, Any]) -> policy_pb2.Policy:
     try:
         return policy_json.from_dict(raw)
     except ValueError as exc:
-        raise SpecError(f"spec.policy: {exc}") from exc
+        raise SpecError(f"{_bad_field(raw, str(exc))}: {exc}") from exc
+
+
+# protobuf's ParseError ends with where it stopped: "... at AutoPolicy.traffic.source."
+_PARSE_AT = re.compile(r" at \w+\.([\w.]*\w)\.*$")
+
+
+def _bad_field(raw: dict[str, Any], message: str) -> str:
+    """The spec path of the value protobuf refused (e.g. spec.policy.auto.traffic.source)."""
+    found = _PARSE_AT.search(message)
+    if len(raw) != 1 or found is None:
+        return "spec.policy"
+    camel = [re.sub(r"_([a-z])", lambda m: m.group(1).upper(), p) for p in found[1].split(".")]
+    return ".".join(["spec.policy", str(next(iter(raw))), *camel])
 
 
 def parse(body: dict[str, Any]) -> DeploymentSpec:

@@ -9,6 +9,7 @@ import grpc
 
 from gearshift.operator.router.core import Router
 from gearshift.operator.router.group import Group, WorkerGroup
+from gearshift.operator.router.traffic_window import LengthSummary
 from gearshift.v1 import (
     policy_fields,
     policy_pb2,
@@ -83,6 +84,20 @@ class AdminService(router_pb2_grpc.AdminServicer):
                 status.gear = g.stats.gear
                 status.policy.CopyFrom(g.stats.policy)
                 status.stats.CopyFrom(g.stats)
+        window = self.router.metrics.window
+        seen = window.summary()
+        out.traffic.CopyFrom(
+            router_pb2.ObservedTraffic(
+                requests=seen.requests,
+                window_seconds=seen.window_s,
+                rate=seen.rate,
+                burstiness=seen.burstiness,
+                prompt_tokens=_lengths(seen.prompt),
+                output_tokens=_lengths(seen.output),
+                max_requests=window.max_requests,
+                max_age_seconds=window.max_age_s,
+            )
+        )
         return out
 
     async def Drain(
@@ -95,3 +110,9 @@ class AdminService(router_pb2_grpc.AdminServicer):
         group.draining = not request.resume
         log.info("group %s %s", group.name, "resumed" if request.resume else "draining")
         return router_pb2.DrainResponse(in_flight=group.load.in_flight)
+
+
+def _lengths(summary: LengthSummary) -> router_pb2.LengthSummary:
+    return router_pb2.LengthSummary(
+        median=summary.median, p90=summary.p90, min=summary.low, max=summary.high
+    )

@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 from gearshift.operator.router.group import Group
 from gearshift.operator.router.metric_table import GROUP_METRICS, REQUEST_METRICS, MetricSpec
 from gearshift.operator.router.trace_recorder import TraceRecorder
+from gearshift.operator.router.traffic_window import TrafficWindow
 from gearshift.v1 import policy_fields, policy_pb2, worker_pb2
 
 
@@ -46,6 +47,8 @@ class RouterMetrics:
         self.model_name = model_name
         # --record-trace: every finished request also goes to this file (trace_recorder.py).
         self.trace: TraceRecorder | None = None
+        # The recent finished requests, for Admin.GetStatus's traffic (traffic_window.py).
+        self.window = TrafficWindow()
         self.registry = CollectorRegistry(auto_describe=True)
         for spec in REQUEST_METRICS:
             setattr(self, spec.key, _instrument(spec, self.registry))
@@ -88,9 +91,11 @@ class RouterMetrics:
             self.tpot.labels(name).observe(decode_time / (output_tokens - 1))
         if queue_time is not None:
             self.queue.labels(name).observe(max(0.0, queue_time))
+        # Both callers measure e2e on the monotonic clock, from the request's arrival.
+        arrival = time.monotonic() - e2e
+        self.window.record(arrival, prompt_tokens, output_tokens)
         if self.trace is not None:
-            # Both callers measure e2e on the monotonic clock, from the request's arrival.
-            self.trace.record(time.monotonic() - e2e, prompt_tokens, output_tokens, finish_reason)
+            self.trace.record(arrival, prompt_tokens, output_tokens, finish_reason)
 
 
 class GroupCollector(Collector):

@@ -97,7 +97,14 @@ def _lengths(msg: policy_pb2.AutoLengths) -> dict[str, Any]:
     return {"preset": msg.preset} if msg.HasField("preset") else {"fixed": msg.fixed}
 
 
-def traffic_of(auto: policy_pb2.AutoPolicy, shape: GroupShape) -> Traffic:
+SOURCE_FIELD = f"{FIELD}.traffic.source"
+
+
+def traffic_of(
+    auto: policy_pb2.AutoPolicy, shape: GroupShape, observed: dict[str, Any] | None = None
+) -> Traffic:
+    """One group's traffic: the declared fields, or ``observed`` (traffic.source: Observed:
+    the router's quantised figures, {rate, burstiness, prompt, output} for the deployment)."""
     where = f"{FIELD}.traffic"
     if not auto.HasField("traffic"):
         raise AutoError(where, "required: at least traffic.rate (requests per second)")
@@ -105,6 +112,8 @@ def traffic_of(auto: policy_pb2.AutoPolicy, shape: GroupShape) -> Traffic:
     full = policy_pb2.AutoPolicy()
     full.CopyFrom(auto)
     policy_fields.fill_constants(full)
+    if observed is not None:
+        return _observed_traffic(observed, full.requests, shape)
     # Each group's share: the router spreads requests evenly over spec.replicas groups.
     data: dict[str, Any] = {
         "rate": t.rate / max(shape.replicas, 1),
@@ -125,6 +134,21 @@ def traffic_of(auto: policy_pb2.AutoPolicy, shape: GroupShape) -> Traffic:
         if field == f"{where}.requests":  # requests sits beside traffic in the spec
             field = f"{FIELD}.requests"
         raise AutoError(field, message) from None
+
+
+def _observed_traffic(observed: dict[str, Any], requests: int, shape: GroupShape) -> Traffic:
+    data = {
+        **observed,
+        "rate": float(observed["rate"]) / max(shape.replicas, 1),
+        "requests": requests,
+        "seed": 0,
+    }
+    try:
+        return Traffic.from_mapping(data, f"{SOURCE_FIELD} (observed)")
+    except ValueError as exc:
+        raise AutoError(
+            SOURCE_FIELD, f"the router's observed traffic cannot be planned: {exc}"
+        ) from None
 
 
 def _wrap(auto: policy_pb2.AutoPolicy) -> policy_pb2.Policy:
@@ -194,31 +218,38 @@ def profile_of(auto: policy_pb2.AutoPolicy, gpu: str, text: str) -> calibration.
 
 
 def choose(
-    auto: policy_pb2.AutoPolicy, gpu: str, shape: GroupShape, profile_text: str | None = None
+    auto: policy_pb2.AutoPolicy,
+    gpu: str,
+    shape: GroupShape,
+    profile_text: str | None = None,
+    observed: dict[str, Any] | None = None,
 ) -> AutoChoice:
-    """Plan one group of ``shape`` on ``gpu`` devices, priced from the preset or, with
-    ``auto.profile``, from ``profile_text`` (its ConfigMap's); AutoError names the field."""
+    """Plan one group of ``shape`` on ``gpu`` devices, priced from the scaled preset or, with
+    ``auto.profile``, from ``profile_text`` (its ConfigMap's), under the declared traffic or
+    ``observed`` figures (traffic_of); AutoError names the field."""
     model = model_of(auto)
     hw = hardware_of(gpu, shape)
-    priced: pricing_mod.Pricing | None = None
+    profile: calibration.CalibrationProfile | None = None
     about: dict[str, str] | None = None
-    pricing = f"the {hw.device.name} preset (datasheet roofline)"
     if auto.HasField("profile"):
         if profile_text is None:
             raise AutoError(PROFILE_FIELD, f"ConfigMap {auto.profile} was not read")
         profile = profile_of(auto, gpu, profile_text)
-        # plan --profile's pricing (pricing.py), on the group's own hardware shape.
-        priced = pricing_mod.from_profile(profile, hw, gpu)
         about = {"configMap": auto.profile, "describe": profile.describe()}
+    # gearshift plan's rule (pricing.choose), on the group's own hardware shape: the profile,
+    # else the preset scaled by the efficiencies fitted to the recorded GPU measurement.
+    priced = pricing_mod.choose(hw, profile, gpu)
+    pricing = priced.describe
+    if profile is not None:
         pricing = f"the profile in ConfigMap {auto.profile}: {profile.describe()}"
-    traffic = traffic_of(auto, shape)
+    traffic = traffic_of(auto, shape, observed)
     kinds = kinds_of(auto)
     goodput = goodput_of(auto)
     settings = PlanSettings(max_model_len=shape.max_model_len or DEFAULT_MAX_MODEL_LEN)
     try:
         report = plan_deployment(
             model,
-            hw,
+            priced.hardware,
             traffic,
             goodput,
             settings=settings,
@@ -228,16 +259,16 @@ def choose(
         )
     except ValueError as exc:  # no candidate fits the group, or none the profile covers
         raise AutoError(
-            PROFILE_FIELD if priced else FIELD, str(exc).removeprefix("--profile: ")
+            PROFILE_FIELD if profile else FIELD, str(exc).removeprefix("--profile: ")
         ) from None
     best = report.recommended
     if best is None:
         raise AutoError(FIELD, f"no layout could be simulated: {report.reason}")
     policy, reason = best.candidate.policy, report.reason
     at = best.at_rate
-    if priced is not None and priced.excluded:
+    if priced.excluded:
         reason += f"; not in the profile, so not candidates: {', '.join(priced.excluded)}"
-    if best.candidate.kind == "shift" and priced is not None:
+    if best.candidate.kind == "shift" and profile is not None:
         # The measured step cost is the engine's at its default threshold; tuning would price
         # the other thresholds from the roofline, a second pricing the profile replaces.
         reason += "; threshold: the engine's default (the one the profile measured)"

@@ -174,6 +174,22 @@ def scaled_preset(hw: Hardware) -> Pricing:
     )
 
 
+def choose(
+    hw: Hardware | None,
+    profile: CalibrationProfile | None,
+    given: str | None = None,
+    unprofiled: str = "exclude",
+) -> Pricing:
+    """The one rule of ``gearshift plan`` and ``policy: auto``: the profile when there is one
+    (``hw``, from ``given``, must then be its device; ``unprofiled`` as ``from_profile``), else
+    ``hw``'s scaled preset."""
+    if profile is not None:
+        return from_profile(profile, hw, given, unprofiled)
+    if hw is None:
+        raise HardwareError("--hardware: required without --profile")
+    return scaled_preset(hw)
+
+
 def from_profile(
     profile: CalibrationProfile,
     hw: Hardware | None,

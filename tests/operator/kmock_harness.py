@@ -237,6 +237,9 @@ class StandInAdmin(router_pb2_grpc.AdminServicer):
         self.applied: list[policy_pb2.Policy] = []
         self.drained: list[str] = []
         self.authorization: list[str] = []
+        # What GetStatus reports as the router's observed traffic, and whether it answers at all.
+        self.traffic = router_pb2.ObservedTraffic()
+        self.unavailable = False
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         router_pb2_grpc.add_AdminServicer_to_server(self, self._server)
         self.port = self._server.add_insecure_port("127.0.0.1:0")
@@ -277,7 +280,11 @@ class StandInAdmin(router_pb2_grpc.AdminServicer):
             # rotation, the old one too).
             presented = [v for k, v in context.invocation_metadata() if k == "authorization"]
             self.authorization += presented or [""]
-            return router_pb2.RouterStatus(groups=list(self.groups.values()), model="stand-in")
+            if self.unavailable:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "stand-in router is down")
+            return router_pb2.RouterStatus(
+                groups=list(self.groups.values()), model="stand-in", traffic=self.traffic
+            )
 
     def ApplyPolicy(self, request: Any, context: Any) -> router_pb2.AdminApplyPolicyResponse:
         with self._lock:

@@ -114,22 +114,28 @@ def test_while_calibrating_a_running_choice_keeps_running_and_none_waits() -> No
 
 
 def _admitted(
-    policy: dict[str, Any], obj: dict[str, Any], resource: str, who: str = OPERATOR
+    policy: dict[str, Any],
+    obj: dict[str, Any],
+    resource: str,
+    who: str = OPERATOR,
+    operation: str = "CREATE",
 ) -> bool | None:
-    """The guard's verdict on creating ``obj`` (None: the request is not the operator's)."""
+    """The guard's verdict on creating (or deleting) ``obj`` (None: the request is not the
+    operator's)."""
     env = celpy.Environment()
+    deleting = operation == "DELETE"
     activation = {
         "request": celpy.json_to_cel(
             {
-                "operation": "CREATE",
+                "operation": operation,
                 "name": obj["metadata"]["name"],
                 "namespace": "ns",
                 "userInfo": {"username": who},
                 "resource": {"resource": resource},
             }
         ),
-        "object": celpy.json_to_cel(obj),
-        "oldObject": celpy.json_to_cel(None),
+        "object": celpy.json_to_cel(None if deleting else obj),
+        "oldObject": celpy.json_to_cel(obj if deleting else None),
     }
 
     def holds(expression: str) -> bool:
@@ -203,3 +209,26 @@ def test_the_calibration_objects_are_valid_kubernetes() -> None:
     ]
     for manifest in made:
         kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
+
+
+def test_the_calibration_guard_lets_the_operator_delete_only_its_calibration_jobs(
+    helm: Path,  # noqa: F811
+) -> None:
+    policy = next(
+        d
+        for d in _render(helm, "clusterWide=true")
+        if d["kind"] == "ValidatingAdmissionPolicy"
+        and d["metadata"]["name"].endswith("-calibration")
+    )
+    rules = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert "DELETE" in next(r for r in rules if r["resources"] == ["jobs"])["operations"]
+    made = {
+        m["kind"]: m for m in calibration.manifests(parse(_body()), "H100", H100, "0123456789ab")
+    }
+    job = made["Job"]
+    assert _admitted(policy, job, "jobs", operation="DELETE") is True
+    other = copy.deepcopy(job)
+    other["metadata"]["name"] = "nightly-backup"
+    del other["metadata"]["labels"][calibration.LABEL_CALIBRATION]
+    assert _admitted(policy, other, "jobs", operation="DELETE") is False
+    assert _admitted(policy, other, "jobs", "jane@example.com", operation="DELETE") is None

@@ -15,7 +15,15 @@ from typing import Any
 import pytest
 import yaml
 from cpu_profile import H100_NAME, LAYOUTS, MODEL, as_measured_on
-from kmock_harness import Api, OperatorProcess, condition, cr_metadata, wait_for
+from kmock_harness import (
+    Api,
+    KmockApi,
+    OperatorProcess,
+    StandInAdmin,
+    condition,
+    cr_metadata,
+    wait_for,
+)
 
 from gearshift.operator.reconcile import names, render_config
 from gearshift.operator.reconcile.spec import parse
@@ -43,6 +51,24 @@ def _body(name: str, image: str = "ghcr.io/gearshift/worker:0.1.0", **auto: Any)
     a.update(model=dict(MODEL), requests=20, traffic=copy.deepcopy(TRAFFIC), calibrate=True)
     a.update(auto)
     return body
+
+
+@pytest.fixture(scope="module")
+def operator_process(
+    kmock_api: KmockApi, admin: StandInAdmin, hub: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    """One attempt per calibration here: a failed Job is given up at once (its retries have
+    their own test, test_auto_calibrate_retry_kmock.py)."""
+    tmp = tmp_path_factory.mktemp("operator-calibrate")
+    env = {"HF_ENDPOINT": hub.url, "GEARSHIFT_CALIBRATION_ATTEMPTS": "1"}
+    with OperatorProcess(
+        kmock_api.kubeconfig(tmp / "kubeconfig"), admin.address, tmp / "kopf.log", env=env
+    ) as op:
+        try:
+            wait_for(op.alive, 5, "operator process")
+            yield op
+        finally:
+            print(op.log.read_text()[-4000:])
 
 
 @pytest.fixture(scope="module")

@@ -79,12 +79,13 @@ app.kubernetes.io/name={{ .Chart.Name }},app.kubernetes.io/instance={{ .Release.
 {{- if .Values.rbac.calibration }}
 # spec.policy.auto.calibrate: the profiling Job and what lets it hand its profile back (a
 # ServiceAccount, and a Role and RoleBinding granting it get/patch of its one ConfigMap). Created,
-# and patched to add each deployment using them as an owner; never listed, watched or deleted
-# (the garbage collector deletes them with their last owner). The calibration guard
-# (rbac.secretGuard) confines these writes to the calibration's own names and rule.
+# and patched to add each deployment using them as an owner; never listed or watched, and only a
+# failed Job is deleted, to be created again (GEARSHIFT_CALIBRATION_ATTEMPTS); the garbage
+# collector deletes the rest with their last owner. The calibration guard (rbac.secretGuard)
+# confines the creations and updates to the calibration's own names and rule.
 - apiGroups: ["batch"]
   resources: ["jobs"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["serviceaccounts"]
   verbs: ["get", "create", "patch"]

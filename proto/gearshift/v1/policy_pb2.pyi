@@ -240,16 +240,26 @@ class AutoModel(_message.Message):
     def __init__(self, num_hidden_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., torch_dtype: _Optional[str] = ...) -> None: ...
 
 class AutoTraffic(_message.Message):
-    __slots__ = ("rate", "burstiness", "prompt", "output")
+    __slots__ = ("rate", "burstiness", "prompt", "output", "source")
+    class Source(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        SOURCE_UNSPECIFIED: _ClassVar[AutoTraffic.Source]
+        Declared: _ClassVar[AutoTraffic.Source]
+        Observed: _ClassVar[AutoTraffic.Source]
+    SOURCE_UNSPECIFIED: AutoTraffic.Source
+    Declared: AutoTraffic.Source
+    Observed: AutoTraffic.Source
     RATE_FIELD_NUMBER: _ClassVar[int]
     BURSTINESS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     rate: float
     burstiness: float
     prompt: AutoLengths
     output: AutoLengths
-    def __init__(self, rate: _Optional[float] = ..., burstiness: _Optional[float] = ..., prompt: _Optional[_Union[AutoLengths, _Mapping]] = ..., output: _Optional[_Union[AutoLengths, _Mapping]] = ...) -> None: ...
+    source: AutoTraffic.Source
+    def __init__(self, rate: _Optional[float] = ..., burstiness: _Optional[float] = ..., prompt: _Optional[_Union[AutoLengths, _Mapping]] = ..., output: _Optional[_Union[AutoLengths, _Mapping]] = ..., source: _Optional[_Union[AutoTraffic.Source, str]] = ...) -> None: ...
 
 class AutoLengths(_message.Message):
     __slots__ = ("preset", "fixed")

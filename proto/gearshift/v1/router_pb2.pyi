@@ -98,12 +98,46 @@ class GroupStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., serving: _Optional[bool] = ..., gear: _Optional[str] = ..., policy: _Optional[_Union[_policy_pb2.Policy, _Mapping]] = ..., stats: _Optional[_Union[_worker_pb2.WorkerStats, _Mapping]] = ..., draining: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
 
 class RouterStatus(_message.Message):
-    __slots__ = ("groups", "model")
+    __slots__ = ("groups", "model", "traffic")
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    TRAFFIC_FIELD_NUMBER: _ClassVar[int]
     groups: _containers.RepeatedCompositeFieldContainer[GroupStatus]
     model: str
-    def __init__(self, groups: _Optional[_Iterable[_Union[GroupStatus, _Mapping]]] = ..., model: _Optional[str] = ...) -> None: ...
+    traffic: ObservedTraffic
+    def __init__(self, groups: _Optional[_Iterable[_Union[GroupStatus, _Mapping]]] = ..., model: _Optional[str] = ..., traffic: _Optional[_Union[ObservedTraffic, _Mapping]] = ...) -> None: ...
+
+class ObservedTraffic(_message.Message):
+    __slots__ = ("requests", "window_seconds", "rate", "burstiness", "prompt_tokens", "output_tokens", "max_requests", "max_age_seconds")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RATE_FIELD_NUMBER: _ClassVar[int]
+    BURSTINESS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    requests: int
+    window_seconds: float
+    rate: float
+    burstiness: float
+    prompt_tokens: LengthSummary
+    output_tokens: LengthSummary
+    max_requests: int
+    max_age_seconds: float
+    def __init__(self, requests: _Optional[int] = ..., window_seconds: _Optional[float] = ..., rate: _Optional[float] = ..., burstiness: _Optional[float] = ..., prompt_tokens: _Optional[_Union[LengthSummary, _Mapping]] = ..., output_tokens: _Optional[_Union[LengthSummary, _Mapping]] = ..., max_requests: _Optional[int] = ..., max_age_seconds: _Optional[float] = ...) -> None: ...
+
+class LengthSummary(_message.Message):
+    __slots__ = ("median", "p90", "min", "max")
+    MEDIAN_FIELD_NUMBER: _ClassVar[int]
+    P90_FIELD_NUMBER: _ClassVar[int]
+    MIN_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    median: float
+    p90: float
+    min: int
+    max: int
+    def __init__(self, median: _Optional[float] = ..., p90: _Optional[float] = ..., min: _Optional[int] = ..., max: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("group", "resume")
