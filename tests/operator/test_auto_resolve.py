@@ -253,3 +253,16 @@ def test_model_shape_reads_like_config_json() -> None:
         ref.vocab,
         "bfloat16",
     )
+
+
+def test_a_model_with_its_own_head_dim_is_priced_with_it() -> None:
+    """Qwen3-style: 16 heads of 128 over hidden 1024 (headDim in the CRD, head_dim in
+    config.json); without it the planner would take 64-wide heads and half the KV."""
+    body = _body(CHAT)
+    body["spec"]["policy"]["auto"]["model"].update(
+        {"hiddenSize": 1024, "numAttentionHeads": 16, "numKeyValueHeads": 8, "headDim": 128}
+    )
+    m = auto_policy.model_of(_auto(body))
+    assert (m.head_dim, m.q_dim) == (128, 2048)
+    del body["spec"]["policy"]["auto"]["model"]["headDim"]
+    assert auto_policy.model_of(_auto(body)).head_dim == 64

@@ -222,7 +222,7 @@ class AutoPolicy(_message.Message):
     def __init__(self, model: _Optional[_Union[AutoModel, _Mapping]] = ..., gpu: _Optional[str] = ..., traffic: _Optional[_Union[AutoTraffic, _Mapping]] = ..., goodput: _Optional[str] = ..., policies: _Optional[_Iterable[str]] = ..., requests: _Optional[int] = ..., apply: _Optional[_Union[AutoPolicy.Apply, str]] = ..., margin: _Optional[float] = ..., cooldown_seconds: _Optional[int] = ..., profile: _Optional[str] = ..., calibrate: _Optional[bool] = ...) -> None: ...
 
 class AutoModel(_message.Message):
-    __slots__ = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size", "torch_dtype")
+    __slots__ = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size", "torch_dtype", "head_dim")
     NUM_HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_ATTENTION_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +230,7 @@ class AutoModel(_message.Message):
     INTERMEDIATE_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TORCH_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     num_hidden_layers: int
     hidden_size: int
     num_attention_heads: int
@@ -237,7 +238,8 @@ class AutoModel(_message.Message):
     intermediate_size: int
     vocab_size: int
     torch_dtype: str
-    def __init__(self, num_hidden_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., torch_dtype: _Optional[str] = ...) -> None: ...
+    head_dim: int
+    def __init__(self, num_hidden_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., torch_dtype: _Optional[str] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class AutoTraffic(_message.Message):
     __slots__ = ("rate", "burstiness", "prompt", "output", "source")
