@@ -147,46 +147,55 @@ LAYOUTS = ("tp2", "sp2", "shift2", "pp2")
 
 
 @pytest.mark.serial
-@pytest.mark.xfail(
-    strict=False,
-    reason="NOT MET on the loaded 2-core host (issue 30 Prove-it): the plan picked sp2 (quick "
-    "grid) and shift2 (default grid) where the recorded fidelity runs measured pp2 best; the "
-    "recorded runs were on a quiet machine, the profile here is not: the engine must be "
-    "measured on the trace in the same run to compare like with like",
-)
-def test_plan_with_a_profile_of_this_machine_reproduces_the_fidelity_runs_choice(
+def test_plan_with_a_profile_of_this_machine_reproduces_the_engines_choice(
     tmp_path: Path,
 ) -> None:
-    """Profile this machine (a random 4-layer Llama as the fidelity runs use, fp32, one thread
-    a rank, the quick grid) for the 2-rank layouts the recorded fidelity runs measured, then plan
-    the fidelity trace (lognormal prompts and outputs, offline: every request at once, here a
-    rate far above what the engine serves) from it. The plan's highest-throughput candidate must
-    be the layout the engine measured best on that trace. Measuring the engine on the trace
-    here would double the test's time, so the measured best is the recorded one
-    (``benchmarks/sim_fidelity_{tp2,sp2,shift2,pp2}.json``, on this machine). The one-rank
-    layout is left out of the profile: its recorded run used one core of two, and the plan would
-    run it as two replicas, which no fidelity run measured; the plan must list it as excluded."""
-    from benchmarks.sim_fidelity import random_llama
+    """For four 2-rank layouts of a random 4-layer Llama (fp32, one thread a rank, as the
+    fidelity runs use): profile the layout (``gearshift profile``'s measurement on the fidelity
+    runs' grid) and, on the same engine right after, run the fidelity trace (lognormal prompts and
+    outputs, every request at once) after a warm-up, so that the profile and the run it
+    predicts see the machine alike. Then ``gearshift plan --profile`` plans that trace (at a
+    rate far above what the engine serves). Its highest-throughput candidate must be the layout
+    the engine ran fastest, or be reported in a tie with it and measure within the simulator's
+    stated throughput error of it. The one-rank layout is not profiled: the plan would run it
+    as two replicas, which is not measured here; the plan must list it as excluded."""
+    import importlib.metadata
 
-    measured = {
-        n: {
-            r["figure"]: r["measured"]
-            for r in json.loads((BENCH / f"sim_fidelity_{n}.json").read_text())["rows"]
-        }["output_tokens_per_s"]
-        for n in LAYOUTS
-    }
-    best = max(measured, key=lambda n: measured[n])
+    from benchmarks.sim_fidelity import (
+        engine_config,
+        fidelity_trace,
+        profile_grid,
+        random_llama,
+        run_engine,
+    )
+    from gearshift.operator.commands.profile_layouts import device_name, layout_policy
+    from gearshift.operator.sim.error_band import MEASURED
+    from gearshift.operator.sim.profile import measure
+    from gearshift.worker.launch import start_engine
+    from gearshift.worker.policies import policy_json
+
     model = random_llama(tmp_path / "m", hidden=256, layers=4)
-    engine = ["--max-model-len", "1024", "--max-num-batched-tokens", "512", "--num-threads", "1"]
+    config = engine_config(str(model), 1, "float32")
+    trace = fidelity_trace(32, 0.0, 0)
+    layouts: dict[str, calibration.LayoutProfile] = {}
+    measured: dict[str, float] = {}
+    for name in LAYOUTS:
+        policy = layout_policy(name)
+        engine = start_engine(config, policy_json.from_dict(policy))
+        try:
+            cost = measure(engine, profile_grid(), 0).model({"model": str(model)})
+            layouts[name] = calibration.LayoutProfile(
+                policy, engine.blocks.num_blocks, engine.blocks.block_size, cost
+            )
+            run_engine(engine, trace[:8])  # warm-up: the trace's first shapes
+            measured[name] = run_engine(engine, trace)["output_tokens_per_s"]
+        finally:
+            engine.shutdown()
+    device, kind = device_name(str(config.device))
     prof = tmp_path / "profile.json"
-    subprocess.run(
-        [*GEARSHIFT, "profile", "--model", str(model), "--quick", "--layouts", ",".join(LAYOUTS),
-         "--dtype", "float32", *engine, "-o", str(prof)],
-        check=True, timeout=420, capture_output=True, cwd=tmp_path,
-    )  # fmt: skip
-    profile = calibration.load(prof)
-    assert set(profile.layouts) == set(LAYOUTS)
-    assert profile.device_kind == "cpu" and profile.dtype == "float32" and profile.devices == 2
+    calibration.CalibrationProfile(
+        device, kind, 2, importlib.metadata.version("gearshift"), "float32", str(model), layouts
+    ).save(prof)
     traffic = tmp_path / "traffic.json"
     traffic.write_text(
         json.dumps(
@@ -203,7 +212,7 @@ def test_plan_with_a_profile_of_this_machine_reproduces_the_fidelity_runs_choice
     out = subprocess.run(
         [*GEARSHIFT, "plan", "--model", str(model), "--profile", str(prof), "--traffic",
          str(traffic), "--rates", "1000", "--no-prune", "--no-progress", "-o", str(report),
-         *engine[:4]],
+         "--max-model-len", "1024", "--max-num-batched-tokens", "512"],
         check=True, timeout=120, capture_output=True, text=True, cwd=tmp_path,
     )  # fmt: skip
     assert "pricing: the profile" in out.stdout
@@ -212,4 +221,9 @@ def test_plan_with_a_profile_of_this_machine_reproduces_the_fidelity_runs_choice
     assert "onex2" in data["excluded_not_in_profile"]
     ran = {c["name"]: c["points"][0]["output_tokens_per_s"] for c in data["candidates"]}
     assert set(ran) == set(LAYOUTS)
-    assert max(ran, key=lambda n: ran[n]) == best, (ran, measured)
+    pick = max(ran, key=lambda n: ran[n])
+    best = max(measured, key=lambda n: measured[n])
+    why = f"plan {ran}, engine {measured}, ties {data.get('ties')}"
+    if pick != best:
+        assert best in data["ties"] and pick in data["ties"], why
+        assert measured[pick] >= (1 - MEASURED.throughput) * measured[best], why
