@@ -73,9 +73,10 @@ def _extra(r: Projection) -> str:
         return f"{modes}; TPOT p50 {tpot:.2f}x; KV {f['kv_ratio']:.2f}x"
     if r.paper == "Seesaw":
         best = f["candidates"][f["best_seesaw"]]
+        workload = next(w for w in seesaw.PRESSURE_WORKLOADS if w in r.comparison)
         return (
-            f"{f['best_seesaw']} vs {f['best_static']}; transitions {best['transitions']} "
-            f"(min {best['min_transitions']})"
+            f"{workload}: {f['best_seesaw']} vs {f['best_static']}; "
+            f"transitions {best['transitions']} (min {best['min_transitions']})"
         )
     return (
         f"load {f['load']:g}, {f['rate_req_s']:.3g} req/s; "
@@ -84,16 +85,11 @@ def _extra(r: Projection) -> str:
     )
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=sorted(PARTS), action="append", help="repeatable")
-    ap.add_argument("--out", type=Path, default=HERE / "projections.json")
-    ap.add_argument("--jobs", type=int, default=2, help="processes (default 2)")
-    args = ap.parse_args()
-    start = time.perf_counter()
-    jobs = [job for name in args.only or list(PARTS) for job in PARTS[name]()]
-    with ProcessPoolExecutor(max(1, args.jobs)) as pool:
-        rows = list(pool.map(_call, jobs))
+def _load(path: Path) -> list[dict[str, Any]]:
+    return [{k: v for k, v in d.items() if k != "within"} for d in json.loads(path.read_text())]
+
+
+def _print(rows: list[Projection]) -> None:
     print(f"{'paper':<7} {'hardware':<22} {'pricing':<9} {'simulated':>9}  {'metric':<40} extra")
     for r in rows:
         print(
@@ -103,6 +99,24 @@ def main() -> None:
     for paper in dict.fromkeys(r.paper for r in rows):
         first = next(r for r in rows if r.paper == paper)
         print(f"{paper}, the paper: {first.paper_figure}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=sorted(PARTS), action="append", help="repeatable")
+    ap.add_argument("--out", type=Path, default=HERE / "projections.json")
+    ap.add_argument("--jobs", type=int, default=2, help="processes (default 2)")
+    ap.add_argument("--table-only", action="store_true", help="print --out's table, no runs")
+    args = ap.parse_args()
+    if args.table_only:
+        rows = [Projection(**(d | {"band": tuple(d["band"])})) for d in _load(args.out)]
+        _print(rows)
+        return
+    start = time.perf_counter()
+    jobs = [job for name in args.only or list(PARTS) for job in PARTS[name]()]
+    with ProcessPoolExecutor(max(1, args.jobs)) as pool:
+        rows = list(pool.map(_call, jobs))
+    _print(rows)
     out = [dataclasses.asdict(r) | {"within": r.within} for r in rows]
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(f"({time.perf_counter() - start:.1f} s; setups and notes in {args.out.name})")

@@ -52,25 +52,66 @@ def test_sidp_projection_on_h20(pricing: str) -> None:
     assert r.simulated > 1.0
 
 
+def _pressure(r: Projection) -> dict[str, object]:
+    best: dict[str, object] = r.figures["candidates"][r.figures["best_seesaw"]]
+    # The store filled: the leader switched at least as often as the capacities force, and no
+    # prompt was recomputed for lack of room (the leader admits by free host pages).
+    assert best["transitions"] >= best["min_transitions"] >= 3  # type: ignore[operator]
+    assert best["preemptions"] == 0 and best["rejected"] == 0
+    return best
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("workload", list(seesaw.PRESSURE_WORKLOADS))
-def test_seesaw_projection_under_pressure_on_l4(workload: str) -> None:
-    r = seesaw.project_pressure("L4", workload, "scaled")
+def test_seesaw_projection_prefill_heavy_on_l4() -> None:
+    r = seesaw.project_pressure("L4", "prefill-heavy", "scaled")
     _check(r)
-    best = r.figures["candidates"][r.figures["best_seesaw"]]
-    # The store filled: the leader switched at least as often as the capacities force.
-    assert best["transitions"] >= best["min_transitions"] >= 3
-    assert best["rejected"] == 0
+    _pressure(r)
+    # The paper's direction (§6.2): Seesaw at least the best static layout on prefill-heavy.
+    assert r.simulated >= 1.0
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pricing", tetris.TTFT_PRICINGS)
-def test_tetris_projection_ttft(pricing: str) -> None:
-    r = tetris.project_ttft(pricing, requests=300)
+def test_seesaw_projection_balanced_on_l4_disagrees_slightly() -> None:
+    """Scaled L4, balanced (ShareGPT) lengths: the simulator has Seesaw 3% behind TP 8 (0.974x),
+    against the paper's gain; benchmarks/README.md says so. On the datasheet it is 1.38x."""
+    r = seesaw.project_pressure("L4", "balanced", "scaled")
+    _check(r)
+    _pressure(r)
+    assert 0.9 <= r.simulated <= 1.1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pricing", ["table1", "scaled"])
+def test_tetris_projection_ttft_at_the_critical_rate(pricing: str) -> None:
+    r = tetris.project_ttft(pricing, 1.0)
     _check(r)
     rows = r.figures["strategies"]
     assert set(rows) == {f"fixed SP {k}" for k in tetris.FIXED_SIZES} | {"CDSP", "single-chunk"}
-    # The paper's direction (Fig. 9, Fig. 13): CDSP no slower at p50 than any fixed SP or than
-    # single-chunk plans at the best baseline's critical rate.
+    # The paper's direction at the best baseline's critical rate (Fig. 9): CDSP no slower at p50
+    # than any fixed SP. (With 300 arrivals instead of 1000 the scaled pool gives 0.95: at
+    # saturation the p50 moves with the trace's length.)
     assert r.simulated >= 1.0
-    assert r.figures["single_chunk_p50_over_cdsp"] >= 1.0
+    # Fig. 13: single-chunk plans no faster at p50 (a restriction of CDSP's search; the
+    # trajectories differ, so only within 1%).
+    assert r.figures["single_chunk_p50_over_cdsp"] >= 0.99
+
+
+@pytest.mark.slow
+def test_tetris_projection_at_half_load_disagrees_slightly() -> None:
+    """At half the critical rate with Table 1's models the simulator has CDSP's p50 about 4%
+    behind fixed SP 8 (1.21 s vs 1.16 s): the paper's direction does not hold there, and
+    benchmarks/README.md says so. Pinned so that a change shows."""
+    r = tetris.project_ttft("table1", 0.5)
+    _check(r)
+    assert r.figures["strategies"]["fixed SP 8"]["p50_s"] == min(
+        v["p50_s"] for k, v in r.figures["strategies"].items() if k.startswith("fixed")
+    )
+    assert 0.9 <= r.simulated <= 1.1
+
+
+def test_tetris_datasheet_fit_error_is_reported() -> None:
+    """On the datasheet A100 the SP 16 ring crosses the 25 GB/s inter-node link and Eq. (1)
+    fits the roofline's max(compute, ring) badly; the projection says so in its note."""
+    rules = tetris.pool_rules("datasheet")
+    errors = tetris._fit_errors(rules, "datasheet")
+    assert errors[16] > 1.0 and errors[1] < 0.05
