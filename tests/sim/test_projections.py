@@ -80,7 +80,6 @@ def test_seesaw_projection_balanced_on_l4_disagrees_slightly() -> None:
     assert 0.9 <= r.simulated <= 1.1
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("pricing", ["table1", "scaled"])
 def test_tetris_projection_ttft_at_the_critical_rate(pricing: str) -> None:
     r = tetris.project_ttft(pricing, 1.0)
@@ -96,7 +95,6 @@ def test_tetris_projection_ttft_at_the_critical_rate(pricing: str) -> None:
     assert r.figures["single_chunk_p50_over_cdsp"] >= 0.99
 
 
-@pytest.mark.slow
 def test_tetris_projection_at_half_load_disagrees_slightly() -> None:
     """At half the critical rate with Table 1's models the simulator has CDSP's p50 about 4%
     behind fixed SP 8 (1.21 s vs 1.16 s): the paper's direction does not hold there, and
