@@ -15,7 +15,7 @@ Each is priced twice: "scaled", the preset times the efficiencies fitted to the 
 paper's own Table 1 latencies ("table1"). The code is ``operator/sim/reproduce/`` (``project*``).
 
     .venv/bin/python benchmarks/projections.py            # all (a few minutes on 2 cores)
-    .venv/bin/python benchmarks/projections.py --only sidp
+    .venv/bin/python benchmarks/projections.py --only sidp      # → projections_sidp.json
 """
 
 from __future__ import annotations
@@ -104,10 +104,15 @@ def _print(rows: list[Projection]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=sorted(PARTS), action="append", help="repeatable")
-    ap.add_argument("--out", type=Path, default=HERE / "projections.json")
+    ap.add_argument(
+        "--out", type=Path, help="default projections.json (with --only: projections_<parts>.json)"
+    )
     ap.add_argument("--jobs", type=int, default=2, help="processes (default 2)")
     ap.add_argument("--table-only", action="store_true", help="print --out's table, no runs")
     args = ap.parse_args()
+    if args.out is None:  # a partial run never overwrites the full one
+        parts = "_".join(sorted(args.only)) if args.only else ""
+        args.out = HERE / (f"projections_{parts}.json" if parts else "projections.json")
     if args.table_only:
         rows = [Projection(**(d | {"band": tuple(d["band"])})) for d in _load(args.out)]
         _print(rows)

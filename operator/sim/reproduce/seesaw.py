@@ -28,10 +28,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from itertools import product
+from typing import TYPE_CHECKING
 
 from gearshift.operator.sim import hardware, lengths, model_desc
-from gearshift.operator.sim.reproduce.common import SETTINGS, Reproduction
+from gearshift.operator.sim.reproduce.common import SETTINGS, Projection, Reproduction, priced
 from gearshift.operator.sim.roofline import Layout, LayoutError, RooflineCost, StepShape
+from gearshift.operator.sim.trace import TraceRequest
+
+if TYPE_CHECKING:  # the Seesaw leader imports torch; these modules load it only when they run
+    from gearshift.operator.sim.candidates import Candidate
+    from gearshift.operator.sim.results import SimResult
+    from gearshift.operator.sim.seesaw_sim import SeesawHooks
 
 GIB = float(1 << 30)
 PCIE4_X8 = hardware.Link(16 * GIB, 5e-6)
@@ -234,18 +241,20 @@ FILLS = 2.0
 PRESSURE_WORKLOADS = {"prefill-heavy": "arxiv", "balanced": "sharegpt"}
 
 
-def pressure_trace(model: model_desc.ModelDesc, hw: hardware.Hardware, data: str, seed: int = 0):  # type: ignore[no-untyped-def]
+def pressure_trace(
+    model: model_desc.ModelDesc, hw: hardware.Hardware, data: str, seed: int = 0
+) -> list[TraceRequest]:
     """Requests (all at t=0) of ``data``'s lengths, drawn until their prompts' KV is ``FILLS``
     times the node's host store; none longer than the model's context."""
     import numpy as np
 
     from gearshift.operator.sim.seesaw_sim import HOST_BYTES_PER_GPU
-    from gearshift.operator.sim.trace import TraceRequest
 
     prompts, outputs = lengths.sharegpt() if data == "sharegpt" else lengths.arxiv_summarization()
     need = FILLS * HOST_BYTES_PER_GPU * hw.count / model.kv_bytes_per_token()
     rp, ro = np.random.default_rng([seed, 1]), np.random.default_rng([seed, 2])
-    trace, tokens = [], 0
+    trace: list[TraceRequest] = []
+    tokens = 0
     while tokens < need:
         p, o = prompts.sample(1, rp)[0], outputs.sample(1, ro)[0]
         p = min(int(p), SETTINGS.max_model_len - int(o))
@@ -254,16 +263,19 @@ def pressure_trace(model: model_desc.ModelDesc, hw: hardware.Hardware, data: str
     return trace
 
 
-def _simulate_seesaw(c, trace):  # type: ignore[no-untyped-def]
+def _simulate_seesaw(
+    c: Candidate, trace: list[TraceRequest]
+) -> tuple[SimResult, list[SeesawHooks]]:
     """``c`` over ``trace``, and the Seesaw leaders that drove it (none for a static one)."""
     import dataclasses
 
     from gearshift.operator.sim.simulator import simulate
 
-    made = []
+    made: list[SeesawHooks] = []
 
-    def hooks():  # type: ignore[no-untyped-def]
-        made.append(c.hooks())
+    def hooks() -> SeesawHooks:
+        assert c.hooks is not None
+        made.append(c.hooks())  # type: ignore[arg-type]
         return made[-1]
 
     dep = c.deployment()
@@ -272,11 +284,12 @@ def _simulate_seesaw(c, trace):  # type: ignore[no-untyped-def]
     return simulate(dep, trace), made
 
 
-def project_pressure(gpu_name: str, workload: str, pricing: str, model_name: str = "LLaMA2-13B"):  # type: ignore[no-untyped-def]
+def project_pressure(
+    gpu_name: str, workload: str, pricing: str, model_name: str = "LLaMA2-13B"
+) -> Projection:
     """Seesaw's best group size vs the best static layout of the same 8 ``gpu_name`` GPUs on
     the pressure workload ``workload``, priced ``pricing`` (common.priced)."""
     from gearshift.operator.sim.candidates import enumerate_candidates
-    from gearshift.operator.sim.reproduce.common import Projection, priced
     from gearshift.operator.sim.seesaw_sim import HOST_BYTES_PER_GPU
 
     model = model_desc.from_config({**MODELS[model_name], "torch_dtype": "float16"}, model_name)

@@ -23,8 +23,9 @@ import numpy as np
 
 from gearshift.operator.planner.cdsp import PlannerRules, sp_sizes
 from gearshift.operator.planner.latency_model import LatencyModel
+from gearshift.operator.sim import hardware
 from gearshift.operator.sim.lengths import Lengths, tetris
-from gearshift.operator.sim.reproduce.common import Reproduction
+from gearshift.operator.sim.reproduce.common import Projection, Reproduction
 from gearshift.operator.sim.tetris_rates import (
     IMPROVEMENT_RATES,
     PoolShape,
@@ -149,12 +150,10 @@ TTFT_PRICINGS = ("table1", "scaled", "datasheet")
 LOADS = (1.0, 0.5)  # fractions of the best fixed SP's max load
 
 
-def a100(nodes: int = 2) -> Any:
+def a100(nodes: int = 2) -> hardware.Hardware:
     """Nodes of 8 A100-SXM4-80GB (§7.1): datasheet BF16 312 TFLOPS dense, 2.039 TB/s, NVLink 3
     at 600 GB/s both ways (300 one way); one 200 Gb/s InfiniBand NIC per GPU (25 GB/s)."""
     from dataclasses import replace
-
-    from gearshift.operator.sim import hardware
 
     base = hardware.preset(f"{8 * nodes}xH100")
     device = hardware.Device("A100", {"bf16": 312e12, "fp16": 312e12}, 80e9, 2039e9)
@@ -207,11 +206,11 @@ def _planned(
     return runs[best], best
 
 
-def project_ttft(pricing: str, load: float = 1.0, trace: str = "long", requests: int = 1000) -> Any:
+def project_ttft(
+    pricing: str, load: float = 1.0, trace: str = "long", requests: int = 1000
+) -> Projection:
     """CDSP vs every fixed SP and single-chunk, TTFT p50/p99 on ``trace`` priced ``pricing``,
     at ``load`` times the best fixed SP's max load."""
-    from gearshift.operator.sim.reproduce.common import Projection
-
     rules = pool_rules(pricing)
     lengths = tetris(trace)
     models = {k: rules.models[k] for k in FIXED_SIZES}
