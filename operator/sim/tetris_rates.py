@@ -41,17 +41,31 @@ def mean_ttft(
     seed: int = 0,
 ) -> float:
     """Mean planned TTFT (seconds) of ``requests`` Poisson arrivals at ``request_rate``."""
+    ttfts = planned_ttfts(rules, pool, lengths, request_rate, improvement_rate, requests, seed)
+    return sum(ttfts) / requests
+
+
+def planned_ttfts(
+    rules: PlannerRules,
+    pool: PoolShape,
+    lengths: Lengths,
+    request_rate: float,
+    improvement_rate: float,
+    requests: int = 300,
+    seed: int = 0,
+) -> list[float]:
+    """Each request's planned TTFT (seconds), ``requests`` Poisson arrivals at ``request_rate``."""
     rng = np.random.default_rng([seed, 1])
     gaps = rng.exponential(1.0 / request_rate, requests)
     sizes = lengths.sample(requests, np.random.default_rng([seed, 2]))
     state = Pool.uniform([0.0] * pool.instances, pool.per_node)
-    total = 0.0
+    out = []
     for gap, length in zip(gaps, sizes, strict=True):
         state = state.advance(float(gap))  # Eq. (2): queues drain while no request arrives
         plan = plan_request(int(length), state, rules, improvement_rate)
-        total += plan.ttft
+        out.append(plan.ttft)
         state = state.commit((c.group, c.end) for c in plan.chunks)
-    return total / requests
+    return out
 
 
 def rate_table(

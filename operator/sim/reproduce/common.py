@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gearshift.operator.sim.candidates import PlanSettings
+from gearshift.operator.sim.hardware import Hardware
+from gearshift.operator.sim.pricing import scaled_preset
 
 SETTINGS = PlanSettings()
 FIXTURES = Path(__file__).resolve().parents[3] / "tests" / "sim" / "fixtures"
@@ -30,3 +33,37 @@ class Reproduction:
     @property
     def within(self) -> bool:
         return self.simulated is not None and self.band[0] <= self.simulated <= self.band[1]
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One of issue 29's comparisons projected on a paper's hardware (issue 29, Measure): the
+    simulator's ratio of the technique over its baseline, priced one way, beside the paper's."""
+
+    paper: str
+    comparison: str  # technique vs baseline, and the workload
+    hardware: str  # the paper's hardware, as modelled
+    pricing: str  # "scaled" (the preset times the fitted efficiencies) or "datasheet"
+    metric: str  # what ``simulated`` is, e.g. "x tokens/s, SiDP AUTO / plain DP"
+    simulated: float
+    paper_figure: str  # as published, with its section / figure
+    band: tuple[float, float]  # where tests/sim/test_projections.py pins ``simulated``
+    figures: dict[str, Any]  # each side's figures (tokens/s, TPOT, TTFT, transitions, ...)
+    note: str  # the setup, and where and why the projection differs from the paper
+
+    @property
+    def within(self) -> bool:
+        return self.band[0] <= self.simulated <= self.band[1]
+
+
+def priced(hw: Hardware, pricing: str) -> Hardware:
+    """``hw`` as ``pricing`` prices it: "datasheet" as given, "scaled" by the efficiencies
+    fitted to the recorded GPU run (``pricing.scaled_preset``)."""
+    if pricing == "datasheet":
+        return hw
+    if pricing == "scaled":
+        return scaled_preset(hw).hardware
+    raise ValueError(f"pricing must be 'scaled' or 'datasheet', got {pricing!r}")
+
+
+PRICINGS = ("scaled", "datasheet")

@@ -28,10 +28,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from itertools import product
+from typing import TYPE_CHECKING
 
 from gearshift.operator.sim import hardware, lengths, model_desc
-from gearshift.operator.sim.reproduce.common import SETTINGS, Reproduction
+from gearshift.operator.sim.reproduce.common import SETTINGS, Projection, Reproduction, priced
 from gearshift.operator.sim.roofline import Layout, LayoutError, RooflineCost, StepShape
+from gearshift.operator.sim.trace import TraceRequest
+
+if TYPE_CHECKING:  # the Seesaw leader imports torch; these modules load it only when they run
+    from gearshift.operator.sim.candidates import Candidate
+    from gearshift.operator.sim.results import SimResult
+    from gearshift.operator.sim.seesaw_sim import SeesawHooks
 
 GIB = float(1 << 30)
 PCIE4_X8 = hardware.Link(16 * GIB, 5e-6)
@@ -219,4 +226,115 @@ def reproduce() -> Reproduction:
         "CPU or scheduling overhead in the phase switches, and its static PP re-reads each "
         "stage's weights per decode micro-batch with nothing to hide it. A phase-by-phase "
         f"roofline estimate of the same cases gives {mean:.2f}x ({per}).",
+    )
+
+
+# --- Projection under host-store pressure (issue 29, Measure) -----------------------------------
+#
+# The same comparison as benchmarks/seesaw.py --pressure, on the paper's PCIe GPUs: an offline
+# batch whose prompts' KV is at least ``FILLS`` times the host store of every Seesaw group (the
+# paper's 80 GiB per GPU, seesaw_sim.HOST_BYTES_PER_GPU), so "prefill until full, decode until
+# drained" (§5.1) runs several rounds; Seesaw's best group size against every static candidate of
+# the same 8 GPUs. Workloads: prefill-heavy (arxiv-summarization lengths) and balanced (ShareGPT).
+
+FILLS = 2.0
+PRESSURE_WORKLOADS = {"prefill-heavy": "arxiv", "balanced": "sharegpt"}
+
+
+def pressure_trace(
+    model: model_desc.ModelDesc, hw: hardware.Hardware, data: str, seed: int = 0
+) -> list[TraceRequest]:
+    """Requests (all at t=0) of ``data``'s lengths, drawn until their prompts' KV is ``FILLS``
+    times the node's host store; none longer than the model's context."""
+    import numpy as np
+
+    from gearshift.operator.sim.seesaw_sim import HOST_BYTES_PER_GPU
+
+    prompts, outputs = lengths.sharegpt() if data == "sharegpt" else lengths.arxiv_summarization()
+    need = FILLS * HOST_BYTES_PER_GPU * hw.count / model.kv_bytes_per_token()
+    rp, ro = np.random.default_rng([seed, 1]), np.random.default_rng([seed, 2])
+    trace: list[TraceRequest] = []
+    tokens = 0
+    while tokens < need:
+        p, o = prompts.sample(1, rp)[0], outputs.sample(1, ro)[0]
+        p = min(int(p), SETTINGS.max_model_len - int(o))
+        trace.append(TraceRequest(0.0, p, int(o)))
+        tokens += p
+    return trace
+
+
+def _simulate_seesaw(
+    c: Candidate, trace: list[TraceRequest]
+) -> tuple[SimResult, list[SeesawHooks]]:
+    """``c`` over ``trace``, and the Seesaw leaders that drove it (none for a static one)."""
+    import dataclasses
+
+    from gearshift.operator.sim.simulator import simulate
+
+    made: list[SeesawHooks] = []
+
+    def hooks() -> SeesawHooks:
+        assert c.hooks is not None
+        made.append(c.hooks())  # type: ignore[arg-type]
+        return made[-1]
+
+    dep = c.deployment()
+    if c.hooks is not None:
+        dep = dataclasses.replace(dep, hooks=hooks)
+    return simulate(dep, trace), made
+
+
+def project_pressure(
+    gpu_name: str, workload: str, pricing: str, model_name: str = "LLaMA2-13B"
+) -> Projection:
+    """Seesaw's best group size vs the best static layout of the same 8 ``gpu_name`` GPUs on
+    the pressure workload ``workload``, priced ``pricing`` (common.priced)."""
+    from gearshift.operator.sim.candidates import enumerate_candidates
+    from gearshift.operator.sim.seesaw_sim import HOST_BYTES_PER_GPU
+
+    model = model_desc.from_config({**MODELS[model_name], "torch_dtype": "float16"}, model_name)
+    hw = priced(gpu(gpu_name), pricing)
+    trace = pressure_trace(model, hw, PRESSURE_WORKLOADS[workload])
+    prompt_tokens = sum(r.prompt_tokens for r in trace)
+    rows: dict[str, dict[str, object]] = {}
+    for c in enumerate_candidates(model, hw, SETTINGS, {"static", "seesaw"}):
+        result, leaders = _simulate_seesaw(c, trace)
+        row: dict[str, object] = {
+            "kind": c.kind,
+            "tokens_per_s": result.total_throughput,
+            "preemptions": result.preemptions,
+            "rejected": len(result.rejected),
+        }
+        if leaders:
+            host_tokens = HOST_BYTES_PER_GPU * c.gpus_per_group / model.kv_bytes_per_token()
+            share = prompt_tokens / len(leaders)  # the router spreads the batch over the groups
+            row |= {
+                "transitions": sum(h.transitions for h in leaders),
+                # Each group prefills until its store is full, then decodes until drained:
+                # at least ceil(share / store) prefill phases, a switch between each two.
+                "min_transitions": len(leaders) * (2 * math.ceil(share / host_tokens) - 1),
+                "peak_host_usage": max(
+                    (t.host_usage for h in leaders for t in h.leader.transitions), default=0.0
+                ),
+            }
+        rows[c.name] = row
+    static = max((r["tokens_per_s"], k) for k, r in rows.items() if r["kind"] == "static")
+    seesaw = max((r["tokens_per_s"], k) for k, r in rows.items() if r["kind"] == "seesaw")
+    ratio = float(seesaw[0]) / float(static[0])  # type: ignore[arg-type]
+    best = rows[str(seesaw[1])]
+    return Projection(
+        "Seesaw",
+        f"Seesaw vs the best static layout, {workload} under host-store pressure "
+        f"({model_name}, {len(trace)} requests at once, {prompt_tokens:,} prompt tokens = "
+        f"{FILLS:g}x the host store)",
+        f"8x{gpu_name} (PCIe 4.0 x8)",
+        pricing,
+        "x tokens/s, best Seesaw / best static",
+        round(ratio, 3),
+        "1.36x average, up to 1.78x over vLLM's best static layout (§6.2, Fig. 10)",
+        (0.8, 2.5),
+        {"best_seesaw": seesaw[1], "best_static": static[1], "candidates": rows},
+        f"{seesaw[1]}: {best['transitions']} transitions (at least {best['min_transitions']} "
+        f"for these capacities), peak host usage {float(best['peak_host_usage']):.2f}, "  # type: ignore[arg-type]
+        f"{best['preemptions']} preemptions; best static {static[1]}.",
     )
