@@ -35,9 +35,10 @@ def test_planned_ttfts_are_what_mean_ttft_averages() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pricing", ["scaled", "datasheet"])
-def test_sidp_projection_on_h20(pricing: str) -> None:
-    r = sidp.project("H20", pricing)
+def test_sidp_projection_on_h20() -> None:
+    """The scaled H20 (the datasheet pricing, 1.30x, is in benchmarks/projections.json; one
+    pricing here keeps the suite's time)."""
+    r = sidp.project("H20", "scaled")
     _check(r)
     f = r.figures
     # Fig. 5: more KV at TP 2 x DP 4 (the same formula as the reproduction, ~1.7x).
