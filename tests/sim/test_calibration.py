@@ -150,8 +150,8 @@ LAYOUTS = ("tp2", "sp2", "shift2", "pp2")
 @pytest.mark.xfail(
     strict=False,
     reason="NOT MET reliably (issue 30 Prove-it): with the engine measured in the same run, the "
-    "plan's pick was within the error band of the engine's best in 2 of 4 runs here; the other "
-    "two ran beside other jobs on the 2 cores, where the profile and the trace saw different "
+    "plan's pick was within the error band of the engine's best in 2 of 5 runs here; the "
+    "others ran beside other jobs on the 2 cores, where the profile and the trace saw different "
     "loads (the plan's figures were 20-47% off the engine's)",
 )
 def test_plan_with_a_profile_of_this_machine_reproduces_the_engines_choice(
