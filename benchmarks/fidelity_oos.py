@@ -32,6 +32,7 @@ from gearshift.operator.sim.cost_model import (
 )
 from gearshift.operator.sim.lengths import LogNormal
 from gearshift.operator.sim.profile import Profile
+from gearshift.operator.sim.replica import RequestTimes
 from gearshift.operator.sim.results import SimResult
 from gearshift.operator.sim.trace import TraceRequest
 from gearshift.operator.sim.workload import synthesize
@@ -129,9 +130,13 @@ def engine_records(
 
 def sim_records(result: SimResult) -> list[RequestRecord]:
     """Records of a simulation (requests in trace order)."""
+    return time_records(result.requests)
+
+
+def time_records(times: Sequence[RequestTimes]) -> list[RequestRecord]:
+    """Records of simulated requests' times (in the order given)."""
     return [
-        RequestRecord(r.arrival, r.arrival + r.ttft, r.finished, r.output_tokens)
-        for r in result.requests
+        RequestRecord(r.arrival, r.arrival + r.ttft, r.finished, r.output_tokens) for r in times
     ]
 
 
@@ -187,7 +192,7 @@ def run(
             predicted = sim(trace)
             got = figures(predicted)
             entry[label] = got
-            entry[f"{label}_error"] = {f: got[f] / measured[f] - 1 for f in FIGURES}
+            entry[f"{label}_error"] = {f: _error(got[f], measured[f]) for f in FIGURES}
             firsts[label] = [r.first for r in predicted]
         entry["first_token_s"] = firsts
         out.append(entry)
@@ -208,6 +213,13 @@ def run(
     }
     print_summary(report["summary"])
     return report
+
+
+def _error(simulated: float, measured: float) -> float:
+    """simulated / measured - 1 (0 when both are 0: a trace whose outputs are all 1 token)."""
+    if measured == 0:
+        return 0.0 if simulated == 0 else math.inf
+    return simulated / measured - 1
 
 
 def summarise(runs: Sequence[dict[str, Any]], label: str) -> dict[str, Any]:

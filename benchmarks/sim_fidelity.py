@@ -228,7 +228,7 @@ def add_oos_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--cpu-clock",
         action="store_true",
-        help="profile and replay in this thread's CPU time (one rank): immune to other load",
+        help="profile and replay in this thread's CPU time (one rank): less moved by other load",
     )
     ap.add_argument("--oos-arrivals", nargs="+", default=list(arrivals), choices=arrivals)
 
