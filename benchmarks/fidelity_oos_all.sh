@@ -2,8 +2,8 @@
 # Simulator fidelity out of sample for every layout and policy (issue 30, item 2), on a quiet
 # machine: each script profiles once, then runs the validation traces of benchmarks/fidelity_oos.py
 # (2 length mixes x offline/Poisson/Gamma CV 2.5 x 3 seeds, 24 requests each) through the engine
-# and the simulator, and writes benchmarks/sim_fidelity*_oos.json. About 30-40 min on 2 quiet
-# cores (benchmarks/README.md, "Simulator fidelity out of sample"). Tetris is not wired in yet.
+# and the simulator, and writes benchmarks/sim_fidelity*_oos.json. About 35-45 min on 2 quiet
+# cores (benchmarks/README.md, "Simulator fidelity out of sample").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -18,6 +18,7 @@ run $B/sim_fidelity.py --oos --cpu-clock --out $B/sim_fidelity_cpu_clock_oos.jso
 run $B/sim_fidelity_sidp.py --oos --out $B/sim_fidelity_sidp_oos.json
 run $B/sim_fidelity_sidp.py --oos --mode CAS --out $B/sim_fidelity_sidp_cas_oos.json
 run $B/sim_fidelity_seesaw.py --oos --out $B/sim_fidelity_seesaw_oos.json
+run $B/sim_fidelity_tetris.py --oos --out $B/sim_fidelity_tetris_oos.json
 "$PY" - <<'PY'
 import json, pathlib
 for p in sorted(pathlib.Path("benchmarks").glob("sim_fidelity*_oos.json")):
