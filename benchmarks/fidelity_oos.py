@@ -263,8 +263,8 @@ def print_summary(summary: dict[str, Any]) -> None:
 class PricedBeforeIssue30:
     """A profile priced as the simulator did before issue 30, for comparison in the same run:
     step features read after the step had run (a fresh prompt of n tokens then seemed to attend
-    n² more positions, a decode row one more), no per-row term in the prefill fit, and a mixed
-    step's decode rows priced as prompt tokens. Rebuilt from ``measure``'s grid, whose prefill
+    n² more positions, a decode row one more), and no per-row term in the prefill fit. Rebuilt
+    from ``measure``'s grid, whose prefill
     samples are fresh prompts of one length each (the chunked ones are left out)."""
 
     prefill: LinearFit

@@ -13,9 +13,7 @@ interpolated between them (and held at the ends).
 
 A prefill step also pays per prompt whose last chunk it runs: that prompt samples a token, so
 the LM head and the sampler run over one more row (``LinearFit.d``; a small vocabulary-heavy model
-on a CPU: about 0.6 ms a row). A step that holds prefill chunks and decode rows (chunked prefill)
-is priced as its chunks by the prefill fit plus what its decode rows add to a decode step (the
-decode fit less its intercept).
+on a CPU: about 0.6 ms a row).
 """
 
 from __future__ import annotations
@@ -153,22 +151,15 @@ class StepCostModel:
         return interpolate(self.decode_scale, batch_size) if self.decode_scale else 1.0
 
     def step_time(self, batch: ScheduledBatch) -> float:
-        if not batch.prefills:
-            tokens, attended = batch_features(batch)
+        tokens, attended = batch_features(batch)
+        if batch.prefills:
+            # Decode rows riding in a prefill step count as prompt tokens; priced by what they
+            # add to a decode step instead, TTFT and TPOT came out about 9% high over 18
+            # out-of-sample runs (benchmarks/README.md, "Simulator fidelity out of sample").
+            seconds = self.prefill.seconds(tokens, attended, chunk_features(batch)[2])
+        else:
             seconds = self.decode.seconds(tokens, attended) * self.decode_factor(tokens)
-            # A fit may extrapolate below zero for tiny steps; a step never takes negative time.
-            return max(seconds, 1e-6)
-        seconds = self.prefill.seconds(*chunk_features(batch))
-        if batch.decodes:
-            # A decode row riding in a prefill step costs what it adds to a decode step (its
-            # attention over its own context, the LM head, sampling), not one more prompt token:
-            # priced as one, a 450-token chunk with 30 decodes came out about 20% cheap, and
-            # TTFT low (benchmarks/README.md, "Simulator fidelity out of sample"). The step's
-            # fixed cost is the prefill fit's, so the decode fit's intercept is left out.
-            n = len(batch.decodes)
-            extra = self.decode.seconds(n, decode_attended(batch)) * self.decode_factor(n)
-            extra -= self.decode.a
-            seconds += max(extra, 0.0)
+        # A fit may extrapolate below zero for tiny steps; a step never takes negative time.
         return max(seconds, 1e-6)
 
     def save(self, path: Path) -> None:

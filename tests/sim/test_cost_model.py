@@ -47,9 +47,7 @@ def test_features_count_attended_positions_of_chunks_and_decodes() -> None:
     # Decode: 10 positions. Chunk of 20 after 40: 20·40 + (1 + … + 20) = 800 + 210.
     assert batch_features(batch) == (21, 10 + 1010)
     model = StepCostModel(LinearFit(1.0, 0.5, 0.001), LinearFit(9.0, 9.0, 9.0))
-    # The chunk by the prefill fit (20 tokens, 1010 attended); the decode row by what it adds to
-    # a decode step (the decode fit less its intercept: 9·1 + 9·10).
-    assert model.step_time(batch) == pytest.approx(1.0 + 10.0 + 1.01 + 9 + 90)
+    assert model.step_time(batch) == pytest.approx(1.0 + 10.5 + 1.02)
     decode_only = ScheduledBatch(decodes=[_seq(10, 9)])
     assert model.step_time(decode_only) == pytest.approx(9 + 9 + 90)
 
