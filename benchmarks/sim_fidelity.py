@@ -308,7 +308,8 @@ def main() -> None:
         t0 = time.perf_counter()
         clock = time.thread_time if args.cpu_clock else time.perf_counter
         profile = measure(engine, profile_grid(), args.seed, clock)
-        cost = profile.model({"model": args.model or "random-llama", "clock": clock.__name__})
+        about = {"model": args.model or "random-llama", "clock": clock.__name__}
+        cost = profile.model(about, per_row=True)
         profile_s = time.perf_counter() - t0
         replica = ReplicaConfig.of_engine(engine)
         stages = max(1, args.pp or 1)

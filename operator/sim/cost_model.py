@@ -13,7 +13,7 @@ interpolated between them (and held at the ends).
 
 A prefill step also pays per prompt whose last chunk it runs: that prompt samples a token, so
 the LM head and the sampler run over one more row (``LinearFit.d``; a small vocabulary-heavy model
-on a CPU: about 0.6 ms a row).
+on a CPU: about 0.6 ms a row). A profile fits it only when asked (``Profile.model(per_row=True)``).
 """
 
 from __future__ import annotations

@@ -57,8 +57,12 @@ class Profile:
     decode: list[Sample] = field(default_factory=list)
     prefill_rows: list[int] = field(default_factory=list)  # per prefill sample: rows sampled
 
-    def model(self, about: dict[str, object]) -> StepCostModel:
-        prefill, decode = fit(self.prefill, self.prefill_rows), fit(self.decode)
+    def model(self, about: dict[str, object], per_row: bool = False) -> StepCostModel:
+        """The fit; ``per_row``: with the prefill fit's per-row term ``d`` (opt-in: on a small
+        grid it can trade against the attention term, which threw SiDP CaS's measured exchange
+        off by 2x in its CI test; benchmarks/README.md, "Simulator fidelity out of sample")."""
+        rows = self.prefill_rows if per_row else None
+        prefill, decode = fit(self.prefill, rows), fit(self.decode)
         model = StepCostModel(prefill, decode, {}, decode_scale(self.decode, decode))
 
         def scaled(tokens: float, attended: float) -> float:
