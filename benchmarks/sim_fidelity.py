@@ -71,15 +71,26 @@ def engine_config(model: str, num_threads: int, dtype: str = "float32", **extra:
 
 def run_engine(engine, trace) -> dict[str, float]:  # type: ignore[no-untyped-def]
     """Replay ``trace`` in real time; the measured figures."""
+    return measured_figures(trace, *replay(engine, trace))
+
+
+def replay(engine, trace, cpu_clock: bool = False):  # type: ignore[no-untyped-def]
+    """Replay ``trace`` in real time; each request's first and last token times (seconds from
+    the start) and token count, by request id ``r{index}``. With ``cpu_clock`` (a one-rank
+    engine: its forward runs on this thread), time is this thread's CPU time and an idle engine
+    skips ahead to the next arrival: what other processes on a shared machine do to wall time
+    is left out, and so is what the engine waits on besides its own work."""
     from gearshift.worker.sampling.params import SamplingParams
 
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     count: dict[str, int] = {}
     pending = list(enumerate(trace))
-    start = time.perf_counter()
+    clock = time.thread_time if cpu_clock else time.perf_counter
+    start = clock()
+    skipped = 0.0  # idle time jumped over on the CPU clock
     while pending or engine.has_unfinished_requests():
-        now = time.perf_counter() - start
+        now = clock() - start + skipped
         while pending and pending[0][1].arrival_s <= now:
             i, r = pending.pop(0)
             params = SamplingParams(temperature=0.0, max_tokens=r.output_tokens, ignore_eos=True)
@@ -87,14 +98,18 @@ def run_engine(engine, trace) -> dict[str, float]:  # type: ignore[no-untyped-de
                 f"r{i}", [(7 * i + k) % 1000 for k in range(r.prompt_tokens)], params
             )
         if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, pending[0][1].arrival_s - now))
+            wait = max(0.0, pending[0][1].arrival_s - now)
+            if cpu_clock:
+                skipped += wait
+            else:
+                time.sleep(wait)
             continue
         for out in engine.step():
-            t = time.perf_counter() - start
+            t = clock() - start + skipped
             first.setdefault(out.request_id, t)
             last[out.request_id] = t
             count[out.request_id] = count.get(out.request_id, 0) + len(out.new_token_ids)
-    return measured_figures(trace, first, last, count)
+    return first, last, count
 
 
 def measured_figures(trace, first, last, count) -> dict[str, float]:  # type: ignore[no-untyped-def]
@@ -118,7 +133,7 @@ def profile_grid() -> Any:
 
     return ProfileGrid(
         prompt_lens=(16, 64, 160, 320, 500),
-        prefill_batches=(1, 3),
+        prefill_batches=(1, 3, 8),
         decode_batches=(1, 2, 3, 4, 8, 16, 32),
         contexts=(32, 256, 600),
         decode_steps=5,
@@ -181,6 +196,62 @@ def simulated(result) -> dict[str, float]:  # type: ignore[no-untyped-def]
     }
 
 
+def cost_about(cost) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    return {
+        "prefill": vars(cost.prefill),
+        "decode": vars(cost.decode),
+        "decode_scale": cost.decode_scale,
+        **cost.about,
+    }
+
+
+def fidelity_oos() -> Any:
+    """The out-of-sample helper: ``benchmarks.fidelity_oos`` imported as a package (tests), or as
+    a sibling when a script runs (its folder is then ``sys.path[0]``)."""
+    try:
+        from benchmarks import fidelity_oos as oos
+    except ModuleNotFoundError:
+        import fidelity_oos as oos  # type: ignore[no-redef]
+    return oos
+
+
+def add_oos_args(ap: argparse.ArgumentParser) -> None:
+    """The out-of-sample mode's flags (``benchmarks/fidelity_oos.py``)."""
+    oos = fidelity_oos()
+    arrivals, lengths, seeds = oos.ARRIVALS, list(oos.LENGTHS), list(oos.SEEDS)
+
+    ap.add_argument("--oos", action="store_true", help="validate on out-of-sample traces")
+    ap.add_argument("--oos-requests", type=int, default=24, help="requests per validation trace")
+    ap.add_argument("--oos-rate", type=float, default=4.0, help="Poisson/Gamma req/s")
+    ap.add_argument("--oos-seeds", type=int, nargs="+", default=seeds)
+    ap.add_argument("--oos-lengths", nargs="+", default=lengths, choices=lengths)
+    ap.add_argument(
+        "--cpu-clock",
+        action="store_true",
+        help="profile and replay in this thread's CPU time (one rank): less moved by other load",
+    )
+    ap.add_argument("--oos-arrivals", nargs="+", default=list(arrivals), choices=arrivals)
+
+
+def out_of_sample(args: argparse.Namespace, engine, deployment, profile) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """Every validation trace through ``engine`` and ``deployment`` (``profile`` taken already),
+    also priced as before issue 30 (``fidelity_oos.PricedBeforeIssue30``) for comparison."""
+    from dataclasses import replace
+
+    from gearshift.operator.sim.simulator import simulate
+
+    oos = fidelity_oos()
+    before = replace(deployment, cost=oos.PricedBeforeIssue30.of(profile))
+    return oos.run(
+        oos.scenarios(args.oos_lengths, args.oos_arrivals, args.oos_seeds),
+        args.oos_requests,
+        args.oos_rate,
+        lambda trace: oos.engine_records(trace, *replay(engine, trace, args.cpu_clock)),
+        lambda trace: oos.sim_records(simulate(deployment, trace)),
+        {"before_issue_30": lambda trace: oos.sim_records(simulate(before, trace))},
+    )
+
+
 def _device_name(device: str) -> str:
     import platform
 
@@ -207,7 +278,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=0.0, help="Poisson req/s; 0: offline")
     ap.add_argument("--num-threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=HERE / "sim_fidelity.json")
+    ap.add_argument("--out", type=Path, default=None, help="default: sim_fidelity[_oos].json")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--hidden", type=int, default=256, help="the random Llama's hidden size")
@@ -215,26 +286,34 @@ def main() -> None:
     ap.add_argument(
         "--roofline", default=None, help="also price the trace from this hardware preset"
     )
+    add_oos_args(ap)
     add_policy_args(ap)
     args = ap.parse_args()
     policy = policy_from_args(args)
+    if args.out is None:
+        args.out = HERE / ("sim_fidelity_oos.json" if args.oos else "sim_fidelity.json")
+    if args.cpu_clock and (not args.oos or args.device != "cpu"):
+        raise SystemExit("--cpu-clock goes with --oos on the CPU")
+    if args.oos and args.roofline:
+        raise SystemExit("--roofline prices the in-sample trace: leave it out with --oos")
 
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(random_llama(Path(tmp), hidden=args.hidden, layers=args.layers))
         gpu = {"device": args.device} if args.device != "cpu" else {}
         config = engine_config(model, args.num_threads, args.dtype, **gpu)
         engine = start_engine(config, policy)
+        if args.cpu_clock and engine.policy.world_size != 1:
+            engine.shutdown()  # other ranks' work is not on this thread's clock
+            raise SystemExit("--cpu-clock times one rank: give no multi-rank policy flags")
         t0 = time.perf_counter()
-        cost = measure(engine, profile_grid(), args.seed).model(
-            {"model": args.model or "random-llama"}
-        )
+        clock = time.thread_time if args.cpu_clock else time.perf_counter
+        profile = measure(engine, profile_grid(), args.seed, clock)
+        about = {"model": args.model or "random-llama", "clock": clock.__name__}
+        cost = profile.model(about, per_row=True)
         profile_s = time.perf_counter() - t0
-        trace = fidelity_trace(args.requests, args.rate, args.seed)
-        measured = run_engine(engine, trace)
         replica = ReplicaConfig.of_engine(engine)
         stages = max(1, args.pp or 1)
         desc = model_desc.load(model)
-        t0 = time.perf_counter()
         # The engine's own policy decides each step's share (a pipeline's micro-batches).
         deployment = Deployment(
             1,
@@ -246,6 +325,22 @@ def main() -> None:
             # The last stage also runs the LM head: most of this small model's work.
             stage_shares=desc.stage_shares(stages) if stages > 1 else (),
         )
+        if args.oos:
+            report = out_of_sample(args, engine, deployment, profile)
+            engine.shutdown()
+            report = {
+                "command": "python " + " ".join(sys.argv),
+                "device": _device_name(args.device),
+                "policy": json_format.MessageToDict(policy),
+                "profile_s": profile_s,
+                "cost_model": cost_about(cost),
+                **report,
+            }
+            args.out.write_text(json.dumps(report, indent=2) + "\n")
+            return
+        trace = fidelity_trace(args.requests, args.rate, args.seed)
+        measured = run_engine(engine, trace)
+        t0 = time.perf_counter()
         predicted = simulated(simulate(deployment, trace))
         sim_s = time.perf_counter() - t0
         roofline = None
@@ -283,12 +378,7 @@ def main() -> None:
         "command": "python " + " ".join(sys.argv),
         "device": _device_name(args.device),
         "policy": json_format.MessageToDict(policy),
-        "cost_model": {
-            "prefill": vars(cost.prefill),
-            "decode": vars(cost.decode),
-            "decode_scale": cost.decode_scale,
-            **cost.about,
-        },
+        "cost_model": cost_about(cost),
         "rows": rows,
         "simulated_requests_per_wall_s": len(trace) / sim_s,
     }

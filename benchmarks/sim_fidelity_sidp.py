@@ -30,6 +30,7 @@ as ``sidp_cost.MeasuredCasCost`` prices it.
     python benchmarks/sim_fidelity_sidp.py              # → sim_fidelity_sidp.json, ~1 min
     python benchmarks/sim_fidelity_sidp.py --rate 6 --requests 48 --out ...online.json
     python benchmarks/sim_fidelity_sidp.py --mode CAS --out sim_fidelity_sidp_cas.json
+    python benchmarks/sim_fidelity_sidp.py --oos        # out of sample (benchmarks/fidelity_oos.py)
 """
 
 from __future__ import annotations
@@ -48,9 +49,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from sim_fidelity import (  # noqa: E402
+    add_oos_args,
     compare,
     decode_batch,
     engine_config,
+    fidelity_oos,
     fidelity_trace,
     measured_figures,
     profile_grid,
@@ -204,6 +207,12 @@ def run_group(
 ) -> dict[str, float]:
     """Replay ``trace`` on the group's replicas (request i on replica picks[i]) in real time,
     timing each streamed token batch as it arrives here."""
+    return measured_figures(trace, *group_times(group, trace, picks, prefix))
+
+
+def group_times(group: Any, trace: list[Any], picks: list[int], prefix: str = "r") -> Any:
+    """``run_group``'s replay: each request's first and last token times and token count, by
+    request id ``r{index}``."""
     from gearshift.worker.launch import replica_messages as rm
     from gearshift.worker.sampling.params import SamplingParams
 
@@ -246,7 +255,47 @@ def run_group(
         rename = {f"{prefix}{i}": f"r{i}" for i in range(len(trace))}
         first, last = ({rename[k]: v for k, v in d.items()} for d in (first, last))
         count = {rename[k]: v for k, v in count.items()}
-    return measured_figures(trace, first, last, count)
+    return first, last, count
+
+
+def simulate_group(config, base, shared_served, blocks, trace, picks, mode, layers):  # type: ignore[no-untyped-def]
+    """The group in the simulator, on the same assignment: each request's simulated times, in
+    trace order (WaS: each replica alone on its share; CaS: the replicas in lock step)."""
+    from gearshift.operator.sim.lockstep import simulate_lockstep
+    from gearshift.operator.sim.replica import ReplicaConfig
+    from gearshift.operator.sim.sidp_cost import MeasuredCasCost, MeasuredWasCost
+    from gearshift.operator.sim.simulator import Deployment, simulate
+    from gearshift.worker.launch.replica_rank import IDLE_WAIT_S
+    from gearshift.worker.policies.sidp.ownership import Ownership
+
+    def replica(num_blocks: int) -> ReplicaConfig:
+        return ReplicaConfig(
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+        )
+
+    if mode == "CAS":
+        # CaS replicas step together (§4.3): the group is simulated as one, each replica
+        # with its own scheduler and the fewer of the two replicas' KV blocks.
+        cas_cost = MeasuredCasCost(base, layers, DP, *shared_served)
+        return simulate_lockstep(
+            DP, replica(min(blocks)), cas_cost, trace, picks, idle_poll_s=IDLE_WAIT_S
+        ).requests
+    fetch_s, _ = shared_served
+    remote = layers - len(Ownership(DP, layers).owned(0))
+    cost = MeasuredWasCost(base, remote, fetch_s, overlap=False)
+    times: list[Any] = [None] * len(trace)
+    for r in range(DP):
+        # Each replica alone on its share (WaS replicas are independent, §4.2): both sides
+        # run the same assignment, online too.
+        mine = [i for i, pick in enumerate(picks) if pick == r]
+        got = simulate(Deployment(1, replica(blocks[r]), cost), [trace[i] for i in mine])
+        for i, t in zip(mine, got.requests, strict=True):
+            times[i] = t
+    return times
 
 
 def combined(times: list[Any]) -> dict[str, float]:
@@ -261,12 +310,40 @@ def combined(times: list[Any]) -> dict[str, float]:
     }
 
 
-def main() -> None:
-    from gearshift.operator.sim.lockstep import simulate_lockstep
-    from gearshift.operator.sim.replica import ReplicaConfig
+def out_of_sample(args, group, config, base, inputs, blocks) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """Every validation trace through the warm group and the simulator, each assigned by the
+    router's rule up front (the same assignment on both sides)."""
     from gearshift.operator.sim.routing import LeastOutstandingRouter
-    from gearshift.operator.sim.sidp_cost import MeasuredCasCost, MeasuredWasCost
-    from gearshift.operator.sim.simulator import Deployment, simulate
+
+    oos = fidelity_oos()
+    picked: dict[int, list[int]] = {}
+
+    def picks(trace: list[Any]) -> list[int]:
+        router = LeastOutstandingRouter(DP)
+        out = [router.pick(f"r{i}", r.prompt_tokens, r.output_tokens) for i, r in enumerate(trace)]
+        picked[id(trace)] = out
+        return out
+
+    def measure(trace: list[Any]) -> Any:
+        return oos.engine_records(trace, *group_times(group, trace, picks(trace)))
+
+    def simulate(trace: list[Any]) -> Any:
+        times = simulate_group(
+            config, base, inputs, blocks, trace, picked[id(trace)], args.mode, args.layers
+        )
+        return oos.time_records(times)
+
+    return oos.run(
+        oos.scenarios(args.oos_lengths, args.oos_arrivals, args.oos_seeds),
+        args.oos_requests,
+        args.oos_rate,
+        measure,
+        simulate,
+    )
+
+
+def main() -> None:
+    from gearshift.operator.sim.routing import LeastOutstandingRouter
     from gearshift.operator.sim.trace import TraceRequest
     from gearshift.worker.launch import GroupConfig
     from gearshift.worker.launch.replica_rank import IDLE_WAIT_S
@@ -282,8 +359,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-neighbour", dest="neighbour", action="store_false")
     ap.add_argument("--mode", choices=("WAS", "CAS"), default="WAS", help="the SiDP mode, pinned")
-    ap.add_argument("--out", type=Path, default=HERE / "sim_fidelity_sidp.json")
+    ap.add_argument("--out", type=Path, default=None, help="default: sim_fidelity_sidp[_oos].json")
+    add_oos_args(ap)
     args = ap.parse_args()
+    if args.out is None:
+        args.out = HERE / ("sim_fidelity_sidp_oos.json" if args.oos else "sim_fidelity_sidp.json")
+    if args.cpu_clock:
+        raise SystemExit("--cpu-clock times one rank: a SiDP group runs two")
 
     with tempfile.TemporaryDirectory() as tmp:
         model = str(random_llama(Path(tmp), hidden=args.hidden, layers=args.layers))
@@ -315,39 +397,36 @@ def main() -> None:
                 t0 = time.perf_counter()
                 shared, served = exchange_points(group, base, args.layers, IDLE_WAIT_S)
                 profile_s += time.perf_counter() - t0
-            measured = run_group(group, trace, picks)
+            if args.oos:
+                inputs = (shared, served) if cas else (fetch_s, None)
+                report = out_of_sample(args, group, config, base, inputs, blocks)
+            else:
+                measured = run_group(group, trace, picks)
             stats = [group.stats(r) for r in range(DP)]
         finally:
             group.shutdown()
-        cost = MeasuredWasCost(base, remote, fetch_s, overlap=False)
+        if args.oos:
+            report = {
+                "command": "python " + " ".join(sys.argv),
+                "dp": DP,
+                "mode": args.mode,
+                "profile_s": profile_s,
+                "cost_model": {
+                    "prefill": vars(base.prefill),
+                    "decode": vars(base.decode),
+                    "decode_scale": base.decode_scale,
+                    "fetch_seconds_per_layer": fetch_s,
+                    "cas_shared_exchange_by_rows": shared,
+                    "cas_served_exchange_by_rows": served,
+                },
+                "kv_blocks": blocks,
+                **report,
+            }
+            args.out.write_text(json.dumps(report, indent=2) + "\n")
+            return
         t0 = time.perf_counter()
-        times = []
-        for r in range(DP if not cas else 0):
-            # Each replica alone on its share (WaS replicas are independent, §4.2): both sides
-            # run the same assignment, online too.
-            replica = ReplicaConfig(
-                num_blocks=blocks[r],
-                block_size=config.block_size,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=config.max_model_len,
-            )
-            mine = [req for req, pick in zip(trace, picks, strict=True) if pick == r]
-            times += simulate(Deployment(1, replica, cost), mine).requests
-        if cas:
-            # CaS replicas step together (§4.3): the group is simulated as one, each replica
-            # with its own scheduler and the fewer of the two replicas' KV blocks.
-            replica = ReplicaConfig(
-                num_blocks=min(blocks),
-                block_size=config.block_size,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=config.max_model_len,
-            )
-            cas_cost = MeasuredCasCost(base, args.layers, DP, shared, served)
-            times = simulate_lockstep(
-                DP, replica, cas_cost, trace, picks, idle_poll_s=IDLE_WAIT_S
-            ).requests
+        inputs = (shared, served) if cas else (fetch_s, None)
+        times = simulate_group(config, base, inputs, blocks, trace, picks, args.mode, args.layers)
         sim_s = time.perf_counter() - t0
         predicted = combined(times)
 

@@ -28,6 +28,7 @@ The same run also simulates plain processor sharing (rings not in lock step) and
 rank, for comparison.
 
     python benchmarks/sim_fidelity_tetris.py            # → sim_fidelity_tetris.json, ~1 min
+    python benchmarks/sim_fidelity_tetris.py --oos      # out of sample (benchmarks/fidelity_oos.py)
 """
 
 from __future__ import annotations
@@ -49,9 +50,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from sim_fidelity import (  # noqa: E402
+    add_oos_args,
     compare,
     decode_batch,
     engine_config,
+    fidelity_oos,
     measured_figures,
     random_llama,
     simulated,
@@ -92,11 +95,15 @@ def measure_and_simulate(
     improvement_rate: float,
     link: tuple[float, float] | None = None,
     busy_check: bool = True,
+    validate: Any = None,
 ) -> dict[str, Any]:
     """Start a Tetris group (2 prefill + 1 decode instances of TP 1), measure the simulator's
     inputs on it, replay ``trace`` through it with the router's plans, and simulate the same;
     ``link``: (bytes/s, s) for the hand-off instead of measuring it; ``busy_check``: also
-    profile the pool beside a decoding instance (the gang model's check)."""
+    profile the pool beside a decoding instance (the gang model's check). ``validate``
+    (out of sample): called with a measure and a simulate function of a trace, each giving
+    ``fidelity_oos`` records, while the group runs; its answer is ``out["validation"]``, and
+    ``trace`` is not run."""
     from gearshift.operator.planner.cdsp import PlannerRules, plan_request
     from gearshift.operator.planner.instance_pool import Pool
     from gearshift.operator.sim.cost_model import StepOverhead
@@ -148,16 +155,49 @@ def measure_and_simulate(
             }
             print(f"busy / idle Eq. (1) by SP at C 0/256, L 32/320: {out['beside']}")
         rules = PlannerRules(models, chunk_granularity=32, max_chunks=3)
-        # The router's planning, once, from the arrival times (both sides run these plans).
-        pool = Pool.uniform([0.0, 0.0], 8)
-        at = 0.0
-        plans = []
-        for r in trace:
-            pool = pool.advance(r.arrival_s - at)
-            at = r.arrival_s
-            plan = plan_request(r.prompt_tokens, pool, rules, improvement_rate)
-            pool = pool.commit((c.group, c.end) for c in plan.chunks)
-            plans.append(plan)
+
+        def plan(trace: list[Any]) -> list[Any]:
+            # The router's planning, once, from the arrival times (both sides run these plans).
+            pool = Pool.uniform([0.0, 0.0], 8)
+            at = 0.0
+            plans = []
+            for r in trace:
+                pool = pool.advance(r.arrival_s - at)
+                at = r.arrival_s
+                plan = plan_request(r.prompt_tokens, pool, rules, improvement_rate)
+                pool = pool.commit((c.group, c.end) for c in plan.chunks)
+                plans.append(plan)
+            return plans
+
+        out["row_bytes"] = group.row_bytes
+        out["cores"] = len(os.sched_getaffinity(0))
+        sim_group = TetrisGroupSim(
+            prefill=2,
+            decode=1,
+            rules=rules,
+            improvement_rate=improvement_rate,
+            config=replica,
+            decode_cost=instance_cost,
+            kv_bytes_per_token=out["row_bytes"],
+            link_bandwidth=bandwidth,
+            link_latency=latency,
+            # The group's 3 ranks share this machine's cores, a ring's members in lock step.
+            host_cores=out["cores"],
+            host_gangs=True,
+        )
+        if validate is not None:
+            oos = fidelity_oos()
+
+            def measure(trace: list[Any]) -> Any:
+                got = _run(group, trace, plan(trace), outputs, worker_pb2, SamplingParams, True)
+                return oos.engine_records(trace, *got)
+
+            def simulate(trace: list[Any]) -> Any:
+                return oos.sim_records(simulate_tetris(sim_group, trace))
+
+            out["validation"] = validate(measure, simulate)
+            return out
+        plans = plan(trace)
         out["plans"] = plans
         pool_before = group.stats()["prefill_seconds_sum"]
         out["measured"] = _run(group, trace, plans, outputs, worker_pb2, SamplingParams)
@@ -165,24 +205,8 @@ def measure_and_simulate(
         # excluded on both sides).
         out["pool_s"] = group.stats()["prefill_seconds_sum"] - pool_before
         out["planned_s"] = sum(c.seconds for p in plans for c in p.chunks)
-        out["row_bytes"] = group.row_bytes
     finally:
         group.shutdown()
-    out["cores"] = len(os.sched_getaffinity(0))
-    sim_group = TetrisGroupSim(
-        prefill=2,
-        decode=1,
-        rules=rules,
-        improvement_rate=improvement_rate,
-        config=replica,
-        decode_cost=instance_cost,
-        kv_bytes_per_token=out["row_bytes"],
-        link_bandwidth=bandwidth,
-        link_latency=latency,
-        # The group's 3 ranks share this machine's cores, a ring's members in lock step.
-        host_cores=out["cores"],
-        host_gangs=True,
-    )
     t0 = time.perf_counter()
     out["result"] = simulate_tetris(sim_group, trace)
     out["sim_s"] = time.perf_counter() - t0
@@ -209,8 +233,17 @@ def main() -> None:
     ap.add_argument("--link-gbps", type=float, help="hand-off bandwidth, GB/s (default: measured)")
     ap.add_argument("--link-ms", type=float, help="hand-off latency, ms (default: measured)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=HERE / "sim_fidelity_tetris.json")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="default: sim_fidelity_tetris[_oos].json"
+    )
+    add_oos_args(ap)
     args = ap.parse_args()
+    if args.out is None:
+        args.out = HERE / (
+            "sim_fidelity_tetris_oos.json" if args.oos else "sim_fidelity_tetris.json"
+        )
+    if args.cpu_clock:
+        raise SystemExit("--cpu-clock times one rank: a Tetris group runs three")
 
     trace = synthesize(
         args.requests,
@@ -226,6 +259,31 @@ def main() -> None:
         model = str(random_llama(Path(tmp), hidden=256, layers=4))
         config = engine_config(model, 1, kv_cache_bytes=64 << 20)
         decode_cost, replica = decode_profile(config, args.seed)
+        if args.oos:
+            oos = fidelity_oos()
+            runs = oos.scenarios(args.oos_lengths, args.oos_arrivals, args.oos_seeds)
+
+            def validate(measure: Any, simulate: Any) -> Any:
+                return oos.run(runs, args.oos_requests, args.oos_rate, measure, simulate)
+
+            got = measure_and_simulate(
+                config, decode_cost, replica, [], args.improvement_rate, link, False, validate
+            )
+            report = {
+                "command": "python " + " ".join(sys.argv),
+                "latency_models": got["fitted"],
+                "decode_cost": {
+                    "prefill": vars(decode_cost.prefill),
+                    "decode": vars(decode_cost.decode),
+                    "decode_scale": decode_cost.decode_scale,
+                    "decode_instance_extra_by_batch": got["decode_extra"],
+                },
+                "handoff": {"bandwidth_bytes_per_s": got["bandwidth"], "latency_s": got["latency"]},
+                "host_cores": got["cores"],
+                **got["validation"],
+            }
+            args.out.write_text(json.dumps(report, indent=2, default=_plain) + "\n")
+            return
         got = measure_and_simulate(config, decode_cost, replica, trace, args.improvement_rate, link)
 
     result = got["result"]
@@ -262,6 +320,13 @@ def main() -> None:
         "rows_a_core_per_rank": rows_own,
     }
     args.out.write_text(json.dumps(out, indent=2) + "\n")
+
+
+def _plain(value: Any) -> Any:
+    """A numpy scalar as the Python number it holds (the Eq. (1) fit's counts are numpy's)."""
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON")
 
 
 def _fit(samples: list[Any]) -> tuple[list[dict[str, Any]], dict[int, Any]]:
@@ -392,8 +457,9 @@ def _profile_beside_decode(group, outputs, worker_pb2, SamplingParams) -> list[A
             raise SystemExit(f"{outputs.get_nowait()[0]} still ran after its abort")
 
 
-def _run(group, trace, plans, outputs, worker_pb2, SamplingParams) -> dict[str, float]:  # type: ignore[no-untyped-def]
-    """Replay ``trace`` in real time through the group with ``plans``; the measured figures."""
+def _run(group, trace, plans, outputs, worker_pb2, SamplingParams, times=False):  # type: ignore[no-untyped-def]
+    """Replay ``trace`` in real time through the group with ``plans``; the measured figures
+    (with ``times``: each request's first and last token times and token count)."""
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     count: dict[str, int] = {}
@@ -424,6 +490,8 @@ def _run(group, trace, plans, outputs, worker_pb2, SamplingParams) -> dict[str, 
             count[rid] = count.get(rid, 0) + len(item.new_token_ids)
         if item.finished:
             ended.add(rid)
+    if times:
+        return first, last, count
     return measured_figures(trace, first, last, count)
 
 

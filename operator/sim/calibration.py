@@ -229,12 +229,12 @@ def _step_cost(data: Any, where: str) -> StepCostModel:
     fits = {}
     for key in ("prefill", "decode"):
         part = data.get(key)
-        _mapping(part, f"{where}.{key}", ("a", "b", "c"))
-        for coef in ("a", "b", "c"):
-            value = part.get(coef)
+        _mapping(part, f"{where}.{key}", ("a", "b", "c", "d"))
+        for coef in ("a", "b", "c", "d"):
+            value = part.get(coef, 0.0)  # d (per sampled prompt row) is newer: 0 when absent
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ProfileError(f"{where}.{key}.{coef}: expected a number, got {value!r}")
-        fits[key] = LinearFit(float(part["a"]), float(part["b"]), float(part["c"]))
+        fits[key] = LinearFit(*(float(part.get(coef, 0.0)) for coef in ("a", "b", "c", "d")))
     scale = data.get("decode_scale", [])
     if not isinstance(scale, list) or not all(
         isinstance(p, list) and len(p) == 2 and all(_positive(v) for v in p) for p in scale

@@ -10,6 +10,10 @@ once per row at 2–3 rows, so 2 sequences can cost more than 4; on a GPU, small
 the same until the matmuls become compute-bound. ``decode_scale`` corrects the decode fit per
 batch size, by the ratio of measured to fitted seconds at each profiled batch size, linearly
 interpolated between them (and held at the ends).
+
+A prefill step also pays per prompt whose last chunk it runs: that prompt samples a token, so
+the LM head and the sampler run over one more row (``LinearFit.d``; a small vocabulary-heavy model
+on a CPU: about 0.6 ms a row). A profile fits it only when asked (``Profile.model(per_row=True)``).
 """
 
 from __future__ import annotations
@@ -41,35 +45,62 @@ class CostModelError(ValueError):
 
 def batch_features(batch: ScheduledBatch) -> tuple[int, float]:
     """(tokens, attended) of a batch as scheduled, before its sequences advance."""
-    attended = sum(float(s.num_computed_tokens + 1) for s in batch.decodes)
+    tokens, attended, _ = chunk_features(batch)
+    return tokens + len(batch.decodes), attended + decode_attended(batch)
+
+
+def chunk_features(batch: ScheduledBatch) -> tuple[int, float, int]:
+    """(tokens, attended, rows) of the batch's prefill chunks alone, before they advance;
+    ``rows``: the chunks that end their prompt (each samples a token, as LLMEngine._finish)."""
+    tokens, attended, rows = 0, 0.0, 0
     for seq, n in batch.prefills:
+        tokens += n
         attended += n * (seq.num_computed_tokens + (n + 1) / 2)
-    return batch.num_tokens, attended
+        rows += seq.num_computed_tokens + n == seq.num_tokens
+    return tokens, attended, rows
+
+
+def decode_attended(batch: ScheduledBatch) -> float:
+    """Positions the batch's decode rows attend (each its context)."""
+    return sum(float(s.num_computed_tokens + 1) for s in batch.decodes)
 
 
 @dataclass(frozen=True)
 class LinearFit:
-    """seconds = a + b·tokens + c·attended."""
+    """seconds = a + b·tokens + c·attended + d·rows, ``rows`` the prompts whose last chunk the
+    step runs (each samples a token: the LM head and the sampler over one more row)."""
 
     a: float
     b: float
     c: float
+    d: float = 0.0
 
-    def seconds(self, tokens: float, attended: float) -> float:
-        return self.a + self.b * tokens + self.c * attended
+    def seconds(self, tokens: float, attended: float, rows: float = 0.0) -> float:
+        return self.a + self.b * tokens + self.c * attended + self.d * rows
 
 
-def fit(samples: Sequence[tuple[float, float, float]]) -> LinearFit:
-    """Least squares over (tokens, attended, seconds) samples."""
+def fit(
+    samples: Sequence[tuple[float, float, float]], rows: Sequence[float] | None = None
+) -> LinearFit:
+    """Least squares over (tokens, attended, seconds) samples; with ``rows`` (one per sample),
+    a per-row term too, unless every sample has the same count (then it cannot be told from
+    the intercept, and ``d`` is 0)."""
     if len(samples) < 3:
         raise CostModelError(f"a fit needs at least 3 samples, got {len(samples)}")
-    x = np.array([[1.0, t, a] for t, a, _ in samples])
+    if rows is not None and len(rows) != len(samples):
+        raise CostModelError(f"{len(rows)} row counts for {len(samples)} samples")
+    per_row = rows is not None and len(set(rows)) > 1 and len(samples) >= 4
+    x = np.array(
+        [
+            [1.0, t, a, *([r] if per_row else [])]
+            for (t, a, _), r in zip(samples, rows or [0.0] * len(samples), strict=True)
+        ]
+    )
     y = np.array([s for _, _, s in samples])
     # Scale columns so the attended column (up to ~1e8) does not swamp the solve.
     scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
     coef, *_ = np.linalg.lstsq(x / scale, y, rcond=None)
-    a, b, c = (float(v) for v in coef / scale)
-    return LinearFit(a, b, c)
+    return LinearFit(*(float(v) for v in coef / scale))
 
 
 def decode_scale(
@@ -122,7 +153,10 @@ class StepCostModel:
     def step_time(self, batch: ScheduledBatch) -> float:
         tokens, attended = batch_features(batch)
         if batch.prefills:
-            seconds = self.prefill.seconds(tokens, attended)
+            # Decode rows riding in a prefill step count as prompt tokens; priced by what they
+            # add to a decode step instead, TTFT and TPOT came out about 9% high over 18
+            # out-of-sample runs (benchmarks/README.md, "Simulator fidelity out of sample").
+            seconds = self.prefill.seconds(tokens, attended, chunk_features(batch)[2])
         else:
             seconds = self.decode.seconds(tokens, attended) * self.decode_factor(tokens)
         # A fit may extrapolate below zero for tiny steps; a step never takes negative time.

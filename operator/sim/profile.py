@@ -21,7 +21,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gearshift.operator.sim.cost_model import StepCostModel, batch_features, decode_scale, fit
+from gearshift.operator.sim.cost_model import (
+    StepCostModel,
+    batch_features,
+    chunk_features,
+    decode_scale,
+    fit,
+)
 from gearshift.worker.engine.scheduler import ScheduledBatch
 
 if TYPE_CHECKING:
@@ -66,16 +72,25 @@ class Profile:
 
     prefill: list[Sample] = field(default_factory=list)
     decode: list[Sample] = field(default_factory=list)
+    prefill_rows: list[int] = field(default_factory=list)  # per prefill sample: rows sampled
 
-    def model(self, about: dict[str, object]) -> StepCostModel:
-        prefill, decode = fit(self.prefill), fit(self.decode)
+    def model(self, about: dict[str, object], per_row: bool = False) -> StepCostModel:
+        """The fit; ``per_row``: with the prefill fit's per-row term ``d`` (opt-in: on a small
+        grid it can trade against the attention term, which threw SiDP CaS's measured exchange
+        off by 2x in its CI test; benchmarks/README.md, "Simulator fidelity out of sample")."""
+        rows = self.prefill_rows if per_row else None
+        prefill, decode = fit(self.prefill, rows), fit(self.decode)
         model = StepCostModel(prefill, decode, {}, decode_scale(self.decode, decode))
 
         def scaled(tokens: float, attended: float) -> float:
             return decode.seconds(tokens, attended) * model.decode_factor(int(tokens))
 
         errors = {
-            "prefill_mean_abs_error": _mean_rel_error(self.prefill, prefill.seconds),
+            "prefill_mean_abs_error": sum(
+                abs(prefill.seconds(t, a, r) - s) / s
+                for (t, a, s), r in zip(self.prefill, self.prefill_rows, strict=True)
+            )
+            / len(self.prefill),
             "decode_mean_abs_error": _mean_rel_error(self.decode, scaled),
             "decode_linear_mean_abs_error": _mean_rel_error(self.decode, decode.seconds),
             "prefill_samples": len(self.prefill),
@@ -91,15 +106,21 @@ def _mean_rel_error(samples: list[Sample], predict: Callable[[float, float], flo
 class _StepTimer:
     """Times ``engine.step()`` calls and pairs each with the batch its scheduler produced."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, clock: Callable[[], float]) -> None:
         self.engine = engine
-        self.batches: list[ScheduledBatch] = []
+        self.clock = clock
+        # Each non-empty batch's (prefill?, tokens, attended, rows), read as it is scheduled:
+        # once the step has run, its sequences have advanced, and a chunk read then would seem
+        # to attend its own tokens twice over (the simulator prices a batch before it runs).
+        self.batches: list[tuple[bool, int, float, int]] = []
         schedule = engine.scheduler.schedule
 
         def recording(*args: object, **kw: object) -> ScheduledBatch:
             batch = schedule(*args, **kw)  # type: ignore[arg-type]
             if not batch.is_empty:
-                self.batches.append(batch)
+                tokens, attended = batch_features(batch)
+                rows = chunk_features(batch)[2]
+                self.batches.append((bool(batch.prefills), tokens, attended, rows))
             return batch
 
         engine.scheduler.schedule = recording  # type: ignore[method-assign]
@@ -113,14 +134,17 @@ class _StepTimer:
             self.engine.add_request(f"profile-{time.monotonic_ns()}-{i}", ids, params)
         while self.engine.has_unfinished_requests():
             self.batches.clear()
-            start = time.perf_counter()
+            start = self.clock()
             self.engine.step()
-            seconds = time.perf_counter() - start
+            seconds = self.clock() - start
             if into is None or len(self.batches) != 1:
                 continue
-            batch = self.batches[0]
-            tokens, attended = batch_features(batch)
-            (into.prefill if batch.prefills else into.decode).append((tokens, attended, seconds))
+            prefill, tokens, attended, rows = self.batches[0]
+            if prefill:
+                into.prefill.append((tokens, attended, seconds))
+                into.prefill_rows.append(rows)
+            else:
+                into.decode.append((tokens, attended, seconds))
 
 
 @contextlib.contextmanager
@@ -141,17 +165,26 @@ def _one_micro_batch(engine: LLMEngine) -> Iterator[None]:
         del policy.micro_batches, policy.step_request
 
 
-def measure(engine: LLMEngine, grid: ProfileGrid, seed: int = 0) -> Profile:
-    """Time the grid's steps on ``engine`` (which must be idle)."""
+def measure(
+    engine: LLMEngine,
+    grid: ProfileGrid,
+    seed: int = 0,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Profile:
+    """Time the grid's steps on ``engine`` (which must be idle). ``clock``: wall time; a
+    benchmark may pass ``time.thread_time`` to price a one-rank engine in CPU time, which other
+    processes on a shared machine do not move."""
     with _one_micro_batch(engine):
-        return _measure(engine, grid, seed)
+        return _measure(engine, grid, seed, clock)
 
 
-def _measure(engine: LLMEngine, grid: ProfileGrid, seed: int) -> Profile:
+def _measure(
+    engine: LLMEngine, grid: ProfileGrid, seed: int, clock: Callable[[], float]
+) -> Profile:
     rng = random.Random(seed)
     limit = engine.max_model_len
     vocab = engine.vocab_size
-    timer = _StepTimer(engine)
+    timer = _StepTimer(engine, clock)
     profile = Profile()
 
     def prompts(count: int, length: int) -> list[list[int]]:

@@ -1,5 +1,5 @@
-"""The step-cost model: the fit recovers known coefficients, features follow the scheduler's
-batch, and a saved model loads back (a wrong file is refused naming it)."""
+"""The step-cost model: the fit recovers known coefficients (a per-row term too), features follow
+the scheduler's batch, and a saved model loads back (a wrong file is refused naming it)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from gearshift.operator.sim.cost_model import (
     StepCostModel,
     StepOverhead,
     batch_features,
+    chunk_features,
     fit,
 )
 from gearshift.worker.engine.scheduler import ScheduledBatch
@@ -104,3 +105,37 @@ def test_a_step_overhead_adds_the_measured_extra_by_sequences() -> None:
     assert cost.step_time(decodes(8)) == pytest.approx(0.014)  # held beyond the last
     with pytest.raises(CostModelError, match="sorted"):
         StepOverhead(flat, ((4, 0.004), (1, 0.001)))
+
+
+def test_a_prefill_fit_learns_a_per_row_cost_when_the_rows_vary() -> None:
+    # Prefill steps of 1, 3 and 8 prompts: 0.6 ms a prompt that samples, on top of the tokens.
+    true = LinearFit(0.010, 0.0002, 1e-8, 0.0006)
+    rng = random.Random(2)
+    samples, rows = [], []
+    for count in (1, 3, 8):
+        for length in (16, 40, 64):
+            tokens, attended = count * length, count * length * (length + 1) / 2
+            seconds = true.seconds(tokens, attended, count) * (1 + rng.uniform(-0.01, 0.01))
+            samples.append((float(tokens), attended, seconds))
+            rows.append(float(count))
+    got = fit(samples, rows)
+    assert got.d == pytest.approx(true.d, rel=0.15)
+    assert got.b == pytest.approx(true.b, rel=0.15)
+    # One prompt per sample: the per-row cost cannot be told from the intercept, so d is 0.
+    ones = [s for s, r in zip(samples, rows, strict=True) if r == 1]
+    assert fit(ones * 2, [1.0] * 6).d == 0.0
+    with pytest.raises(CostModelError, match="row counts"):
+        fit(samples, rows[:-1])
+
+
+def test_a_prefill_step_pays_per_prompt_it_finishes_not_per_chunk() -> None:
+    model = StepCostModel(LinearFit(1.0, 0.0, 0.0, 5.0), LinearFit(9.0, 9.0, 9.0))
+    ends = ScheduledBatch(prefills=[(_seq(20, 0, "a"), 20), (_seq(30, 10, "b"), 20)])
+    assert chunk_features(ends) == (40, 20 * 10.5 + 20 * (10 + 10.5), 2)
+    assert model.step_time(ends) == pytest.approx(1.0 + 2 * 5.0)
+    # A chunk that stops short of its prompt's end samples nothing.
+    middle = ScheduledBatch(prefills=[(_seq(100, 0, "a"), 20)])
+    assert chunk_features(middle)[2] == 0
+    assert model.step_time(middle) == pytest.approx(1.0)
+    # An older file (no d) loads with d = 0.
+    assert LinearFit(**{"a": 1, "b": 2, "c": 3}).d == 0.0

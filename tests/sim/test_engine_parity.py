@@ -142,6 +142,23 @@ def test_a_pipeline_keeps_the_engines_micro_batches_in_flight(
     assert engine.policy.micro_batches() == 2
 
 
+def test_a_profile_reads_each_steps_features_as_scheduled(
+    engine_of: Callable[..., LLMEngine],
+) -> None:
+    # A fresh prompt of n tokens attends n(n + 1)/2 positions in its step, as the simulator
+    # prices it; read after the step, its tokens would count as context too (3n²/2).
+    engine = engine_of(max_num_batched_tokens=128, block_size=16)
+    grid = ProfileGrid((8, 32), (1, 2), (1, 3), (16,), decode_steps=2, repeats=1)
+    profile = measure(engine, grid)
+    # 4 prefill points, and the first step of each decode point (its prompts' prefill).
+    assert profile.prefill_rows == [1, 2, 1, 2, 1, 3]
+    for (tokens, attended, _), rows in zip(profile.prefill, profile.prefill_rows, strict=True):
+        n = tokens / rows
+        assert attended == rows * n * (n + 1) / 2
+    # A decode row of a 16-token prompt with its first token (16 computed) attends 17.
+    assert [(t, a) for t, a, _ in profile.decode] == [(1, 17.0), (3, 51.0)]
+
+
 @pytest.mark.serial
 @pytest.mark.slow
 def test_a_profile_predicts_the_engines_wall_time_within_a_loose_bound(
