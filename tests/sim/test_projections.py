@@ -36,9 +36,9 @@ def test_planned_ttfts_are_what_mean_ttft_averages() -> None:
 
 @pytest.mark.slow
 def test_sidp_projection_on_h20() -> None:
-    """The scaled H20 (the datasheet pricing, 1.30x, is in benchmarks/projections.json; one
-    pricing here keeps the suite's time)."""
-    r = sidp.project("H20", "scaled")
+    """The scaled H20, AUTO against plain DP (the datasheet pricing, 1.30x, and WaS and CaS held
+    are in benchmarks/projections.json; the suite runs the two simulations the claim rests on)."""
+    r = sidp.project("H20", "scaled", modes=False)
     _check(r)
     f = r.figures
     # Fig. 5: more KV at TP 2 x DP 4 (the same formula as the reproduction, ~1.7x).
@@ -47,9 +47,6 @@ def test_sidp_projection_on_h20() -> None:
     # SiDP's does not; that capacity is what turns into tokens/s (§5.2).
     assert f["SiDP AUTO"]["kv_tokens"] > f["plain DP"]["kv_tokens"]
     assert f["plain DP"]["preemptions"] > 0 and f["SiDP AUTO"]["preemptions"] == 0
-    # AUTO takes the cheaper mode per step: never slower than either mode held.
-    ratios = f["tokens_per_s_ratio"]
-    assert ratios["SiDP AUTO"] >= max(ratios["SiDP WAS"], ratios["SiDP CAS"]) * 0.999
     # The paper's direction: SiDP beats DP+TP at S = 4K.
     assert r.simulated > 1.0
 

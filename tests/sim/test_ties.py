@@ -26,7 +26,9 @@ LLAMA = Path(__file__).parent / "fixtures" / "llama3_8b_config.json"
 def test_the_band_is_the_worst_error_of_the_recorded_fidelity_runs() -> None:
     worst: dict[str, float] = {}
     for path in glob.glob(str(ROOT / "benchmarks" / "sim_fidelity*.json")):
-        for row in json.loads(Path(path).read_text())["rows"]:
+        # The out-of-sample records (``*_oos*.json``, a summary over many traces) are not in
+        # the band yet: none was taken on a quiet machine (error_band.py).
+        for row in json.loads(Path(path).read_text()).get("rows", []):
             worst[row["figure"]] = max(worst.get(row["figure"], 0.0), abs(row["error"]))
     assert worst, "no recorded fidelity run found"
     assert MEASURED.throughput == pytest.approx(worst["output_tokens_per_s"], abs=5e-4)
