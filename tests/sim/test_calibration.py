@@ -143,21 +143,23 @@ def test_the_fitted_efficiencies_are_those_of_the_recorded_gpu_runs() -> None:
     assert scaled.hardware.device.memory_bandwidth < preset("8xH200").device.memory_bandwidth
 
 
-LAYOUTS = ("tp2", "sp2", "shift2", "pp2")
+# Shift 2 is left out: its profile is one fit over both gears (a step does not say which ran),
+# and the suite's serial part pays about 35 s a layout.
+LAYOUTS = ("tp2", "sp2", "pp2")
 
 
 @pytest.mark.serial
 @pytest.mark.xfail(
     strict=False,
     reason="NOT MET reliably (issue 30 Prove-it): with the engine measured in the same run, the "
-    "plan's pick was within the error band of the engine's best in 2 of 5 runs here; the "
-    "others ran beside other jobs on the 2 cores, where the profile and the trace saw different "
-    "loads (the plan's figures were 20-47% off the engine's)",
+    "plan's pick was within the error band of the engine's best in 3 of 6 runs here (the "
+    "quiet ones, the full suite's serial part among them); the others ran beside other jobs "
+    "on the 2 cores, where the plan's figures were 20-47% off the engine's",
 )
 def test_plan_with_a_profile_of_this_machine_reproduces_the_engines_choice(
     tmp_path: Path,
 ) -> None:
-    """For four 2-rank layouts of a random 4-layer Llama (fp32, one thread a rank, as the
+    """For three 2-rank layouts of a random 4-layer Llama (fp32, one thread a rank, as the
     fidelity runs use): profile the layout (``gearshift profile``'s measurement, a small grid)
     and, on the same engine right after, run the fidelity trace (lognormal prompts and
     outputs, every request at once) after a warm-up, so that the profile and the run it
