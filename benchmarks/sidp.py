@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -126,6 +127,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=192, help="prompt tokens per sequence")
     ap.add_argument("--output", type=int, default=32, help="output tokens per sequence")
     ap.add_argument("--seqs", type=int, default=32, help="sequences per replica")
+    ap.add_argument(
+        "--note", default="", help="what else ran on the host (saved in the JSON as host_note)"
+    )
     args = ap.parse_args()
     if args.quick:
         args.hidden, args.layers, args.prompt, args.output, args.seqs = 256, 4, 96, 16, 16
@@ -159,8 +163,8 @@ def main() -> None:
     names = ["plain", "WAS", "CAS", "AUTO"]
     report: dict[str, Any] = {
         "command": " ".join(sys.argv),
-        "host_note": "2 shared CPU cores, other engineers' jobs running: absolute figures are "
-        "load-dependent; compare ratios within this run",
+        "host_note": args.note,
+        "load_average_after": list(os.getloadavg()),
         "dp": DP,
         "hidden": args.hidden,
         "layers": args.layers,
