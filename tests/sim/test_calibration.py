@@ -151,6 +151,7 @@ LAYOUTS = ("tp2", "sp2", "pp2")
 @pytest.mark.serial
 @pytest.mark.xfail(
     strict=False,
+    raises=AssertionError,  # only the comparison may fail: an error elsewhere is a failure
     reason="NOT MET reliably (issue 30 Prove-it): with the engine measured in the same run, the "
     "plan's pick was within the error band of the engine's best in 3 of 6 runs here (the "
     "quiet ones, the full suite's serial part among them); the others ran beside other jobs "
