@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kmock_harness import Api, KmockApi, OperatorProcess, StandInAdmin, wait_for
+from kmock_harness import Api, KmockApi, OperatorProcess, StandInAdmin, running_operator
 
 from tests.worker.model.hub_server import HubServer, Repo
 
@@ -55,15 +55,8 @@ def operator_process(
 ) -> Iterator[OperatorProcess]:
     tmp = tmp_path_factory.mktemp("operator")
     env = {"HF_ENDPOINT": hub.url}
-    with OperatorProcess(
-        kmock_api.kubeconfig(tmp / "kubeconfig"), admin.address, tmp / "kopf.log", env=env
-    ) as op:
-        try:
-            wait_for(op.alive, 5, "operator process")
-            yield op
-        finally:
-            # pytest shows captured output only for failures: then the operator's log tail is there.
-            print(op.log.read_text()[-4000:])
+    with running_operator(kmock_api, admin, tmp, env) as op:
+        yield op
 
 
 @pytest.fixture()

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -364,3 +365,19 @@ class OperatorProcess:
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+
+@contextlib.contextmanager
+def running_operator(
+    kmock_api: KmockApi, admin: StandInAdmin, tmp: Path, env: dict[str, str] | None = None
+) -> Iterator[OperatorProcess]:
+    """An operator process against kmock, awaited alive (bounded). Its log's tail is printed at
+    the end: pytest shows captured output only for failures, so that is where it appears."""
+    with OperatorProcess(
+        kmock_api.kubeconfig(tmp / "kubeconfig"), admin.address, tmp / "kopf.log", env=env
+    ) as op:
+        try:
+            wait_for(op.alive, 5, "operator process")
+            yield op
+        finally:
+            print(op.log.read_text()[-4000:])

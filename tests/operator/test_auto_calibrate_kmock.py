@@ -22,6 +22,7 @@ from kmock_harness import (
     StandInAdmin,
     condition,
     cr_metadata,
+    running_operator,
     wait_for,
 )
 
@@ -61,14 +62,8 @@ def operator_process(
     their own test, test_auto_calibrate_retry_kmock.py)."""
     tmp = tmp_path_factory.mktemp("operator-calibrate")
     env = {"HF_ENDPOINT": hub.url, "GEARSHIFT_CALIBRATION_ATTEMPTS": "1"}
-    with OperatorProcess(
-        kmock_api.kubeconfig(tmp / "kubeconfig"), admin.address, tmp / "kopf.log", env=env
-    ) as op:
-        try:
-            wait_for(op.alive, 5, "operator process")
-            yield op
-        finally:
-            print(op.log.read_text()[-4000:])
+    with running_operator(kmock_api, admin, tmp, env) as op:
+        yield op
 
 
 @pytest.fixture(scope="module")

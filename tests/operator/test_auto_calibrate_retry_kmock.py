@@ -21,6 +21,7 @@ from kmock_harness import (
     StandInAdmin,
     condition,
     cr_metadata,
+    running_operator,
     wait_for,
 )
 
@@ -47,14 +48,8 @@ def operator_process(
         "GEARSHIFT_CALIBRATION_BACKOFF_SECONDS": "1",
         "GEARSHIFT_CALIBRATION_BACKOFF_MAX_SECONDS": "1",
     }
-    with OperatorProcess(
-        kmock_api.kubeconfig(tmp / "kubeconfig"), admin.address, tmp / "kopf.log", env=env
-    ) as op:
-        try:
-            wait_for(op.alive, 5, "operator process")
-            yield op
-        finally:
-            print(op.log.read_text()[-4000:])
+    with running_operator(kmock_api, admin, tmp, env) as op:
+        yield op
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from kmock_harness import (
     StandInAdmin,
     condition,
     cr_metadata,
+    running_operator,
     wait_for,
 )
 
@@ -35,14 +36,8 @@ def operator_process(
 ) -> Iterator[OperatorProcess]:
     tmp = tmp_path_factory.mktemp("operator-timeout")
     env = {"GEARSHIFT_PLAN_TIMEOUT_SECONDS": "2", "GEARSHIFT_PLAN_RETRY_SECONDS": "3600"}
-    with OperatorProcess(
-        kmock_api.kubeconfig(tmp / "kubeconfig"), admin.address, tmp / "kopf.log", env=env
-    ) as op:
-        try:
-            wait_for(op.alive, 5, "operator process")
-            yield op
-        finally:
-            print(op.log.read_text()[-4000:])
+    with running_operator(kmock_api, admin, tmp, env) as op:
+        yield op
 
 
 def _example(name: str, example: str) -> dict[str, Any]:
