@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from gearshift.worker.errors import ModelLoadError
+from gearshift.worker.model import gguf_dequant
 
 Bounds = tuple[tuple[int, int], ...]
 
@@ -273,7 +274,10 @@ class _GGUFReaderFn:
             if cols is not None and cols[0] % block == 0 and cols[1] % block == 0:
                 rows = rows[:, cols[0] // block * type_size : cols[1] // block * type_size]
                 cols = None
-            out = gguf.quants.dequantize(np.ascontiguousarray(rows), qtype).astype(np.float32)
+            if gguf_dequant.supported(qtype):
+                out = gguf_dequant.dequantize(rows if rows.ndim > 1 else rows[None], qtype).numpy()
+            else:
+                out = gguf.quants.dequantize(np.ascontiguousarray(rows), qtype).astype(np.float32)
             out = out.reshape(r1 - r0, -1) if len(self.shape) > 1 else out.reshape(-1)
             if cols is not None:
                 out = out[:, cols[0] : cols[1]]
