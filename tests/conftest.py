@@ -10,6 +10,10 @@ group, the operator as a process, or kills a rank (the fixtures below).
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +21,11 @@ import pytest
 COMM_RULES_ENV = "GEARSHIFT_COMM_RULES"
 
 SLOW_FIXTURES = frozenset({"group_factory", "replica_factory", "operator_process", "victim"})
+
+# The one test that needs vLLM's venv (tests/e2e/vllm_env.py), and the markers it carries.
+VLLM_TEST = Path(__file__).parent / "e2e" / "test_vllm_backend.py"
+VLLM_TEST_MARKERS = frozenset({"slow", "timeout"})
+_PREINSTALL = pytest.StashKey["subprocess.Popen[bytes]"]()
 
 
 def _import_triton_for_its_interpreter() -> None:
@@ -75,3 +84,62 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     traffic to NCCL's point-to-point rules (worker/p2p/rules.py), set before any fixture of
     the test starts one. No test is exempt."""
     os.environ[COMM_RULES_ENV] = "nccl"
+
+
+def _selects_the_vllm_test(config: pytest.Config) -> bool:
+    """Whether this run's paths and marker expression take in the vLLM test (a -k expression
+    is not evaluated: such a run is taken not to)."""
+    if config.option.keyword:
+        return False
+    markexpr = config.option.markexpr or ""
+    if markexpr:
+        from _pytest.mark.expression import Expression
+
+        if not Expression.compile(markexpr).evaluate(lambda name, **_: name in VLLM_TEST_MARKERS):
+            return False
+    here = config.invocation_params.dir
+    for arg in config.args or [str(here)]:
+        path = (here / arg.split("::")[0]).resolve()
+        if path == VLLM_TEST or path in VLLM_TEST.parents:
+            return True
+    return False
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """vLLM's venv takes minutes to install on a fresh machine (CI). When this run selects the
+    test that needs it, the install starts now in the background, in the xdist controller (or
+    the only process), so it overlaps the tests before that one; the test's own
+    ``ensure_vllm`` waits on the same lock and finds it made. Set GEARSHIFT_VLLM_PREINSTALL=0
+    to install only when the test asks."""
+    config = session.config
+    if hasattr(config, "workerinput") or os.environ.get("GEARSHIFT_VLLM_PREINSTALL") == "0":
+        return
+    if not _selects_the_vllm_test(config):
+        return
+    from tests.e2e.vllm_env import venv_dir
+
+    log = venv_dir().parent / f".{venv_dir().name}.preinstall.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as out:
+        config.stash[_PREINSTALL] = subprocess.Popen(
+            [sys.executable, "-m", "tests.e2e.vllm_env"],
+            cwd=Path(__file__).parents[1],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """An install still running when the run ends (the run stopped early) is ended with it; a
+    half-made venv has no completion stamp and is made again next time."""
+    proc = config.stash.get(_PREINSTALL, None)
+    if proc is None or proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)

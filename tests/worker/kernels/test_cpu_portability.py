@@ -23,7 +23,6 @@ from gearshift.worker.kernels.cpu_features import (
     ISA_MARCH,
     CpuFeatures,
     choose_packing,
-    host_features,
 )
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -179,17 +178,49 @@ KERNEL_TESTS = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("isa", ["avx2", "generic", "avx512"])
-def test_kernels_built_for_a_portable_isa_match_torch(isa, tmp_path, generic_kernel_cache):
-    host = host_features()
-    if not host.can_run_isa(isa):
-        pytest.skip(f"this CPU cannot run {isa} code (other CI machines cover it)")
-    # The main suite's kernel tests run the native build, whose code paths are this level's
-    # here: the hand-written AVX-512 ones on an AVX-512 CPU (the only ISA the sources branch
-    # on), the AVX2 loops on an AVX2-only one. Building it again would test nothing new.
-    if isa == ("avx512" if host.avx512 else "avx2"):
-        pytest.skip(f"the native build on this CPU runs the {isa} code paths (the main suite)")
-    cache = generic_kernel_cache if isa == "generic" else tmp_path
+def test_two_processes_building_at_once_both_load_one_library(tmp_path, generic_kernel_cache):
+    # The portable build, into the cache the next test then reuses (this file, so one xdist
+    # worker: one compile, not two); a fresh cache always, or nothing would be built at once.
+    cache = tmp_path if any(generic_kernel_cache.iterdir()) else generic_kernel_cache
+    code = "from gearshift.worker import kernels; print(kernels.available())"
+    env = {
+        **os.environ,
+        "GEARSHIFT_KERNEL_CACHE": str(cache),
+        "GEARSHIFT_CPU_KERNELS": "1",
+        ISA_ENV: "generic",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (stdout, stderr) in zip(procs, outs, strict=True):
+        assert p.returncode == 0 and stdout.strip() == "True", stderr[-3000:]
+    key = build.build_key("generic")
+    assert [p.name for p in cache.iterdir() if p.is_dir()] == [key]
+    assert (cache / key / f"{build.LIBRARY}.so").is_file()
+
+
+@pytest.mark.slow
+def test_kernels_built_for_the_generic_isa_match_torch(generic_kernel_cache):
+    """One portable build a host. The sources branch on one ISA only (``#if __AVX512F__``): the
+    native build in the main suite runs this CPU's paths (the hand-written AVX-512 ones on an
+    AVX-512 CPU, the portable loops below it), and the generic build (x86-64-v2, no FMA) runs
+    the portable loops on every x86 host. An AVX2 or AVX-512 build here would run code paths
+    that one of the two already runs, for a minute of compiling each."""
+    isa = "generic"
+    cache = generic_kernel_cache
     env = {
         ISA_ENV: isa,
         "GEARSHIFT_KERNEL_CACHE": str(cache),
