@@ -64,6 +64,17 @@ QUICK = Setup(
     repeats=3,
     model_fields={"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2},
 )
+# The full run's model at a quarter of its lengths: the start-up profile at 16k tokens alone
+# takes longer than an hour on 2 cores (one SP-1 sample of 16k tokens is ~90 s there).
+MEDIUM = Setup(
+    count=8,
+    shortest=1024,
+    longest=4096,
+    granularity=128,
+    profile_tokens=8192,  # lengths up to 4096
+    repeats=3,
+    model_fields={},
+)
 FULL = Setup(
     count=12,
     shortest=2048,
@@ -98,7 +109,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from gearshift.worker.launch.tetris.start import start_tetris
     from gearshift.worker.policies.registry import make_policy
 
-    base = QUICK if args.quick else FULL
+    base = QUICK if args.quick else MEDIUM if args.medium else FULL
     rng = random.Random(29)
     prompts = trace(rng, base.count, base.shortest, base.longest)
     folder = random_llama(Path(tempfile.mkdtemp(prefix="tetris-ttft-")), **base.model_fields)
@@ -108,6 +119,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "chunk_granularity": base.granularity,
         "power_of_two_sp": False,
         "max_sp": PREFILL,
+        "improvement_rate": args.improvement_rate,
     }
     policy = make_policy({"tetris": tetris})
     config = EngineConfig(
@@ -172,7 +184,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     exists = cores >= PREFILL + DECODE and speedup.get(2, 0.0) > 1.2
     return {
         "command": "python benchmarks/tetris_prefill.py --ttft"
-        + (" --quick" if args.quick else ""),
+        + (" --quick" if args.quick else " --medium" if args.medium else ""),
         "note": (
             "quick smoke run on a loaded shared host (other jobs running): figures show the "
             "benchmark works, not Tetris's performance"
@@ -235,7 +247,7 @@ def _one_trace(
         power_of_two_sp=False,
         chunk_granularity=tetris["chunk_granularity"],
         max_chunks=1 if strategy == "single-chunk" else 4,
-        improvement_rate=0.3,
+        improvement_rate=tetris["improvement_rate"],
         rate_window_seconds=30,
         decode_placement=policy_pb2.TetrisPolicy.FREENESS,
     )
@@ -289,12 +301,25 @@ def _one_trace(
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--quick", action="store_true", help="small model, 6 short prompts")
+    ap.add_argument(
+        "--medium", action="store_true", help="the full run's model, 8 prompts of 1k-4k tokens"
+    )
+    ap.add_argument(
+        "--improvement-rate",
+        type=float,
+        default=0.3,
+        help="Algorithm 2's constant rate for the CDSP strategies (Tetris §5.1)",
+    )
     ap.add_argument("--load", type=float, default=0.7, help="arrival rate / SP-1 pool capacity")
     ap.add_argument("--note", default="", help="what else ran on the host (saved in the JSON)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     out = args.out or Path(__file__).resolve().parent / (
-        "tetris_prefill_ttft_quick.json" if args.quick else "tetris_prefill_ttft.json"
+        "tetris_prefill_ttft_quick.json"
+        if args.quick
+        else "tetris_prefill_ttft_medium.json"
+        if args.medium
+        else "tetris_prefill_ttft.json"
     )
     result = run(args)
     print(json.dumps({k: result[k] for k in ("ttft_s", "best_fixed_sp", "regime")}, indent=1))
