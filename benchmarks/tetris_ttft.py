@@ -85,6 +85,8 @@ FULL = Setup(
     model_fields={},
 )
 
+SETUPS = {"quick": QUICK, "medium": MEDIUM, "full": FULL}
+
 
 def trace(rng: random.Random, count: int, lo: int, hi: int) -> tuple[int, ...]:
     return tuple(rng.randint(lo, hi) for _ in range(count))
@@ -109,7 +111,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from gearshift.worker.launch.tetris.start import start_tetris
     from gearshift.worker.policies.registry import make_policy
 
-    base = QUICK if args.quick else MEDIUM if args.medium else FULL
+    base = SETUPS[args.mode]
     rng = random.Random(29)
     prompts = trace(rng, base.count, base.shortest, base.longest)
     folder = random_llama(Path(tempfile.mkdtemp(prefix="tetris-ttft-")), **base.model_fields)
@@ -184,11 +186,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     exists = cores >= PREFILL + DECODE and speedup.get(2, 0.0) > 1.2
     return {
         "command": "python benchmarks/tetris_prefill.py --ttft"
-        + (" --quick" if args.quick else " --medium" if args.medium else ""),
+        + ("" if args.mode == "full" else f" --{args.mode}"),
         "note": (
             "quick smoke run on a loaded shared host (other jobs running): figures show the "
             "benchmark works, not Tetris's performance"
-            if args.quick
+            if args.mode == "quick"
             else args.note
         ),
         "machine": {
@@ -300,10 +302,22 @@ def _one_trace(
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    ap.add_argument("--quick", action="store_true", help="small model, 6 short prompts")
-    ap.add_argument(
-        "--medium", action="store_true", help="the full run's model, 8 prompts of 1k-4k tokens"
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument(
+        "--quick",
+        dest="mode",
+        action="store_const",
+        const="quick",
+        help="small model, 6 short prompts",
     )
+    size.add_argument(
+        "--medium",
+        dest="mode",
+        action="store_const",
+        const="medium",
+        help="the full run's model, 8 prompts of 1k-4k tokens",
+    )
+    ap.set_defaults(mode="full")
     ap.add_argument(
         "--improvement-rate",
         type=float,
@@ -314,13 +328,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--note", default="", help="what else ran on the host (saved in the JSON)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    out = args.out or Path(__file__).resolve().parent / (
-        "tetris_prefill_ttft_quick.json"
-        if args.quick
-        else "tetris_prefill_ttft_medium.json"
-        if args.medium
-        else "tetris_prefill_ttft.json"
-    )
+    suffix = "" if args.mode == "full" else f"_{args.mode}"
+    out = args.out or Path(__file__).resolve().parent / f"tetris_prefill_ttft{suffix}.json"
     result = run(args)
     print(json.dumps({k: result[k] for k in ("ttft_s", "best_fixed_sp", "regime")}, indent=1))
     out.write_text(json.dumps(result, indent=2) + "\n")

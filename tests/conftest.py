@@ -10,7 +10,6 @@ group, the operator as a process, or kills a rank (the fixtures below).
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -135,11 +134,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     """An install still running when the run ends (the run stopped early) is ended with it; a
     half-made venv has no completion stamp and is made again next time."""
     proc = config.stash.get(_PREINSTALL, None)
-    if proc is None or proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+    if proc is not None:
+        from tests.e2e.vllm_env import end_process_group
+
+        end_process_group(proc, 30)

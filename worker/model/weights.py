@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from gearshift.worker.errors import ModelLoadError
-from gearshift.worker.model import gguf_dequant
 
 Bounds = tuple[tuple[int, int], ...]
 
@@ -257,6 +256,8 @@ class _GGUFReaderFn:
     def __call__(self, bounds: Bounds) -> torch.Tensor:
         import gguf
 
+        from gearshift.worker.model import gguf_dequant  # imports gguf too: only for GGUF files
+
         data = self.tensor.data
         qtype = self.tensor.tensor_type
         (r0, r1) = bounds[0]
@@ -275,7 +276,7 @@ class _GGUFReaderFn:
                 rows = rows[:, cols[0] // block * type_size : cols[1] // block * type_size]
                 cols = None
             if gguf_dequant.supported(qtype):
-                out = gguf_dequant.dequantize(rows if rows.ndim > 1 else rows[None], qtype).numpy()
+                out = gguf_dequant.dequantize(rows, qtype).numpy()
             else:
                 out = gguf.quants.dequantize(np.ascontiguousarray(rows), qtype).astype(np.float32)
             out = out.reshape(r1 - r0, -1) if len(self.shape) > 1 else out.reshape(-1)
