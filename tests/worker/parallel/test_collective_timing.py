@@ -70,8 +70,9 @@ def test_every_collective_is_timed_in_a_three_rank_group(tmp_path: Path) -> None
         sizes = [b for b, _ in points]
         # Rounded down to whole float32 elements per rank: multiples of 3 x 4 bytes.
         assert sizes == [b - b % 12 for b in SIZES], (name, sizes)
+        # Only that each point was measured: which size is slower is a timing, and timings
+        # belong in benchmarks/ (a loaded host once measured 4 KiB slower than 4 MiB).
         assert all(t > 0 for _, t in points)
-        assert points[1][1] > points[0][1], (name, points)  # 1024 times the bytes: longer
 
 
 def test_a_request_survives_its_int64_packing() -> None:
