@@ -121,8 +121,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "chunk_granularity": base.granularity,
         "power_of_two_sp": False,
         "max_sp": PREFILL,
-        "improvement_rate": args.improvement_rate,
     }
+    if args.improvement_rate is not None:
+        tetris["improvement_rate"] = args.improvement_rate
     policy = make_policy({"tetris": tetris})
     config = EngineConfig(
         model=str(folder), dtype="float32", skip_tokenizer_init=True, kv_cache_bytes=256 << 20
@@ -146,17 +147,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             arrivals.append(clock)
             clock += rng.expovariate(rate)
         results: dict[str, list[dict[str, float]]] = {s: [] for s in STRATEGIES}
+        improvement: dict[str, list[list[tuple[float, str]]]] = {s: [] for s in STRATEGIES}
         ids = [torch.randint(0, 500, (n,)).tolist() for n in prompts]
-        for rep in range(base.repeats):
+        # One untimed trace first, so that no strategy's timed trace is the first after the
+        # start-up profile (in a run without it, that trace, cdsp's, had p50 1.64 s where the
+        # later cdsp traces had 1.32 and 1.48 s).
+        _one_trace(group, "cdsp", ids, arrivals, fitted, models, TetrisRequestPlanner(),
+                   firsts, tetris)  # fmt: skip
+        for rep in range(args.repeats or base.repeats):
             order = STRATEGIES[rep % len(STRATEGIES) :] + STRATEGIES[: rep % len(STRATEGIES)]
             for strategy in order:
                 planner = TetrisRequestPlanner()
-                ttfts = _one_trace(
+                ttfts, rates = _one_trace(
                     group, strategy, ids, arrivals, fitted, models, planner, firsts, tetris
                 )
                 results[strategy].append(
                     {"p50": percentile(ttfts, 0.5), "p99": percentile(ttfts, 0.99)}
                 )
+                if rates:
+                    improvement[strategy].append(rates)
                 print(
                     f"rep {rep} {strategy:>12}: p50 {results[strategy][-1]['p50']:.4f} s, "
                     f"p99 {results[strategy][-1]['p99']:.4f} s",
@@ -186,7 +195,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     exists = cores >= PREFILL + DECODE and speedup.get(2, 0.0) > 1.2
     return {
         "command": "python benchmarks/tetris_prefill.py --ttft"
-        + ("" if args.mode == "full" else f" --{args.mode}"),
+        + ("" if args.mode == "full" else f" --{args.mode}")
+        + ("" if args.improvement_rate is None else f" --improvement-rate {args.improvement_rate}")
+        + (f" --repeats {args.repeats}" if args.repeats else ""),
         "note": (
             "quick smoke run on a loaded shared host (other jobs running): figures show the "
             "benchmark works, not Tetris's performance"
@@ -211,6 +222,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "models": [[m.sp, m.a, m.b, m.c, m.d] for m in fitted.models],
             "fit_rms_error": dict(fitted.fit_rms_error),
         },
+        "improvement_rate": (
+            args.improvement_rate
+            if args.improvement_rate is not None
+            else "unset: the router's profiled table (router/tetris_rate_profile.py)"
+        ),
+        "plans_improvement_rates": {s: r for s, r in improvement.items() if r},
         "ttft_s": summary,
         "best_fixed_sp": best_fixed,
         "cdsp_p50_over_best_fixed_p50": summary["cdsp"]["p50"]["mean"]
@@ -237,8 +254,9 @@ def _one_trace(
     planner: Any,
     firsts: queue.Queue[tuple[str, float]],
     tetris: dict[str, Any],
-) -> list[float]:
-    """Submit the trace under ``strategy``; each request's TTFT (seconds)."""
+) -> tuple[list[float], list[tuple[float, str]]]:
+    """Submit the trace under ``strategy``; each request's TTFT (seconds), and for the
+    planned strategies each plan's improvement rate and its source."""
     from gearshift.v1 import policy_pb2, worker_pb2
     from gearshift.worker.sampling.params import SamplingParams
 
@@ -249,15 +267,17 @@ def _one_trace(
         power_of_two_sp=False,
         chunk_granularity=tetris["chunk_granularity"],
         max_chunks=1 if strategy == "single-chunk" else 4,
-        improvement_rate=tetris["improvement_rate"],
         rate_window_seconds=30,
         decode_placement=policy_pb2.TetrisPolicy.FREENESS,
     )
+    if "improvement_rate" in tetris:  # unset: the router profiles a table (tetris_rate_profile)
+        msg.improvement_rate = tetris["improvement_rate"]
     fixed = int(strategy.rsplit("-", 1)[1]) if strategy.startswith("fixed") else 0
     groups = (
         [tuple(range(i, i + fixed)) for i in range(0, PREFILL - fixed + 1, fixed)] if fixed else []
     )
     busy = [0.0] * len(groups)
+    rates: list[tuple[float, str]] = []  # each planned request's improvement rate and source
     start = time.monotonic()
     submitted: dict[str, float] = {}
     tag = f"{strategy}-{time.monotonic_ns()}"
@@ -287,6 +307,12 @@ def _one_trace(
                     node=inst.node,
                 )
             plan = planner.plan(stats, len(prompt), 1)
+            rates.append(
+                (
+                    round(plan.improvement_rate, 3),
+                    worker_pb2.TetrisPlan.RateSource.Name(plan.improvement_rate_source),
+                )
+            )
         rid = f"{tag}-{i}"
         submitted[rid] = time.monotonic()
         group.submit(rid, prompt, params, plan)
@@ -297,7 +323,7 @@ def _one_trace(
         if rid in submitted and rid not in ttft:
             ttft[rid] = at - submitted[rid]
     time.sleep(0.2)  # the decode instance frees the finished requests before the next trace
-    return [ttft[f"{tag}-{i}"] for i in range(len(ids))]
+    return [ttft[f"{tag}-{i}"] for i in range(len(ids))], rates
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -321,8 +347,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--improvement-rate",
         type=float,
-        default=0.3,
-        help="Algorithm 2's constant rate for the CDSP strategies (Tetris §5.1)",
+        default=None,
+        help="Algorithm 2's constant rate for the CDSP strategies (Tetris §5.1); default unset: "
+        "the router profiles a table from the fitted models and the prompts it planned",
+    )
+    ap.add_argument(
+        "--repeats", type=int, default=0, help="interleaved repetitions (default: the mode's 3)"
     )
     ap.add_argument("--load", type=float, default=0.7, help="arrival rate / SP-1 pool capacity")
     ap.add_argument("--note", default="", help="what else ran on the host (saved in the JSON)")

@@ -41,6 +41,11 @@ class ImprovementRate:
         self._current = default  # re-picked on the first ``current`` call
         self._picked_at: float | None = None
 
+    def set_table(self, table: Sequence[RateStep]) -> None:
+        """A new table, in force from the next ``current`` call (the window's arrivals stay)."""
+        self.table = tuple(table)
+        self._picked_at = None
+
     def record_arrival(self, now: float) -> None:
         self._arrivals.append(now)
         self._expire(now)

@@ -14,6 +14,8 @@ from gearshift.operator.planner.improvement_rate import ImprovementRate, RateSte
 from gearshift.operator.planner.latency_model import LatencyModel
 from gearshift.v1 import policy_pb2
 
+DEFAULT_IMPROVEMENT_RATE = 0.3  # Algorithm 2's rate before any table (the paper's 0.05-0.75 range)
+
 
 @dataclass(frozen=True)
 class PlannerSettings:
@@ -24,6 +26,9 @@ class PlannerSettings:
     rate_table: tuple[RateStep, ...]
     rate_window_seconds: float
     placement: Placement
+    # Neither improvementRate nor improvementRateTable is set: the router profiles the table
+    # itself (router/tetris_rate_profile.py, §5.1) and uses DEFAULT_IMPROVEMENT_RATE until then.
+    profile_rates: bool = False
 
     @staticmethod
     def from_proto(msg: policy_pb2.TetrisPolicy) -> PlannerSettings:
@@ -49,7 +54,12 @@ class PlannerSettings:
         placement = msg.decode_placement or policy_pb2.TetrisPolicy.FREENESS
         return PlannerSettings(
             rules=rules,
-            improvement_rate=msg.improvement_rate,
+            improvement_rate=(
+                msg.improvement_rate
+                if msg.HasField("improvement_rate")
+                else DEFAULT_IMPROVEMENT_RATE
+            ),
+            profile_rates=not msg.HasField("improvement_rate") and not msg.improvement_rate_table,
             rate_table=tuple(
                 RateStep(r.request_rate, r.improvement_rate) for r in msg.improvement_rate_table
             ),

@@ -158,6 +158,15 @@ REQUEST_METRICS: tuple[MetricSpec, ...] = (
         buckets=TTFT_BUCKETS,
     ),
     MetricSpec(
+        "tetris_improvement_rate",
+        "gearshift_tetris_improvement_rate",
+        "histogram",
+        "Algorithm 2's improvement rate each plan was made with, by where it came from "
+        "(policy_constant, policy_table, profiled, default).",
+        (*M, "source"),
+        buckets=(0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0),
+    ),
+    MetricSpec(
         "tetris_placements",
         "gearshift_tetris_decode_placements",
         "counter",

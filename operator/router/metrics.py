@@ -41,6 +41,7 @@ class RouterMetrics:
     tetris_chunks: Histogram
     tetris_chunk_sp: Histogram
     tetris_planned_prefill: Histogram
+    tetris_improvement_rate: Histogram
     tetris_placements: Counter
 
     def __init__(self, model_name: str, groups: Callable[[], Iterable[Group]]) -> None:
@@ -61,6 +62,9 @@ class RouterMetrics:
         for chunk in plan.chunks:
             self.tetris_chunk_sp.labels(name).observe(len(chunk.prefill_instances))
         self.tetris_planned_prefill.labels(name).observe(plan.planned_prefill_seconds)
+        if plan.improvement_rate_source:
+            source = worker_pb2.TetrisPlan.RateSource.Name(plan.improvement_rate_source).lower()
+            self.tetris_improvement_rate.labels(name, source).observe(plan.improvement_rate)
         self.tetris_placements.labels(name, str(plan.decode_instance)).inc()
 
     def reject(self, status: int, reason: str) -> None:

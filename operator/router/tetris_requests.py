@@ -8,7 +8,9 @@ onto the decode instance as virtual usage (§5.2), so a burst of requests betwee
 as the paper's planner spreads it. Parameters (latency models, candidates, improvement rate and
 its table, decode placement) come from the group's active ``TetrisPolicy``: a live change applies
 at the next request. A policy without latency models takes the ones the group fitted itself at
-start (``WorkerStats.tetris_models``, source AUTO_FITTED).
+start (``WorkerStats.tetris_models``, source AUTO_FITTED). A policy with neither an improvement
+rate nor a table gets a table the router profiles from the models and the prompts it has seen
+(``tetris_rate_profile.py``, §5.1); each plan says which rate it used and where it came from.
 """
 
 from __future__ import annotations
@@ -22,10 +24,15 @@ from gearshift.operator.planner.decode_placement import DecodeLoad, DecodePlacer
 from gearshift.operator.planner.improvement_rate import ImprovementRate
 from gearshift.operator.planner.instance_pool import Pool
 from gearshift.operator.planner.settings import PlannerSettings
+from gearshift.operator.router.tetris_rate_profile import RateProfiler
 from gearshift.v1 import policy_pb2, worker_pb2
 
 PREFILL = worker_pb2.InstanceStats.PREFILL
 DECODE = worker_pb2.InstanceStats.DECODE
+POLICY_CONSTANT = worker_pb2.TetrisPlan.POLICY_CONSTANT
+POLICY_TABLE = worker_pb2.TetrisPlan.POLICY_TABLE
+PROFILED = worker_pb2.TetrisPlan.PROFILED
+DEFAULT = worker_pb2.TetrisPlan.DEFAULT
 
 
 def _models_of(
@@ -57,6 +64,8 @@ class TetrisRequestPlanner:
     _pool_at: float = 0.0
     _decode: list[DecodeLoad] = field(default_factory=list)
     _decode_index: list[int] = field(default_factory=list)
+    _profiler: RateProfiler = field(default_factory=RateProfiler)
+    _nodes: tuple[int, ...] = ()  # each prefill instance's node, by index
 
     def plan_into(
         self, stats: worker_pb2.WorkerStats, wire: worker_pb2.WorkerGenerateRequest, max_tokens: int
@@ -79,11 +88,14 @@ class TetrisRequestPlanner:
         self._view(stats, now)
         assert self._pool is not None
         self._rate.record_arrival(now)
+        if self._settings.profile_rates and prompt_tokens > 0:
+            table = self._profiler.observe(prompt_tokens, self._settings.rules, self._nodes)
+            if table is not None:
+                self._rate.set_table(table)
+        improvement = self._rate.current(now)
         pool = self._pool.advance(now - self._pool_at)
         try:
-            chunks = plan_request(
-                prompt_tokens, pool, self._settings.rules, self._rate.current(now)
-            )
+            chunks = plan_request(prompt_tokens, pool, self._settings.rules, improvement)
         except ValueError as exc:
             raise TetrisPlanningError(f"tetris plan: {exc}") from exc
         slots = prompt_tokens + max_tokens
@@ -94,7 +106,10 @@ class TetrisRequestPlanner:
             )
         self._book(pool, now, chunks, decode, slots)
         out = worker_pb2.TetrisPlan(
-            decode_instance=self._decode_index[decode], planned_prefill_seconds=chunks.ttft
+            decode_instance=self._decode_index[decode],
+            planned_prefill_seconds=chunks.ttft,
+            improvement_rate=improvement,
+            improvement_rate_source=self._rate_source(),
         )
         for chunk in chunks.chunks:
             out.chunks.add(num_tokens=chunk.length, prefill_instances=list(chunk.group))
@@ -116,12 +131,20 @@ class TetrisRequestPlanner:
         except ValueError as exc:
             raise TetrisPlanningError(str(exc)) from exc
         self._policy, self._settings = raw, settings
-        # A changed policy starts its rate window afresh (live parameters are rare).
+        # A changed policy starts its rate window afresh (live parameters are rare), and a
+        # profiled table is profiled again, from the new models, at the next request.
         self._rate = ImprovementRate(
             settings.rate_table, settings.improvement_rate, settings.rate_window_seconds
         )
+        self._profiler.renew()
         if self._placer is None or self._placer.strategy is not settings.placement:
             self._placer = DecodePlacer(settings.placement)
+
+    def _rate_source(self) -> worker_pb2.TetrisPlan.RateSource:
+        assert self._settings is not None and self._rate is not None
+        if self._settings.profile_rates:
+            return PROFILED if self._rate.table else DEFAULT
+        return POLICY_TABLE if self._settings.rate_table else POLICY_CONSTANT
 
     def _view(self, stats: worker_pb2.WorkerStats, now: float) -> None:
         """A new poll replaces the view; otherwise the router's own bookings stand."""
@@ -136,9 +159,8 @@ class TetrisRequestPlanner:
         ids = [i.index for i in prefill]
         if ids != list(range(len(ids))):
             raise TetrisPlanningError(f"prefill instance indices {ids} are not 0..n-1")
-        self._pool = Pool(
-            {i.index: max(0.0, i.queued_seconds) for i in prefill}, tuple(i.node for i in prefill)
-        )
+        self._nodes = tuple(i.node for i in prefill)
+        self._pool = Pool({i.index: max(0.0, i.queued_seconds) for i in prefill}, self._nodes)
         self._pool_at = now
         self._decode = [
             DecodeLoad(i.kv_slots_free, i.batch_size, i.kv_slots_reserved) for i in decode

@@ -49,6 +49,21 @@ class Uniform:
 
 
 @dataclass(frozen=True)
+class Observed:
+    """Lengths seen in traffic, drawn with replacement (the empirical distribution)."""
+
+    lengths: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.lengths or min(self.lengths) < 1:
+            raise TraceError("observed lengths need at least one length, each >= 1")
+
+    def sample(self, count: int, rng: np.random.Generator) -> list[int]:
+        picks = rng.integers(0, len(self.lengths), count)
+        return [self.lengths[int(i)] for i in picks]
+
+
+@dataclass(frozen=True)
 class LogNormal:
     """exp(N(mu, sigma²)) truncated to [low, high] and rounded."""
 

@@ -50,11 +50,9 @@ def test_with_defaults_fills_constant_and_derived_defaults() -> None:
     sidp = checks.with_defaults(_policy({"sidp": {"tp": 2}}), group_gpus=8).sidp
     assert (sidp.dp, sidp.was_cache_slots, sidp.mode) == (4, 3, policy_pb2.SidpPolicy.AUTO)
     tetris = checks.with_defaults(_policy({"tetris": {"decodeTp": 4}}), 8).tetris
-    assert (tetris.prefill_instances, tetris.max_sp, tetris.improvement_rate) == (
-        4,
-        4,
-        0.30000001192092896,
-    )
+    assert (tetris.prefill_instances, tetris.max_sp, tetris.chunk_granularity) == (4, 4, 1024)
+    # No default: unset, the router profiles the improvement rate itself (tetris_rate_profile).
+    assert not tetris.HasField("improvement_rate")
 
 
 def test_a_threshold_change_is_live_and_an_sp_change_is_not() -> None:

@@ -138,6 +138,12 @@ def test_requests_to_a_tetris_group_carry_their_plan(tokenizer: Tokenizer) -> No
             f'model_name="{MODEL}"}} 1.0'
         ) in text
         assert f'gearshift_tetris_planned_prefill_seconds_count{{model_name="{MODEL}"}} 1.0' in text
+        assert plan.improvement_rate == pytest.approx(0.3)  # the policy's improvementRate
+        assert plan.improvement_rate_source == worker_pb2.TetrisPlan.POLICY_CONSTANT
+        assert (
+            f'gearshift_tetris_improvement_rate_count{{model_name="{MODEL}",'
+            f'source="policy_constant"}} 1.0'
+        ) in text
         # Without Eq. (1) models the router sends no plan: the group plans one chunk itself.
         worker.policy = _policy(latency_models=[])
         await asyncio.sleep(0.4)

@@ -54,14 +54,30 @@ class WorkerGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tetris_plan: _Optional[_Union[TetrisPlan, _Mapping]] = ..., replica: _Optional[int] = ...) -> None: ...
 
 class TetrisPlan(_message.Message):
-    __slots__ = ("chunks", "decode_instance", "planned_prefill_seconds")
+    __slots__ = ("chunks", "decode_instance", "planned_prefill_seconds", "improvement_rate", "improvement_rate_source")
+    class RateSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        RATE_SOURCE_UNSPECIFIED: _ClassVar[TetrisPlan.RateSource]
+        POLICY_CONSTANT: _ClassVar[TetrisPlan.RateSource]
+        POLICY_TABLE: _ClassVar[TetrisPlan.RateSource]
+        PROFILED: _ClassVar[TetrisPlan.RateSource]
+        DEFAULT: _ClassVar[TetrisPlan.RateSource]
+    RATE_SOURCE_UNSPECIFIED: TetrisPlan.RateSource
+    POLICY_CONSTANT: TetrisPlan.RateSource
+    POLICY_TABLE: TetrisPlan.RateSource
+    PROFILED: TetrisPlan.RateSource
+    DEFAULT: TetrisPlan.RateSource
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     DECODE_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     PLANNED_PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IMPROVEMENT_RATE_FIELD_NUMBER: _ClassVar[int]
+    IMPROVEMENT_RATE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     chunks: _containers.RepeatedCompositeFieldContainer[TetrisChunk]
     decode_instance: int
     planned_prefill_seconds: float
-    def __init__(self, chunks: _Optional[_Iterable[_Union[TetrisChunk, _Mapping]]] = ..., decode_instance: _Optional[int] = ..., planned_prefill_seconds: _Optional[float] = ...) -> None: ...
+    improvement_rate: float
+    improvement_rate_source: TetrisPlan.RateSource
+    def __init__(self, chunks: _Optional[_Iterable[_Union[TetrisChunk, _Mapping]]] = ..., decode_instance: _Optional[int] = ..., planned_prefill_seconds: _Optional[float] = ..., improvement_rate: _Optional[float] = ..., improvement_rate_source: _Optional[_Union[TetrisPlan.RateSource, str]] = ...) -> None: ...
 
 class TetrisChunk(_message.Message):
     __slots__ = ("num_tokens", "prefill_instances")
