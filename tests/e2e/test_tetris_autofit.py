@@ -1,7 +1,8 @@
 """A Tetris group served without latency models fits them itself (issue 29): before it serves,
 it measures CDSP prefill on its own pool (the `tetris-profile` grid), fits Eq. (1) per SP size,
 says so in its status (WorkerStats.tetris_models, through the router's Admin GetStatus), and the
-router's next plan is Algorithm 1's on those fitted coefficients, not the group's one-chunk
+router's next plan is Algorithm 1's on those fitted coefficients, at the improvement rate the
+router profiled from them (no improvementRate in the policy), not the group's one-chunk
 fallback. Real processes: `gearshift serve` with a 2-instance pool and a decode instance."""
 
 from __future__ import annotations
@@ -15,18 +16,20 @@ import httpx
 import pytest
 
 from gearshift.operator.planner.cdsp import PlannerRules, plan_request
+from gearshift.operator.planner.improvement_rate import pick_improvement_rate
 from gearshift.operator.planner.instance_pool import Pool
 from gearshift.operator.planner.latency_model import LatencyModel
+from gearshift.operator.router import tetris_rate_profile
 from gearshift.v1 import router_pb2, router_pb2_grpc, worker_pb2
 from tests.e2e.serve_process import ServeProcess
 from tests.worker.helpers import random_model_with_smollm2_tokenizer
 
 # No latencyModels: the group measures C + L up to 32 tokens (C in {0, 16}, L in {4, 8, 16}),
-# twice per point, on SP 1 and 2. Improvement rate 0 and 8-token chunks: the plan is Algorithm
-# 1's optimum on the fitted models.
+# twice per point, on SP 1 and 2. No improvementRate: the router profiles its table from the
+# fitted models (tetris_rate_profile.py). 8-token chunks.
 POLICY = (
     '{"tetris": {"prefillInstances": 2, "decodeInstances": 1, "chunkGranularity": 8, '
-    '"improvementRate": 0.0, "autoProfileTokens": 32}}'
+    '"autoProfileTokens": 32}}'
 )
 PROMPT = [7] * 40
 
@@ -103,7 +106,17 @@ def test_a_group_without_models_fits_them_at_start_and_the_router_plans_with_the
     rules = PlannerRules(
         {m.sp: LatencyModel(m.sp, m.a, m.b, m.c, m.d) for m in fitted.models}, 8, 4
     )
-    want = plan_request(len(PROMPT), Pool({0: 0.0, 1: 0.0}, (0, 0)), rules, 0.0)
+    # ... at the improvement rate the router profiled from them for this one prompt, the row of
+    # one request per 30-s window.
+    assert _metric(metrics, 'gearshift_tetris_improvement_rate_count{model_name="') == 1.0
+    assert (
+        'gearshift_tetris_improvement_rate_count{model_name="' + name + '",source="profiled"}'
+        in metrics
+    )
+    rate = _metric(metrics, "gearshift_tetris_improvement_rate_sum")
+    table = tetris_rate_profile.profile(rules, (0, 0), [len(PROMPT)])
+    assert rate == pytest.approx(pick_improvement_rate(table, 1 / 30, 0.3), abs=1e-6), table
+    want = plan_request(len(PROMPT), Pool({0: 0.0, 1: 0.0}, (0, 0)), rules, rate)
     estimate = _metric(metrics, "gearshift_tetris_planned_prefill_seconds_sum")
     assert estimate == pytest.approx(want.ttft, rel=1e-6), (want, fitted)
     sp_sum = _metric(metrics, "gearshift_tetris_chunk_sp_size_sum")
