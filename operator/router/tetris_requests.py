@@ -159,7 +159,10 @@ class TetrisRequestPlanner:
         ids = [i.index for i in prefill]
         if ids != list(range(len(ids))):
             raise TetrisPlanningError(f"prefill instance indices {ids} are not 0..n-1")
-        self._nodes = tuple(i.node for i in prefill)
+        nodes = tuple(i.node for i in prefill)
+        if nodes != self._nodes:
+            self._profiler.renew()  # the pool changed (an instance down or back): profile again
+        self._nodes = nodes
         self._pool = Pool({i.index: max(0.0, i.queued_seconds) for i in prefill}, self._nodes)
         self._pool_at = now
         self._decode = [

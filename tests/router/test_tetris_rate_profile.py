@@ -98,3 +98,25 @@ def test_new_models_are_profiled_again_at_the_next_request() -> None:
     plan = planner.plan(_stats(slower), 2000, 4)
     assert planner._profiler.profiles == 3
     assert plan.improvement_rate_source == worker_pb2.TetrisPlan.PROFILED
+
+
+def test_a_changed_pool_is_profiled_again() -> None:
+    planner = TetrisRequestPlanner(clock=lambda: 0.0)
+    for _ in range(3):
+        planner.plan(_stats(), 2000, 4)
+    assert planner._profiler.profiles == 2
+    moved = _stats()
+    moved.instances[1].node = 1  # the second prefill instance now reports another node
+    planner.plan(moved, 2000, 4)
+    assert planner._profiler.profiles == 3
+
+
+def test_a_profile_that_fails_keeps_the_rate_in_force(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object) -> None:
+        raise ValueError("no table")
+
+    monkeypatch.setattr(tetris_rate_profile, "profile", broken)
+    plan = TetrisRequestPlanner(clock=lambda: 0.0).plan(_stats(), 2000, 4)
+    # Planned all the same, at the rate in force before any table: 0.3, which keeps SP 1.
+    assert plan.improvement_rate_source == worker_pb2.TetrisPlan.DEFAULT
+    assert plan.improvement_rate == pytest.approx(0.3) and _sp(plan) == 1
