@@ -288,7 +288,7 @@ def _tetris_groups(
                 prefill,
                 decode,
                 rules,
-                0.3,  # the policy's default improvement rate
+                0.3,  # the planner's rate before a table; _tetris_for_traffic adds the table
                 _config(blocks, s),
                 RooflineCost(
                     model, with_count(hw, tp), Layout("tp", tp) if tp > 1 else Layout("one")
