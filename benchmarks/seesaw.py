@@ -17,7 +17,6 @@ import json
 import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -63,27 +62,17 @@ def workloads(args: argparse.Namespace) -> dict[str, list[tuple[list[int], int]]
 
 def run_pass(engine: Any, work: list[tuple[list[int], int]]) -> dict[str, float]:
     """One pass: tokens/s and, for Seesaw, seconds per phase, re-shard, swap and transitions."""
-    from gearshift.worker.sampling.params import SamplingParams
+    from seesaw_pressure import drive
 
     before = dict(engine.stats().policy_stats)
-    for i, (p, out_len) in enumerate(work):
-        params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-        engine.add_request(f"r{i}-{time.monotonic_ns()}", p, params)
-    phase = {"prefill": 0.0, "decode": 0.0}
-    started = time.perf_counter()
-    while engine.has_unfinished_requests():
-        t0 = time.perf_counter()
-        engine.step()
-        gear = engine.stats().gear  # the phase whose gear ran the last step
-        phase[gear if gear in phase else "prefill"] += time.perf_counter() - t0
-    wall = time.perf_counter() - started
+    wall, phase = drive(engine, work, "r")
     after = engine.stats().policy_stats
     tokens = sum(len(p) + n for p, n in work)
     out = {"seconds": wall, "tokens_per_s": tokens / wall}
     if after:
         out.update(
-            prefill_seconds=phase["prefill"],
-            decode_seconds=phase["decode"],
+            prefill_seconds=phase["prefill"][0],
+            decode_seconds=phase["decode"][0],
             reshard_seconds=after["reshard_seconds"] - before.get("reshard_seconds", 0.0),
             # The engine's time with nothing to run but swap-ins outstanding (wall time lost);
             # swap_wait_seconds sums every sequence's wait, which overlaps other work.

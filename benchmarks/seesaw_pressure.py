@@ -41,23 +41,32 @@ def pressure_layouts(host_bytes: int) -> dict[str, Any]:
     }
 
 
-def pressure_pass(engine: Any, work: list[tuple[list[int], int]]) -> dict[str, float]:
+def drive(
+    engine: Any, work: list[tuple[list[int], int]], tag: str
+) -> tuple[float, dict[str, list[float]]]:
+    """Submit ``work`` (prompt, output tokens: greedy, exactly that many) and step the engine
+    until it is done: the wall seconds, and per Seesaw phase ``[seconds, steps]`` (the gear
+    that ran each step; a static layout's steps fall in neither)."""
     from gearshift.worker.sampling.params import SamplingParams
 
-    before = engine.stats()
     for i, (p, out_len) in enumerate(work):
         params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-        engine.add_request(f"p{i}-{time.monotonic_ns()}", p, params)
-    phase = {"prefill": [0.0, 0.0], "decode": [0.0, 0.0]}  # Seesaw: [seconds, steps] per gear
+        engine.add_request(f"{tag}{i}-{time.monotonic_ns()}", p, params)
+    phase = {"prefill": [0.0, 0.0], "decode": [0.0, 0.0]}
     started = time.perf_counter()
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
         engine.step()
-        gear = engine.stats().gear  # Seesaw: the phase whose gear ran the step
+        gear = engine.stats().gear
         if gear in phase:
             phase[gear][0] += time.perf_counter() - t0
             phase[gear][1] += 1
-    wall = time.perf_counter() - started
+    return time.perf_counter() - started, phase
+
+
+def pressure_pass(engine: Any, work: list[tuple[list[int], int]]) -> dict[str, float]:
+    before = engine.stats()
+    wall, phase = drive(engine, work, "p")
     after = engine.stats()
     pol_a, pol_b = after.policy_stats, before.policy_stats
     prompt = sum(len(p) for p, _ in work)
@@ -81,15 +90,7 @@ def pressure_pass(engine: Any, work: list[tuple[list[int], int]]) -> dict[str, f
 def gear_pass(engine: Any, prompts: list[list[int]], out_len: int) -> float:
     """Tokens/s of one phase on a static layout: prefill (``out_len`` 1: prompt tokens/s) or
     decode (short prompts, ``out_len`` tokens each: generated tokens/s)."""
-    from gearshift.worker.sampling.params import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"g{i}-{time.monotonic_ns()}", p, params)
-    started = time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
-    wall = time.perf_counter() - started
+    wall, _ = drive(engine, [(p, out_len) for p in prompts], "g")
     return (sum(len(p) for p in prompts) if out_len == 1 else len(prompts) * out_len) / wall
 
 
