@@ -125,6 +125,11 @@ class _StepTimer:
 
         engine.scheduler.schedule = recording  # type: ignore[method-assign]
 
+    def close(self) -> None:
+        """Stop recording: the scheduler's own ``schedule`` is back (the engine may go on
+        serving after it was profiled, and would otherwise grow ``batches`` at every step)."""
+        del self.engine.scheduler.schedule
+
     def run(self, prompts: list[list[int]], max_tokens: int, into: Profile | None) -> None:
         """Run ``prompts`` to completion; with ``into``, file each step's sample there."""
         from gearshift.worker.sampling.params import SamplingParams
@@ -175,16 +180,17 @@ def measure(
     benchmark may pass ``time.thread_time`` to price a one-rank engine in CPU time, which other
     processes on a shared machine do not move."""
     with _one_micro_batch(engine):
-        return _measure(engine, grid, seed, clock)
+        timer = _StepTimer(engine, clock)
+        try:
+            return _measure(engine, grid, seed, timer)
+        finally:
+            timer.close()
 
 
-def _measure(
-    engine: LLMEngine, grid: ProfileGrid, seed: int, clock: Callable[[], float]
-) -> Profile:
+def _measure(engine: LLMEngine, grid: ProfileGrid, seed: int, timer: _StepTimer) -> Profile:
     rng = random.Random(seed)
     limit = engine.max_model_len
     vocab = engine.vocab_size
-    timer = _StepTimer(engine, clock)
     profile = Profile()
 
     def prompts(count: int, length: int) -> list[list[int]]:

@@ -157,6 +157,9 @@ def test_a_profile_reads_each_steps_features_as_scheduled(
         assert attended == rows * n * (n + 1) / 2
     # A decode row of a 16-token prompt with its first token (16 computed) attends 17.
     assert [(t, a) for t, a, _ in profile.decode] == [(1, 17.0), (3, 51.0)]
+    # The profile leaves the scheduler as it found it: its own schedule, no wrapper recording
+    # every step the engine serves afterwards.
+    assert "schedule" not in vars(engine.scheduler)
 
 
 @pytest.mark.serial
