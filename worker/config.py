@@ -3,23 +3,29 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from gearshift.worker.attention.triton import mode as triton_mode
 from gearshift.worker.errors import InvalidRequestError
-from gearshift.worker.kernels.cpu_features import PACKINGS
 
+if TYPE_CHECKING:
+    import torch
+
+# This module imports no torch: the router and `gearshift serve` validate an EngineConfig in
+# processes that never run a model, and importing torch costs them over 2 s of CPU each.
+# The dtype names map to torch's attribute names, resolved where a rank needs the dtype.
 _DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
 }
+# Weight packings (kernels.cpu_features chooses among them; kept here so no torch is needed).
+PACKINGS = ("auto", "plain", "onednn")
 
 DEFAULT_CPU_KV_BYTES = 4 << 30
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
@@ -132,9 +138,11 @@ def check_attention_backend(backend: str, device: str) -> None:
 
 def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
     """``auto`` takes the checkpoint's dtype (bf16 when it has none, e.g. quantised GGUF)."""
+    import torch
+
     if name != "auto":
-        return _DTYPES[name]
-    dtype = _DTYPES.get(checkpoint_dtype or "", torch.bfloat16)
+        return getattr(torch, _DTYPES[name])
+    dtype = getattr(torch, _DTYPES.get(checkpoint_dtype or "", "bfloat16"))
     if dtype == torch.float16 and device.type == "cpu":
         return torch.bfloat16  # fp16 matmuls are slow on CPUs; bf16 has the same footprint
     return dtype

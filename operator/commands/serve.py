@@ -191,8 +191,9 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
     from gearshift.worker.config import check_attention_backend
     from gearshift.worker.errors import GearshiftError, InvalidRequestError
     from gearshift.worker.model.registry import default_served_name
+    from gearshift.worker.policies.checks import default_world
     from gearshift.worker.policies.flags import policy_from_args
-    from gearshift.worker.policies.support import check_runnable
+    from gearshift.worker.policies.support import check_supported
     from gearshift.worker.tokenizer.errors import TokenizerError
 
     model = args.model or args.model_pos or "smollm2"
@@ -208,9 +209,10 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
     try:
         policy = policy_from_args(args)
         # The operator's InvalidSpec rule, word for word: the registry refuses what this engine
-        # cannot run (kind, layout), naming the field.
-        running = check_runnable(policy)
-        policy, ranks = running.to_proto(), running.world_size
+        # cannot run (kind, layout), naming the field. Torch-free (check_runnable would import
+        # the policy's worker class, and torch with it: 2-3 s of CPU in a process that runs no
+        # model); each worker builds the policy itself.
+        policy, ranks = check_supported(policy), default_world(policy)
     except InvalidRequestError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2

@@ -108,6 +108,11 @@ def test_policy_config_serves_one_ranks_greedy_text(policy, serve_policy, one_ra
         )
         got.append(reply.choices[0].message.content)
     assert got == one_rank_text
+    # `gearshift serve` (the router's process) checked the policy and served the chats without
+    # loading torch: only its workers run a model.
+    assert proc.proc is not None
+    maps = Path(f"/proc/{proc.proc.pid}/maps").read_text()
+    assert "libtorch" not in maps, "the serve process loaded torch"
     if policy.startswith('{"seesaw"'):
         _seesaw_thresholds_apply_live(proc)
     if policy.startswith('{"sidp"'):

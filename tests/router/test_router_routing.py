@@ -322,6 +322,14 @@ def test_the_router_process_never_imports_torch() -> None:
         "import sys\n"
         "import gearshift.operator.router.server, gearshift.operator.commands.serve\n"
         "from gearshift.operator.cli import build_parser; build_parser()\n"
+        # What `serve` checks before it starts any worker (it imports these in its body).
+        "from gearshift.v1 import policy_pb2\n"
+        "from gearshift.worker.config import EngineConfig, check_attention_backend\n"
+        "from gearshift.worker.policies.checks import default_world\n"
+        "from gearshift.worker.policies.support import check_supported\n"
+        "p = policy_pb2.Policy(); p.shift.sp = 2\n"
+        "assert default_world(check_supported(p)) == 2\n"
+        "EngineConfig(model='m', dtype='bf16'); check_attention_backend('auto', 'cpu')\n"
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

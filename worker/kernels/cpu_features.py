@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
+from gearshift.worker.config import PACKINGS
+
 log = logging.getLogger(__name__)
 
-PACKINGS = ("auto", "plain", "onednn")
 # GEARSHIFT_CPU_ISA: which -march the C++ kernels are built for. ``native`` is this CPU; the
 # x86-64 levels force a portable build (tests use them to cover the paths other CPUs take).
 ISA_ENV = "GEARSHIFT_CPU_ISA"
