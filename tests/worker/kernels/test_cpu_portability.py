@@ -249,12 +249,9 @@ def test_the_kernels_compile_as_cpp17(tmp_path):
     import sysconfig
 
     includes.append(f"-isystem{sysconfig.get_paths()['include']}")
-    # Every source in one translation unit: torch's headers are parsed once (about 5 s of CPU
-    # each time), not once a source. The real build compiles each source on its own, so a
-    # source that leans on another's includes still fails there.
-    here = Path(build.__file__).parent
-    unity = tmp_path / "all_sources.cpp"
-    unity.write_text("".join(f'#include "{here / name}"\n' for name in build.SOURCES))
+    # The unit the build compiles: every source in one translation unit (torch's headers parsed
+    # once, not once a source).
+    unity = build.unity_source(tmp_path)
     done = subprocess.run(
         [cxx, *flags, *includes, str(unity)], capture_output=True, text=True, timeout=300
     )
