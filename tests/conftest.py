@@ -138,3 +138,25 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         from tests.e2e.vllm_env import end_process_group
 
         end_process_group(proc, 30)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded SmolLM2 GGUF as transformers loads it (its own dequantisation, fp32), saved
+    as a safetensors folder with the tokenizer (``benchmarks/export_smollm2.py``). The load takes
+    about 20 s of CPU, so it runs once a run: the xdist workers share the folder (the run's base
+    temp folder holds it, under a lock), and a fp32 reload gives the same tensors bit for bit."""
+    import fcntl
+
+    from benchmarks.export_smollm2 import export
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder = root / "smollm2-hf-fp32"
+    with open(root / "smollm2-hf-fp32.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "config.json").is_file():
+            partial = root / "smollm2-hf-fp32.partial"
+            export(partial, "float32")
+            partial.rename(folder)
+    return folder

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -18,7 +17,6 @@ import pytest
 from tests.e2e import openai_compare
 from tests.e2e.vllm_env import end_process_group, ensure_vllm
 
-REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 900  # vLLM imports, loads and warms up for minutes on 2 shared cores
 BACKEND_MODEL = "smollm2-vllm"
 MAX_MODEL_LEN = 1024
@@ -33,15 +31,10 @@ def vllm_python() -> Path:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("smollm2-hf")
-    subprocess.run(
-        [sys.executable, str(REPO / "benchmarks/export_smollm2.py"), str(out)],
-        check=True,
-        timeout=600,
-        capture_output=True,
-    )
-    return out
+def model_dir(smollm2_hf_folder: Path) -> Path:
+    # The run's fp32 export (tests/conftest.py); vLLM casts it to bfloat16 as it loads, the same
+    # round to nearest as a bfloat16 export.
+    return smollm2_hf_folder
 
 
 def _free_port() -> int:

@@ -24,14 +24,14 @@ def smollm2_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2(smollm2_path: Path):
-    """transformers' own load of the same GGUF, fp32: the reference for real-model tests."""
+def hf_smollm2(smollm2_hf_folder: Path):
+    """transformers' own load of the same GGUF, fp32 (dequantised once a run, then reloaded from
+    its safetensors folder): the reference for real-model tests."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder, name = str(smollm2_path.parent), smollm2_path.name
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_hf_folder, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(smollm2_hf_folder)
     return model, tok
 
 
