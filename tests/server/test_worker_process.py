@@ -148,3 +148,60 @@ def test_worker_serves_health_stats_with_revision_and_stops_on_sigterm(tmp_path:
             proc.wait(10)
         if proc.stderr:
             proc.stderr.close()
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], ready: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready.is_file():
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+        assert time.monotonic() < deadline, "worker not ready in time"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_the_engine_process_is_forked_from_its_worker_and_ends_when_the_worker_is_killed(
+    tmp_path: Path,
+) -> None:
+    """No fork server is started for a one-engine group (the worker forks its engine process
+    before any thread starts), and the engine process holds no copy of the worker's end of
+    their pipe: killed, the worker leaves no engine behind."""
+    import psutil
+
+    ready = tmp_path / "ready.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "gearshift.operator.cli",
+        "worker",
+        "--config",
+        str(_engine_json(tmp_path)),
+        "--insecure-no-auth",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--ready-file",
+        str(ready),
+        "--kv-cache-bytes",
+        str(16 << 20),
+        "--dtype",
+        "bfloat16",
+    ]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
+    engine = None
+    try:
+        _wait_ready(proc, ready, 120)
+        children = psutil.Process(proc.pid).children()
+        assert [c.name() for c in children] == ["gs-engine"], [c.cmdline() for c in children]
+        engine = children[0]
+        assert not any("forkserver" in " ".join(c.cmdline()) for c in children)
+        proc.kill()
+        proc.wait(10)
+        engine.wait(30)  # psutil.TimeoutExpired if it outlives its worker
+        engine = None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        if engine is not None and engine.is_running():
+            engine.kill()

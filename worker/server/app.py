@@ -24,7 +24,7 @@ from gearshift.worker.policies.registry import make_policy
 from gearshift.worker.server import auth
 from gearshift.worker.server.engine_process import EngineStartError
 from gearshift.worker.server.handle import EngineHandle
-from gearshift.worker.server.runtimes import run_follower_node, runtime_for
+from gearshift.worker.server.runtimes import GroupEndpoint, run_follower_node, runtime_for
 from gearshift.worker.server.service import WorkerInfo, WorkerService
 from gearshift.worker.server.settings import WorkerSettings
 from gearshift.worker.server.undecodable import RefuseUndecodable
@@ -52,8 +52,9 @@ def write_ready_file(path: Path, payload: dict[str, object]) -> None:
 class WorkerProcess:
     """The server, the engine loop and the signals of one worker process."""
 
-    def __init__(self, settings: WorkerSettings) -> None:
+    def __init__(self, settings: WorkerSettings, endpoint: GroupEndpoint | None = None) -> None:
         self.settings = settings
+        self.endpoint = endpoint  # a group leader's, made (and maybe started) by run_worker
         self.stop = asyncio.Event()
         self.exit_code = 0
         self.health = health.aio.HealthServicer()
@@ -130,7 +131,7 @@ class WorkerProcess:
 
     async def _serve_leader(self) -> None:
         s = self.settings
-        engine = runtime_for(make_policy(s.policy, s.ranks)).endpoint(s)
+        engine = self.endpoint or leader_endpoint(s)
         load = asyncio.ensure_future(engine.start())
         stopped = asyncio.ensure_future(self.stop.wait())
         await asyncio.wait([load, stopped], return_when=asyncio.FIRST_COMPLETED)
@@ -209,13 +210,27 @@ class WorkerProcess:
         log.info("worker %s serving on port %d", s.group_name, self.port)
 
 
+def leader_endpoint(settings: WorkerSettings) -> GroupEndpoint:
+    """The group leader's endpoint for the policy's runtime (not started)."""
+    return runtime_for(make_policy(settings.policy, settings.ranks)).endpoint(settings)
+
+
 def run_worker(settings: WorkerSettings) -> int:
     """Run until SIGTERM/SIGINT (or parent death with exit_with_parent); the exit code."""
+    # First thing, before gRPC, asyncio or the engine loop start a thread: an endpoint whose
+    # engine process can be forked from this one (ProcessEngine.fork_now) starts it now.
+    endpoint = leader_endpoint(settings) if settings.is_leader else None
+    fork_now = getattr(endpoint, "fork_now", None)
+    forked = fork_now is not None and fork_now()
 
     async def main() -> int:
         # grpc.aio objects bind to the running loop: build them inside it.
-        return await WorkerProcess(settings).run()
+        return await WorkerProcess(settings, endpoint).run()
 
-    with contextlib.suppress(KeyboardInterrupt):
-        return asyncio.run(main())
-    return 130
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            return asyncio.run(main())
+        return 130
+    finally:
+        if forked:  # a worker that failed before serving (e.g. its port is taken) leaves none
+            endpoint.kill()  # type: ignore[union-attr]

@@ -14,6 +14,7 @@ import ctypes
 import functools
 import itertools
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -31,7 +32,11 @@ from gearshift.worker.engine.contract import LiveValue
 from gearshift.worker.engine.llm_engine import EngineStats
 from gearshift.worker.engine.outputs import RequestOutput
 from gearshift.worker.errors import GearshiftError, GroupFailure, InvalidRequestError
-from gearshift.worker.launch.processes import rank_context, start_in_environment
+from gearshift.worker.launch.processes import (
+    rank_context,
+    set_process_name,
+    start_in_environment,
+)
 from gearshift.worker.sampling.params import InvalidSamplingParams, SamplingParams
 from gearshift.worker.server import engine_messages as msg
 from gearshift.worker.server.engine_loop import EngineFailure, EngineStopped, OutputSink
@@ -87,9 +92,25 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _child_main(settings: WorkerSettings, conn: Connection, log_level: int) -> None:
+def _forked_main(
+    parent_end: Connection, settings: WorkerSettings, conn: Connection, log_level: int
+) -> None:
+    """Entry point of an engine process forked from its worker (``ProcessEngine.fork_now``): the
+    fork copied the worker's end of the pipe, which must close here or the child would never
+    read EOF when the worker is gone. No parent-death signal: like the fork server's children
+    (the fork server outlives a killed worker while the engine holds its "alive" pipe), the
+    engine ends at that EOF and shuts its group down cleanly."""
+    parent_end.close()
+    set_process_name("gs-engine")
+    _child_main(settings, conn, log_level, die_with_parent=False)
+
+
+def _child_main(
+    settings: WorkerSettings, conn: Connection, log_level: int, die_with_parent: bool = True
+) -> None:
     """Entry point of the engine process."""
-    _die_with_parent()
+    if die_with_parent:
+        _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     from gearshift.worker.server.engine_loop import Delivery, EngineLoop
@@ -224,13 +245,44 @@ class ProcessEngine:
             name=f"gearshift-engine-{settings.group_name or 'local'}",
         )
         self._child_conn = child
+        self._forked = False
 
-    async def start(self) -> None:
-        """Start the child and wait until its engine is built (or failed)."""
-        loop = asyncio.get_running_loop()
-        self._ready = loop.create_future()
+    def fork_now(self) -> bool:
+        """Start the engine process now by forking this one, where that is the fork server's
+        own situation: no thread of Python's (gRPC, asyncio and the engine loop start later)
+        and no CUDA context. The worker calls it first thing, and saves the fork server's
+        start (a Python interpreter importing torch and the engine again: over 2 s of CPU) at
+        every group start. Returns False, and ``start`` uses the fork server, otherwise."""
+        import torch
+
+        if self._forked or threading.active_count() > 1 or torch.cuda.is_initialized():
+            return self._forked
+        ctx = multiprocessing.get_context("fork")
+        self._proc = ctx.Process(
+            target=_forked_main,
+            args=(self._conn, self.settings, self._child_conn, logging.getLogger().level),
+            name=self._proc.name,
+        )
         self._proc.start()
         self._child_conn.close()
+        self._forked = True
+        return True
+
+    def kill(self) -> None:
+        """Kill the engine process if it still runs (its worker is failing); it was stopped
+        cleanly otherwise. Its followers end with it (their fork server's "alive" pipe)."""
+        if self._proc.pid is not None and self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+
+    async def start(self) -> None:
+        """Start the child (unless ``fork_now`` did) and wait until its engine is built (or
+        failed)."""
+        loop = asyncio.get_running_loop()
+        self._ready = loop.create_future()
+        if not self._forked:
+            self._proc.start()
+            self._child_conn.close()
         loop.add_reader(self._conn.fileno(), self._on_readable)
         self._watcher = asyncio.ensure_future(self._watch_exit())
         await self._ready
