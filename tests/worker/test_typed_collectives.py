@@ -4,7 +4,6 @@ length out of bounds) fails every rank with a GroupFailure naming it; nothing is
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -13,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from gearshift.worker.launch.processes import rank_context, start_rank
 from gearshift.worker.wire import Codec
 from tests.worker.policies.tetris.test_tetris_messages import live_pickle
 
@@ -69,15 +69,13 @@ def _rank_main(rank: int, world: int, store: str, case: str, payload: bytes, out
 
 
 def _run(tmp_path: Path, world: int, case: str, payload: bytes = b"") -> dict[int, tuple[str, Any]]:
-    ctx = mp.get_context("spawn")
+    # The suite's fork server (torch imported once a test process), not spawn: each spawned
+    # rank imported torch again, over 2 s of CPU.
+    ctx = rank_context()
     out = ctx.Queue()
     store = str(tmp_path / f"store-{case}")
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, world, store, case, payload, out))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
+    args = [(r, world, store, case, payload, out) for r in range(world)]
+    procs = [start_rank(ctx, _rank_main, a, f"typed-{case}-{r}") for r, a in enumerate(args)]
     try:
         results = [out.get(timeout=WAIT_S * 2) for _ in procs]
     finally:

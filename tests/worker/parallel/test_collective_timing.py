@@ -5,13 +5,13 @@ when malformed; each layout names the collectives it runs."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from gearshift.worker.launch.processes import rank_context, start_rank
 from gearshift.worker.parallel.collective_timing import COLLECTIVES, CollectiveRequest
 from gearshift.worker.parallel.layout import Layout
 
@@ -44,17 +44,13 @@ def _rank_main(rank: int, world: int, store: str, out: Any) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow  # three spawned torch processes: about 20 s on a loaded 2-core host
+@pytest.mark.slow  # three ranks timing every collective: about 3 s, more on a loaded host
 def test_every_collective_is_timed_in_a_three_rank_group(tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()  # the suite's fork server: torch imported once, not once a rank
     out = ctx.Queue()
     world = 3
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, world, str(tmp_path / "store"), out))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
+    args = [(r, world, str(tmp_path / "store"), out) for r in range(world)]
+    procs = [start_rank(ctx, _rank_main, a, f"timing-{r}") for r, a in enumerate(args)]
     try:
         got = dict(out.get(timeout=WAIT_S * 2) for _ in procs)
     finally:
