@@ -41,6 +41,37 @@ def _refused(call: grpc.RpcError) -> bool:
     return isinstance(call, grpc.Call) and call.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+def _worker_cmd(tmp: Path, ready: Path, *extra: str) -> list[str]:
+    """`gearshift worker` on the shift example's engine.json (the embedded model, one rank)."""
+    return [
+        sys.executable,
+        "-m",
+        "gearshift.operator.cli",
+        "worker",
+        "--config",
+        str(_engine_json(tmp)),
+        *extra,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--ready-file",
+        str(ready),
+        "--kv-cache-bytes",
+        str(16 << 20),
+        "--dtype",
+        "bfloat16",
+    ]
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], ready: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready.is_file():
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+        assert time.monotonic() < deadline, "worker not ready in time"
+        time.sleep(0.1)
+
+
 @pytest.mark.slow
 def test_worker_serves_health_stats_with_revision_and_stops_on_sigterm(tmp_path: Path) -> None:
     """Also: every Worker call needs the control token (health stays open), SIGUSR1 stops
@@ -54,33 +85,10 @@ def test_worker_serves_health_stats_with_revision_and_stops_on_sigterm(tmp_path:
         "GEARSHIFT_GROUP_NAME": "demo-g0",
         "GEARSHIFT_CONTROL_TOKEN_FILE": str(token_file),
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "gearshift.operator.cli",
-        "worker",
-        "--config",
-        str(_engine_json(tmp_path)),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--ready-file",
-        str(ready),
-        "--kv-cache-bytes",
-        str(16 << 20),
-        "--max-num-seqs",
-        "2",
-        "--dtype",
-        "bfloat16",
-    ]
+    cmd = _worker_cmd(tmp_path, ready, "--max-num-seqs", "2")
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 120
-        while not ready.is_file():
-            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
-            assert time.monotonic() < deadline, "worker not ready in time"
-            time.sleep(0.1)
+        _wait_ready(proc, ready, 120)
         port = json.loads(ready.read_text())["port"]
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             health = health_pb2_grpc.HealthStub(channel).Check(
@@ -150,14 +158,6 @@ def test_worker_serves_health_stats_with_revision_and_stops_on_sigterm(tmp_path:
             proc.stderr.close()
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], ready: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ready.is_file():
-        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
-        assert time.monotonic() < deadline, "worker not ready in time"
-        time.sleep(0.1)
-
-
 @pytest.mark.slow
 def test_the_engine_process_is_forked_from_its_worker_and_ends_when_the_worker_is_killed(
     tmp_path: Path,
@@ -168,25 +168,7 @@ def test_the_engine_process_is_forked_from_its_worker_and_ends_when_the_worker_i
     import psutil
 
     ready = tmp_path / "ready.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "gearshift.operator.cli",
-        "worker",
-        "--config",
-        str(_engine_json(tmp_path)),
-        "--insecure-no-auth",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--ready-file",
-        str(ready),
-        "--kv-cache-bytes",
-        str(16 << 20),
-        "--dtype",
-        "bfloat16",
-    ]
+    cmd = _worker_cmd(tmp_path, ready, "--insecure-no-auth")
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
     engine = None
     try:
