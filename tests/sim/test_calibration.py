@@ -144,7 +144,7 @@ def test_the_fitted_efficiencies_are_those_of_the_recorded_gpu_runs() -> None:
 
 
 # Shift 2 is left out: its profile is one fit over both gears (a step does not say which ran),
-# and the suite's serial part pays about 35 s a layout.
+# and the suite's serial part would pay for one more layout in each model (about 20 s each).
 LAYOUTS = ("tp2", "sp2", "pp2")
 # Two random Llamas whose fastest 2-rank layout differs on this machine, each by a margin wider
 # than the noise. A narrow one (hidden 64, 8 layers): its steps are mostly collectives, TP 2 does
