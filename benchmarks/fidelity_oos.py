@@ -203,6 +203,7 @@ def run(
             flush=True,
         )
     report = {
+        "cpu": cpu_model(),
         "rate": rate,
         "requests": requests,
         "gamma_cv": GAMMA_CV,
@@ -213,6 +214,19 @@ def run(
     }
     print_summary(report["summary"])
     return report
+
+
+def cpu_model() -> str:
+    """This machine's CPU, as /proc/cpuinfo names it (the figures differ between the CPUs our
+    machines draw: Intel with AMX, AMD EPYC), and its count of usable cores."""
+    name = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+        name = names[0] if names else name
+    except OSError:
+        pass
+    return f"{name}, {len(os.sched_getaffinity(0))} cores"
 
 
 def _error(simulated: float, measured: float) -> float:

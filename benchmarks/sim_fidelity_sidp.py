@@ -22,10 +22,12 @@ share of the trace. Both sides are warm: the profiled engine from its grid, the 
 short warm-up trace of its own before the measured one.
 
 With ``--mode CAS`` the replicas step together (§4.3), and the simulator runs them as one group
-(``operator/sim/lockstep.py``): a step costs the slowest replica's own step (the same profile)
-plus what each layer's activation exchange adds, which is measured on the running group before
-the trace (``exchange_points``: decode batches and single prompts, on both replicas and on one),
-as ``sidp_cost.MeasuredCasCost`` prices it.
+(``operator/sim/lockstep.py``): a step costs the slowest replica's own step (the same profile;
+when only one replica has work, a second profile taken with no neighbour, since on two shared
+cores a replica whose neighbour idles runs faster) plus what each layer's activation exchange
+adds, which is measured on the running group before the trace (``exchange_points``: decode
+batches and single prompts, on both replicas and on one), as ``sidp_cost.MeasuredCasCost``
+prices it.
 
     python benchmarks/sim_fidelity_sidp.py              # → sim_fidelity_sidp.json, ~1 min
     python benchmarks/sim_fidelity_sidp.py --rate 6 --requests 48 --out ...online.json
@@ -36,6 +38,7 @@ as ``sidp_cost.MeasuredCasCost`` prices it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -163,13 +166,18 @@ def exchange_points(
     layers: int,
     idle_poll_s: float,
     prefills: tuple[int, ...] = EXCHANGE_PREFILLS,
+    alone: Any = None,
+    served_by_base: list[tuple[int, float]] | None = None,
 ) -> tuple[Any, Any]:
     """What a CaS layer's exchange adds to a step, measured on the running group (CaS pinned),
     with work on both replicas (``shared``: the owner computes too) and on replica 0 alone
     (``served``: the owner runs a dummy step): a step's time less replica 0's own step
     (``base``), per exchanging layer, by the group's rows. Decode steps: batches of n sequences
     (the step is the decode TPOT); prefill steps: one prompt per busy replica, in one step (the
-    median TTFT of three tries, less the mean wait of an idle group, ``idle_poll_s`` / 2)."""
+    median TTFT of three tries, less the mean wait of an idle group, ``idle_poll_s`` / 2).
+    ``alone``: replica 0's own step with its neighbour idle, which the ``served`` points are
+    measured against (None: ``base``); ``served_by_base`` (a list) also gets the same steps'
+    points measured against ``base``, for a pricing without ``alone``."""
     from gearshift.operator.sim.trace import TraceRequest
     from gearshift.worker.policies.sidp.ownership import Ownership
 
@@ -178,18 +186,21 @@ def exchange_points(
     shared: list[tuple[int, float]] = []
     served: list[tuple[int, float]] = []
 
-    def add(busy: int, rows: int, step: float, own: float) -> None:
+    def add(busy: int, rows: int, step: float, batch: Any) -> None:
         if busy == DP:  # every layer exchanges, its owner busy too
-            shared.append((DP * rows, max((step - own) / layers, 0.0)))
+            shared.append((DP * rows, max((step - base.step_time(batch)) / layers, 0.0)))
         else:  # replica 0's remote layers exchange, with an idle owner
+            own = (alone or base).step_time(batch)
             served.append((rows, max((step - own) / remote, 0.0)))
+            if served_by_base is not None:
+                served_by_base.append((rows, max((step - base.step_time(batch)) / remote, 0.0)))
 
     for n in EXCHANGE_BATCHES:
         for busy in (DP, 1):
             trace = [TraceRequest(0.0, EXCHANGE_PROMPT, EXCHANGE_OUTPUT)] * (n * busy)
             picks = [i % busy for i in range(len(trace))]
             step = run_group(group, trace, picks, prefix=f"x{n}.{busy}.")["tpot_mean_s"]
-            add(busy, n, step, base.step_time(decode_batch(n, context)))
+            add(busy, n, step, decode_batch(n, context))
     for n in prefills:
         for busy in (DP, 1):
             trace = [TraceRequest(0.0, n, 2)] * busy
@@ -198,7 +209,7 @@ def exchange_points(
                 for k in range(3)
             ]
             step = statistics.median(t["ttft_mean_s"] for t in tries) - idle_poll_s / 2
-            add(busy, n, step, base.step_time(_prefill_batch(n)))
+            add(busy, n, step, _prefill_batch(n))
     return tuple(sorted(shared)), tuple(sorted(served))
 
 
@@ -284,7 +295,7 @@ def simulate_group(config, base, shared_served, blocks, trace, picks, mode, laye
         return simulate_lockstep(
             DP, replica(min(blocks)), cas_cost, trace, picks, idle_poll_s=IDLE_WAIT_S
         ).requests
-    fetch_s, _ = shared_served
+    fetch_s = shared_served[0]
     remote = layers - len(Ownership(DP, layers).owned(0))
     cost = MeasuredWasCost(base, remote, fetch_s, overlap=False)
     times: list[Any] = [None] * len(trace)
@@ -310,9 +321,10 @@ def combined(times: list[Any]) -> dict[str, float]:
     }
 
 
-def out_of_sample(args, group, config, base, inputs, blocks) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+def out_of_sample(args, group, config, base, inputs, blocks, one_profile=None) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     """Every validation trace through the warm group and the simulator, each assigned by the
-    router's rule up front (the same assignment on both sides)."""
+    router's rule up front (the same assignment on both sides); ``one_profile``: CaS inputs
+    priced without the alone profile, simulated beside (``one_profile`` in the report)."""
     from gearshift.operator.sim.routing import LeastOutstandingRouter
 
     oos = fidelity_oos()
@@ -327,19 +339,31 @@ def out_of_sample(args, group, config, base, inputs, blocks) -> dict[str, Any]: 
     def measure(trace: list[Any]) -> Any:
         return oos.engine_records(trace, *group_times(group, trace, picks(trace)))
 
-    def simulate(trace: list[Any]) -> Any:
+    def simulate(trace: list[Any], priced: Any = inputs) -> Any:
         times = simulate_group(
-            config, base, inputs, blocks, trace, picked[id(trace)], args.mode, args.layers
+            config, base, priced, blocks, trace, picked[id(trace)], args.mode, args.layers
         )
         return oos.time_records(times)
 
+    alternatives = {}
+    if one_profile is not None:  # CaS priced by one profile, as before the alone profile
+        alternatives["one_profile"] = functools.partial(simulate, priced=one_profile)
     return oos.run(
         oos.scenarios(args.oos_lengths, args.oos_arrivals, args.oos_seeds),
         args.oos_requests,
         args.oos_rate,
         measure,
         simulate,
+        alternatives,
     )
+
+
+def _step_json(cost: Any) -> dict[str, Any]:
+    return {
+        "prefill": vars(cost.prefill),
+        "decode": vars(cost.decode),
+        "decode_scale": cost.decode_scale,
+    }
 
 
 def main() -> None:
@@ -372,10 +396,15 @@ def main() -> None:
         config = engine_config(model, 1, kv_cache_bytes=32 << 20)
         t0 = time.perf_counter()
         base = profile_beside_neighbour(config, profile_grid(), args.seed, args.neighbour)
+        cas = args.mode == "CAS"
+        # CaS prices a step with one busy replica by its step alone (MeasuredCasCost.alone).
+        alone = None
+        if cas and args.neighbour:
+            alone = profile_beside_neighbour(config, profile_grid(), args.seed, False)
         profile_s = time.perf_counter() - t0
         fetch_s, layer_bytes = fetch_seconds(config)
         remote = args.layers - len(Ownership(DP, args.layers).owned(0))
-        cas = args.mode == "CAS"
+        by_base: list[tuple[int, float]] = []
         shared: Any = ()
         served: Any = ()
 
@@ -395,11 +424,16 @@ def main() -> None:
             run_group(group, warm, [i % DP for i in range(len(warm))], prefix="w")
             if cas:
                 t0 = time.perf_counter()
-                shared, served = exchange_points(group, base, args.layers, IDLE_WAIT_S)
+                shared, served = exchange_points(
+                    group, base, args.layers, IDLE_WAIT_S, alone=alone, served_by_base=by_base
+                )
                 profile_s += time.perf_counter() - t0
             if args.oos:
-                inputs = (shared, served) if cas else (fetch_s, None)
-                report = out_of_sample(args, group, config, base, inputs, blocks)
+                inputs = (shared, served, alone) if cas else (fetch_s, None)
+                one_profile = None
+                if cas and alone is not None:
+                    one_profile = (shared, tuple(sorted(by_base)), None)
+                report = out_of_sample(args, group, config, base, inputs, blocks, one_profile)
             else:
                 measured = run_group(group, trace, picks)
             stats = [group.stats(r) for r in range(DP)]
@@ -412,12 +446,11 @@ def main() -> None:
                 "mode": args.mode,
                 "profile_s": profile_s,
                 "cost_model": {
-                    "prefill": vars(base.prefill),
-                    "decode": vars(base.decode),
-                    "decode_scale": base.decode_scale,
+                    **_step_json(base),
                     "fetch_seconds_per_layer": fetch_s,
                     "cas_shared_exchange_by_rows": shared,
                     "cas_served_exchange_by_rows": served,
+                    "alone": None if alone is None else _step_json(alone),
                 },
                 "kv_blocks": blocks,
                 **report,
@@ -425,7 +458,7 @@ def main() -> None:
             args.out.write_text(json.dumps(report, indent=2) + "\n")
             return
         t0 = time.perf_counter()
-        inputs = (shared, served) if cas else (fetch_s, None)
+        inputs = (shared, served, alone) if cas else (fetch_s, None)
         times = simulate_group(config, base, inputs, blocks, trace, picks, args.mode, args.layers)
         sim_s = time.perf_counter() - t0
         predicted = combined(times)
@@ -446,15 +479,14 @@ def main() -> None:
         "mode": args.mode,
         "profile_beside_a_neighbour": args.neighbour,
         "cost_model": {
-            "prefill": vars(base.prefill),
-            "decode": vars(base.decode),
-            "decode_scale": base.decode_scale,
+            **_step_json(base),
             "fetch_seconds_per_layer": fetch_s,
             "layer_bytes": layer_bytes,
             "remote_layers": remote,
             "overlap": False,
             "cas_shared_exchange_by_rows": shared,
             "cas_served_exchange_by_rows": served,
+            "alone": None if alone is None else _step_json(alone),
         },
         "kv_blocks": blocks,
         "group": {"steps": steps, "fetched_bytes": fetched, "slot_waits": waits},

@@ -17,15 +17,36 @@ so both run the same chunk plans; the real group gets each plan as the router wo
   of the same model and settings, plus what the decode instance adds to each step (its leader
   lands KV and admits requests too), measured on the idle group: batches of 1, 2, 4 and 8
   requests, each step's time less the profiled step (``cost_model.StepOverhead``);
+* what landing a piece adds to the decode step that receives it (``_measure_receive``): 8
+  requests decode while single requests of 24, 128, 320 and 800 prompt tokens arrive one at a
+  time (5 each); the step before each one's first token is the one that landed its KV, and its
+  length less the load's usual step is the receive's. The median at each size is fitted as a
+  latency plus the KV bytes over a bandwidth (``TetrisGroupSim.receive_latency``,
+  ``receive_bandwidth``): a decode instance busy with a batch pays it in that step, and so does
+  every request in the batch;
 * the hand-off, measured on the idle group (``_measure_handoff``): single requests of 64, 320
-  and 800 prompt tokens on one instance, each request's TTFT less its member's prefill seconds
-  and its first decode step (the profiled cost), fitted as a latency plus the KV bytes over a
-  bandwidth. That is everything a request spends outside compute between arriving and its first
-  token (the pipes, the handshake, the KV's trip, the admission), priced where the simulator
-  puts the hand-off. ``--link-gbps`` and ``--link-ms`` give it instead.
+  and 800 prompt tokens on one instance, each request's TTFT less its member's prefill seconds,
+  its first decode step (the profiled cost) and the receive above, the median at each size
+  fitted as a latency plus the KV bytes over a bandwidth. That is what a request spends outside
+  compute between arriving and its first token besides the receive (the pipes, the handshake,
+  the KV's trip), priced where the simulator puts the hand-off, before the step that receives
+  it. ``--link-gbps`` and ``--link-ms`` give it instead.
+
+The simulator also holds each piece's transfer slot (two here, one per prefill instance) from
+its grant until the decode step that received it has ended, as the engine does. A freed slot's
+next piece reaches the decode instance once its next step has begun, so a burst of prompts
+that prefill faster than a decode step lands about one a step.
 
 The same run also simulates plain processor sharing (rings not in lock step) and a core per
 rank, for comparison.
+
+``--pin`` pins the group's ranks apart once they have started: every prefill rank to the first
+core, the decode instance's rank to the others (each thread, ``sched_setaffinity``), and the
+simulator is told so (``TetrisGroupSim.pool_cores``: the decode steps take their profiled cost,
+the pool's chunks share one core). Unpinned, three busy ranks on two cores do not share them
+evenly: the kernel keeps one rank on a core of its own and two on the other, and which two
+changes from run to run, so the decode steps of a run can take 2-3x their profiled cost while
+another rank runs at full speed (``benchmarks/README.md``, Tetris out of sample).
 
     python benchmarks/sim_fidelity_tetris.py            # → sim_fidelity_tetris.json, ~1 min
     python benchmarks/sim_fidelity_tetris.py --oos      # out of sample (benchmarks/fidelity_oos.py)
@@ -35,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -96,6 +118,7 @@ def measure_and_simulate(
     link: tuple[float, float] | None = None,
     busy_check: bool = True,
     validate: Any = None,
+    pin: bool = False,
 ) -> dict[str, Any]:
     """Start a Tetris group (2 prefill + 1 decode instances of TP 1), measure the simulator's
     inputs on it, replay ``trace`` through it with the router's plans, and simulate the same;
@@ -124,6 +147,8 @@ def measure_and_simulate(
         lambda rid, item: outputs.put((rid, item, time.perf_counter())),
     )
     try:
+        pool_cores = _pin_apart(group, policy) if pin else None
+        out["pool_cores"] = pool_cores
         t0 = time.perf_counter()
         samples = group.profile([], PROFILE_HISTORIES, PROFILE_LENGTHS, PROFILE_REPEATS)
         out["profile_s"] = time.perf_counter() - t0
@@ -134,8 +159,21 @@ def measure_and_simulate(
         )
         print(f"decode instance's extra per step by batch: {out['decode_extra']}")
         instance_cost = StepOverhead(decode_cost, out["decode_extra"])
+        out["receive_points"] = _measure_receive(group, outputs, worker_pb2, SamplingParams)
+        receive_bw, receive_lat = out["receive"] = _fit_link(out["receive_points"])
+        print(
+            f"a piece's receive in a decode step: {receive_bw / 1e9:.3f} GB/s, "
+            f"{receive_lat * 1e3:.2f} ms ({len(out['receive_points'])} points)"
+        )
+
+        def receive(rows: int) -> float:
+            return receive_lat + rows * group.row_bytes / receive_bw
+
+        whole: list[tuple[float, float]] = []
         if link is None:
-            link = _measure_handoff(group, outputs, instance_cost, worker_pb2, SamplingParams)
+            link = _measure_handoff(
+                group, outputs, instance_cost, worker_pb2, SamplingParams, receive, whole
+            )
         bandwidth, latency = out["bandwidth"], out["latency"] = link
         print(f"hand-off: {bandwidth / 1e9:.3f} GB/s, {latency * 1e3:.2f} ms")
         if busy_check:
@@ -181,9 +219,13 @@ def measure_and_simulate(
             kv_bytes_per_token=out["row_bytes"],
             link_bandwidth=bandwidth,
             link_latency=latency,
-            # The group's 3 ranks share this machine's cores, a ring's members in lock step.
-            host_cores=out["cores"],
-            host_gangs=True,
+            # The group's 3 ranks share this machine's cores, a ring's members in lock step;
+            # or pinned apart, the pool on its cores and the decode rank on its own.
+            host_cores=out["cores"] if pool_cores is None else None,
+            host_gangs=pool_cores is None,
+            pool_cores=pool_cores,
+            receive_latency=receive_lat,
+            receive_bandwidth=receive_bw,
         )
         if validate is not None:
             oos = fidelity_oos()
@@ -192,10 +234,23 @@ def measure_and_simulate(
                 got = _run(group, trace, plan(trace), outputs, worker_pb2, SamplingParams, True)
                 return oos.engine_records(trace, *got)
 
-            def simulate(trace: list[Any]) -> Any:
-                return oos.sim_records(simulate_tetris(sim_group, trace))
+            def simulate(trace: list[Any], group: Any = sim_group) -> Any:
+                return oos.sim_records(simulate_tetris(group, trace))
 
-            out["validation"] = validate(measure, simulate)
+            # The same runs priced as before the slots and the receive were modelled: a slot
+            # per request (none waits), the whole hand-off before the step.
+            before = dataclasses.replace(
+                sim_group,
+                transfer_slots=1 << 20,  # more than any trace has requests
+                receive_latency=0.0,
+                receive_bandwidth=None,
+            )
+            if whole:
+                bw, lat = whole[0]
+                before = dataclasses.replace(before, link_bandwidth=bw, link_latency=lat)
+                out["handoff_whole"] = whole[0]
+            alternatives = {"before_slots": functools.partial(simulate, group=before)}
+            out["validation"] = validate(measure, simulate, alternatives)
             return out
         plans = plan(trace)
         out["plans"] = plans
@@ -214,7 +269,7 @@ def measure_and_simulate(
     # core (a device) of its own.
     out["shared"] = simulate_tetris(dataclasses.replace(sim_group, host_gangs=False), trace)
     out["own"] = simulate_tetris(
-        dataclasses.replace(sim_group, host_cores=None, host_gangs=False), trace
+        dataclasses.replace(sim_group, host_cores=None, host_gangs=False, pool_cores=None), trace
     )
     return out
 
@@ -235,6 +290,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--out", type=Path, default=None, help="default: sim_fidelity_tetris[_oos].json"
+    )
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin the pool's ranks to one core and the decode rank to the others (see above)",
     )
     add_oos_args(ap)
     args = ap.parse_args()
@@ -263,11 +323,21 @@ def main() -> None:
             oos = fidelity_oos()
             runs = oos.scenarios(args.oos_lengths, args.oos_arrivals, args.oos_seeds)
 
-            def validate(measure: Any, simulate: Any) -> Any:
-                return oos.run(runs, args.oos_requests, args.oos_rate, measure, simulate)
+            def validate(measure: Any, simulate: Any, alternatives: Any) -> Any:
+                return oos.run(
+                    runs, args.oos_requests, args.oos_rate, measure, simulate, alternatives
+                )
 
             got = measure_and_simulate(
-                config, decode_cost, replica, [], args.improvement_rate, link, False, validate
+                config,
+                decode_cost,
+                replica,
+                [],
+                args.improvement_rate,
+                link,
+                False,
+                validate,
+                args.pin,
             )
             report = {
                 "command": "python " + " ".join(sys.argv),
@@ -279,12 +349,17 @@ def main() -> None:
                     "decode_instance_extra_by_batch": got["decode_extra"],
                 },
                 "handoff": {"bandwidth_bytes_per_s": got["bandwidth"], "latency_s": got["latency"]},
+                "receive": _receive_json(got),
                 "host_cores": got["cores"],
+                "pool_cores": got["pool_cores"],
+                "before_slots_handoff": got.get("handoff_whole"),
                 **got["validation"],
             }
             args.out.write_text(json.dumps(report, indent=2, default=_plain) + "\n")
             return
-        got = measure_and_simulate(config, decode_cost, replica, trace, args.improvement_rate, link)
+        got = measure_and_simulate(
+            config, decode_cost, replica, trace, args.improvement_rate, link, pin=args.pin
+        )
 
     result = got["result"]
     rows = compare(got["measured"], simulated(result))
@@ -311,7 +386,9 @@ def main() -> None:
         "busy_latency_models": got["busy_fitted"],
         "busy_over_idle_by_sp": got["beside"],
         "handoff": {"bandwidth_bytes_per_s": got["bandwidth"], "latency_s": got["latency"]},
+        "receive": _receive_json(got),
         "host_cores": got["cores"],
+        "pool_cores": got["pool_cores"],
         "chunks_per_request": chunks,
         "pool_prefill_seconds": got["pool_s"],
         "eq1_prefill_seconds": got["planned_s"],
@@ -322,11 +399,36 @@ def main() -> None:
     args.out.write_text(json.dumps(out, indent=2) + "\n")
 
 
+def _receive_json(got: dict[str, Any]) -> dict[str, Any]:
+    bandwidth, latency = got["receive"]
+    return {
+        "bandwidth_bytes_per_s": bandwidth,
+        "latency_s": latency,
+        "points": got["receive_points"],
+    }
+
+
 def _plain(value: Any) -> Any:
     """A numpy scalar as the Python number it holds (the Eq. (1) fit's counts are numpy's)."""
     if hasattr(value, "item"):
         return value.item()
     raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def _pin_apart(group: Any, policy: Any) -> int:
+    """Pin every thread of the pool's ranks to this process's first core and the decode
+    instance's to the rest (threads started later inherit their starter's); the pool's cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("--pin needs two cores: one for the pool, the rest for decoding")
+    pool = [r for m in range(policy.prefill) for r in policy.prefill_ranks(m)]
+    decode = [r for d in range(policy.decode) for r in policy.decode_ranks(d)]
+    for ranks, mask in ((pool, cores[:1]), (decode, cores[1:])):
+        for rank in ranks:
+            pid = group.procs[rank].pid
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                os.sched_setaffinity(int(tid), mask)
+    return 1
 
 
 def _fit(samples: list[Any]) -> tuple[list[dict[str, Any]], dict[int, Any]]:
@@ -371,21 +473,85 @@ def _token_times(
     return times
 
 
+RECEIVE_PROMPTS, RECEIVE_REPEATS = (24, 128, 320, 800), 5
+RECEIVE_TICKS = 6  # the load's steps seen before each request is sent
+
+
+def _measure_receive(group, outputs, worker_pb2, SamplingParams) -> list[tuple[int, float]]:  # type: ignore[no-untyped-def]
+    """What landing one piece adds to a decode step, as (KV bytes, seconds): ``BUSY_LOAD``
+    requests decode while single requests of ``RECEIVE_PROMPTS`` tokens arrive one at a time.
+    The step that lands a request's KV is the one before the step of its first token (its
+    last prompt token runs as a decode row); its length less the median of the load's steps
+    before it is the receive's."""
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    rids = _start_load(group, outputs, worker_pb2, SamplingParams, "rload")
+    points = []
+    try:
+        for n in RECEIVE_PROMPTS:
+            for k in range(RECEIVE_REPEATS):
+                ticks: list[float] = []  # the load's first request's tokens: the steps' ends
+                first = None
+                sent = False
+                deadline = time.perf_counter() + 60
+                while first is None:
+                    if time.perf_counter() > deadline:
+                        raise SystemExit(f"no first token of a {n}-token request in 60 s")
+                    rid, item, t = outputs.get(timeout=60)
+                    if isinstance(item, BaseException):
+                        raise SystemExit(f"{rid} failed: {item}")
+                    if rid == rids[0] and item.new_token_ids:
+                        ticks.append(t)
+                    elif rid == f"recv{n}.{k}" and item.new_token_ids:
+                        first = t
+                    if not sent and len(ticks) >= RECEIVE_TICKS:
+                        wire = worker_pb2.TetrisPlan(decode_instance=0)
+                        wire.chunks.add(num_tokens=n, prefill_instances=[k % 2])
+                        ids = [(5 * k + i) % 1000 for i in range(n)]
+                        group.submit(f"recv{n}.{k}", ids, one, wire)
+                        sent = True
+                # Step ends before the first token's step (its own tick may come either side).
+                ends = [t for t in ticks if t < first - 5e-4]
+                steps = [b - a for a, b in itertools.pairwise(ends)]
+                if len(steps) < RECEIVE_TICKS - 1:
+                    continue  # it landed too soon to tell its step from the others
+                usual = statistics.median(steps[: RECEIVE_TICKS - 2])
+                points.append((n * group.row_bytes, steps[-1] - usual))
+    finally:
+        _stop_load(group, outputs, rids)
+    return points
+
+
+def _fit_link(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(bytes/s, s) of latency + bytes / bandwidth fitted to the median of the (bytes,
+    seconds) points at each size (one slow point in a few does not move it)."""
+    import numpy as np
+
+    by_size: dict[float, list[float]] = {}
+    for x, y in points:
+        by_size.setdefault(x, []).append(y)
+    if len(by_size) < 2:
+        raise SystemExit(f"a latency and a bandwidth need two sizes, got {points}")
+    xs = sorted(by_size)
+    ys = [statistics.median(by_size[x]) for x in xs]
+    slope, intercept = np.polyfit(np.array(xs), np.array(ys), 1)
+    return (1.0 / slope if slope > 0 else 1e15), max(float(intercept), 0.0)
+
+
 HANDOFF_PROMPTS = (64, 320, 800)
 
 
 def _measure_handoff(
-    group, outputs, decode_cost, worker_pb2, SamplingParams
+    group, outputs, decode_cost, worker_pb2, SamplingParams, receive=lambda rows: 0.0, whole=None
 ) -> tuple[float, float]:  # type: ignore[no-untyped-def]
     """(bandwidth bytes/s, latency s) of what a request spends outside compute before its first
-    token, on the idle group: TTFT less the member's prefill and the first decode step, three
-    requests per prompt length, fitted as latency + KV bytes / bandwidth."""
-    import numpy as np
-
+    token, on the idle group: TTFT less the member's prefill, the first decode step and the
+    receive (``receive(rows)``: priced in the step that lands it), three requests per prompt
+    length, fitted as latency + KV bytes / bandwidth. ``whole`` (a list) gets the same fitted
+    with the receive left in, the hand-off as it was priced before the receive was measured."""
     from gearshift.operator.sim.tetris_sim import RECEIVE_STEP_S
 
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    xs, ys = [], []
+    xs, ys, rs = [], [], []
     for n in HANDOFF_PROMPTS:
         for k in range(3):
             rid = f"handoff{n}.{k}"
@@ -398,9 +564,11 @@ def _measure_handoff(
             prefill = group.stats()["prefill_seconds_sum"] - before
             step = decode_cost.step_time(decode_batch(1, n))
             xs.append(n * group.row_bytes)
-            ys.append(first - prefill - step - RECEIVE_STEP_S)
-    slope, intercept = np.polyfit(np.array(xs), np.array(ys), 1)
-    return (1.0 / slope if slope > 0 else 1e15), max(float(intercept), 0.0)
+            ys.append(first - prefill - step - RECEIVE_STEP_S - receive(n))
+            rs.append(receive(n))
+    if whole is not None:
+        whole.append(_fit_link([(x, y + r) for x, y, r in zip(xs, ys, rs, strict=True)]))
+    return _fit_link(list(zip(xs, ys, strict=True)))
 
 
 DECODE_BATCHES = (1, 2, 4, 8)
@@ -437,24 +605,37 @@ BUSY_LOAD = 8  # requests the decode instance decodes while the pool is profiled
 def _profile_beside_decode(group, outputs, worker_pb2, SamplingParams) -> list[Any]:  # type: ignore[no-untyped-def]
     """The pool's profile grid while the decode instance decodes ``BUSY_LOAD`` requests (short
     prompts, long outputs, aborted once the profile is done)."""
+    rids = _start_load(group, outputs, worker_pb2, SamplingParams, "load")
+    try:
+        return group.profile([], PROFILE_HISTORIES, PROFILE_LENGTHS, PROFILE_REPEATS)
+    finally:
+        _stop_load(group, outputs, rids)
+
+
+def _start_load(group, outputs, worker_pb2, SamplingParams, prefix: str) -> list[str]:  # type: ignore[no-untyped-def]
+    """``BUSY_LOAD`` requests (short prompts, long outputs) decoding on the decode instance;
+    returns once every one has its first token."""
     params = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
-    rids = [f"load{i}" for i in range(BUSY_LOAD)]
+    rids = [f"{prefix}{i}" for i in range(BUSY_LOAD)]
     for i, rid in enumerate(rids):
         wire = worker_pb2.TetrisPlan(decode_instance=0)
         wire.chunks.add(num_tokens=16, prefill_instances=[i % 2])
         group.submit(rid, [(3 * i + k) % 1000 for k in range(16)], params, wire)
-    _token_times(outputs, rids, 60, started=True)  # every load request decoding
-    try:
-        return group.profile([], PROFILE_HISTORIES, PROFILE_LENGTHS, PROFILE_REPEATS)
-    finally:
-        for rid in rids:
-            group.abort(rid)
-        time.sleep(0.5)
-        while not outputs.empty():
-            outputs.get_nowait()
-        time.sleep(0.3)
-        if not outputs.empty():  # an aborted request still decoding would load the trace
-            raise SystemExit(f"{outputs.get_nowait()[0]} still ran after its abort")
+    _token_times(outputs, rids, 60, started=True)
+    return rids
+
+
+def _stop_load(group, outputs, rids: list[str]) -> None:  # type: ignore[no-untyped-def]
+    """Abort ``_start_load``'s requests and drop their outputs; an aborted request still
+    decoding would load what is measured next."""
+    for rid in rids:
+        group.abort(rid)
+    time.sleep(0.5)
+    while not outputs.empty():
+        outputs.get_nowait()
+    time.sleep(0.3)
+    if not outputs.empty():
+        raise SystemExit(f"{outputs.get_nowait()[0]} still ran after its abort")
 
 
 def _run(group, trace, plans, outputs, worker_pb2, SamplingParams, times=False):  # type: ignore[no-untyped-def]

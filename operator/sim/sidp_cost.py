@@ -167,6 +167,12 @@ class MeasuredCasCost:
     - ``served``: the owner is idle (a dummy step), so the sender waits for the whole trip.
 
     Each is (group rows, seconds) points, read between (and beyond the last) by straight lines.
+
+    ``alone`` (optional) is a replica's own step when no other replica computes: on hosts where
+    the replicas share more than their devices (the CPU build: caches, memory bandwidth, a
+    sibling hyper-thread), a replica measured beside a busy neighbour (``base``) runs slower
+    than one whose neighbours idle, so a step with one busy replica is priced by ``alone``,
+    and its ``served`` exchange is measured against it.
     """
 
     base: StepCost
@@ -174,6 +180,7 @@ class MeasuredCasCost:
     dp: int
     shared: tuple[tuple[int, float], ...]
     served: tuple[tuple[int, float], ...]
+    alone: StepCost | None = None
 
     def __post_init__(self) -> None:
         for name, points in (("shared", self.shared), ("served", self.served)):
@@ -189,7 +196,9 @@ class MeasuredCasCost:
         if len(batches) != self.dp:
             raise ValueError(f"a CaS step has {self.dp} replicas' batches, got {len(batches)}")
         rows = [b.num_tokens if b is not None else 0 for b in batches]
-        own = max((self.base.step_time(b) for b in batches if b is not None), default=0.0)
+        busy = [b for b in batches if b is not None]
+        cost = self.alone if self.alone is not None and len(busy) == 1 else self.base
+        own = max((cost.step_time(b) for b in busy), default=0.0)
         owners = Ownership(self.dp, self.layers)
         extra = 0.0
         for layer in range(self.layers):

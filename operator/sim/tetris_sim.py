@@ -10,7 +10,13 @@ on the prefill pool, the KV hand-off, and decode instances that run the engine's
 * **Decode placement** by the planner's ``DecodePlacer`` (freeness rate with virtual usage,
   §5.2) over each decode instance's free slots, batch and requests in transfer.
 * **Hand-off** (§4.2): the request's KV over the intra-node link from the last group's members in
-  parallel, after its prefill ends.
+  parallel, after its prefill ends, on one of the decode instance's transfer slots
+  (``transferBackends``; by default one per prefill instance). As in the engine
+  (``worker/policies/tetris/transfer.py``, ``launch/tetris/reader.py``) a piece holds its slot
+  from its grant until the decode step that receives it has ended and reported it landed, and
+  waiting pieces are granted in the order their prefills ended. So a burst of short prompts
+  lands at most ``slots`` pieces a decode step, and the rest queue behind the decode instance's
+  steps: a request's first token can wait several of them.
 * **Decode instances** are simulated replicas (``replica.SimReplica``) whose leader is the
   engine's own ``DecodeAdmission`` (``worker/policies/tetris/admission.py``): the request's prompt
   blocks are reserved when it is placed, the landed KV is a receive step, the request then joins
@@ -23,9 +29,14 @@ on the prefill pool, the KV hand-off, and decode instances that run the engine's
   processor-shared over the cores, and with ``host_gangs`` each ring chunk advancing only while
   all its members hold a core. The planner still plans with Eq. (1) and its own queue view, as
   the router does. Without ``host_cores`` (a device per rank) a prefill ends at its plan's TTFT.
+* **A pool pinned apart** (``pool_cores``, the CPU build with the pool's ranks pinned to
+  ``pool_cores`` cores and each decode instance's ranks to cores of their own): the decode
+  steps take what the cost model says; the pool's chunks share the pool's cores, processor-shared,
+  each chunk over ``min(members, pool_cores)`` of them. Its Eq. (1) models are measured on those
+  cores (``TetrisGroup.profile`` on the running group), so a ring whose members share one core
+  is priced by its profile and not slowed again.
 
-Not modelled: transfer-slot contention (``transferBackends`` defaults to one slot per prefill
-instance, so the handshake never queues), history rebalancing (it overlaps compute, §4.1).
+Not modelled: history rebalancing (it overlaps compute, §4.1).
 """
 
 from __future__ import annotations
@@ -60,9 +71,16 @@ class DecodeHooks:
     the engine's call order (``step_request``, schedule, ``plan_sections`` /
     ``step_submitted``)."""
 
-    def __init__(self, cost: StepCost) -> None:
+    def __init__(self, cost: StepCost, receive_s: Callable[[int], float] | None = None) -> None:
         self.cost = cost
+        # What receiving a piece of so many rows adds to the step that receives it (None:
+        # nothing; the hand-off's price is all before the step).
+        self.receive_s = receive_s
         self.admission: DecodeAdmission | None = None
+        self.queued_rows: list[int] = []  # the pieces the next step receives, by rows
+        # Requests whose pieces the step now running receives: they land (and free their
+        # transfer slots) when it ends, as the engine's leader reports ``Landed`` after its step.
+        self.receiving: list[str] = []
 
     def bind(self, scheduler: Scheduler, blocks: BlockManager) -> None:
         self.admission = DecodeAdmission(scheduler, blocks)
@@ -77,9 +95,11 @@ class DecodeHooks:
     def step_time(self, batch: ScheduledBatch) -> tuple[float, int]:
         assert self.admission is not None
         receiving = bool(self.admission.plan_sections())
+        rows, self.queued_rows = (self.queued_rows, []) if receiving else ([], self.queued_rows)
+        receive = sum(map(self.receive_s, rows)) if self.receive_s is not None else 0.0
         if batch.is_empty:
-            return (RECEIVE_STEP_S if receiving else 0.0), 1
-        return self.cost.step_time(batch), 1
+            return (RECEIVE_STEP_S + receive if receiving else 0.0), 1
+        return self.cost.step_time(batch) + receive, 1
 
     def barrier(self) -> bool:
         return False
@@ -87,7 +107,8 @@ class DecodeHooks:
     def step_submitted(self) -> None:
         assert self.admission is not None
         self.admission.step_submitted()
-        self.admission.take_reports()
+        landed, _ = self.admission.take_reports()
+        self.receiving = [rid for rid, _, _ in landed]
 
     def micro_batches(self) -> int:
         return 1
@@ -120,12 +141,47 @@ class TetrisGroupSim:
     # With host_cores: a chunk's ring members are scheduled one by one, so it advances only
     # while all of them hold a core (shared_cores.SharedCores ``gangs``).
     host_gangs: bool = False
+    # CPU cores the prefill pool's ranks are pinned to, the decode instances' ranks pinned to
+    # others (module docstring); None: not pinned apart. Not with host_cores.
+    pool_cores: int | None = None
+    # Each decode instance's transfer slots (transferBackends); None: one per prefill instance,
+    # the policy's default.
+    transfer_slots: int | None = None
+    # What a piece's receive adds to the decode step that lands it, latency plus bytes over
+    # bandwidth (None: free; the link's price is then the whole hand-off, before the step).
+    receive_latency: float = 0.0
+    receive_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         if self.host_cores is not None and self.host_cores < 1:
             raise ValueError(f"host_cores must be >= 1, got {self.host_cores}")
         if self.host_gangs and self.host_cores is None:
             raise ValueError("host_gangs needs host_cores")
+        if self.pool_cores is not None and (self.pool_cores < 1 or self.host_cores is not None):
+            raise ValueError(
+                f"pool_cores must be >= 1 and not with host_cores, got {self.pool_cores} "
+                f"(host_cores {self.host_cores})"
+            )
+        if self.receive_latency < 0 or (
+            self.receive_bandwidth is not None and self.receive_bandwidth <= 0
+        ):
+            raise ValueError(
+                f"a receive needs latency >= 0 and bandwidth > 0, got {self.receive_latency}, "
+                f"{self.receive_bandwidth}"
+            )
+        if self.transfer_slots is not None and self.transfer_slots < 1:
+            raise ValueError(f"transfer_slots must be >= 1, got {self.transfer_slots}")
+
+    @property
+    def slots(self) -> int:
+        """Each decode instance's transfer slots."""
+        return self.transfer_slots if self.transfer_slots is not None else self.prefill
+
+    def receive_s(self, rows: int) -> float:
+        """What landing a piece of ``rows`` rows adds to a decode step."""
+        if self.receive_bandwidth is None:
+            return self.receive_latency
+        return self.receive_latency + rows * self.kv_bytes_per_token / self.receive_bandwidth
 
     def handoff_s(self, tokens: int, senders: int) -> float:
         """``senders`` instances' rows over the link, each instance's TP ranks in parallel."""
@@ -134,12 +190,24 @@ class TetrisGroupSim:
 
 
 @dataclass(eq=False)
+class _Slots:
+    """One decode instance's transfer slots: free ones, the requests holding them, and the
+    hand-offs waiting for one (in the order their prefills ended, as first handshakes)."""
+
+    free: int
+    held: dict[str, int] = dataclasses.field(default_factory=dict)  # request id: slots
+    waiting: collections.deque[tuple[int, Callable[[], None]]] = dataclasses.field(
+        default_factory=collections.deque
+    )  # (slots it needs, its hand-off)
+
+
+@dataclass(eq=False)
 class _Prefill:
-    """A request's chunk plan as the pool runs it (``host_cores``)."""
+    """A request's chunk plan as the pool runs it (``host_cores`` or ``pool_cores``)."""
 
     chunks: tuple[Chunk, ...]
     tokens: int
-    land: Callable[[], None]  # its KV reaches the decode instance
+    prefilled: Callable[[], None]  # its prefill has ended: its KV is offered to the decode instance
     done: int = 0  # chunks finished
     running: bool = False
 
@@ -148,7 +216,12 @@ def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> Sim
     """Every request of ``trace`` through one Tetris group; deterministic."""
     loop = EventLoop()
     decodes = [
-        SimReplica(i, group.config, group.decode_cost, hooks=DecodeHooks(group.decode_cost))
+        SimReplica(
+            i,
+            group.config,
+            group.decode_cost,
+            hooks=DecodeHooks(group.decode_cost, group.receive_s),
+        )
         for i in range(group.decode)
     ]
     placer = DecodePlacer(group.placement)
@@ -171,7 +244,11 @@ def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> Sim
         if group.host_cores is not None
         else None
     )
-    # Each prefill instance's requests in the order it got them (host_cores only).
+    pool_host = (
+        SharedCores(loop, group.pool_cores) if group.pool_cores is not None else host
+    )  # where the pool's chunks run (None: a device per rank)
+    slots = [_Slots(group.slots) for _ in decodes]
+    # Each prefill instance's requests in the order it got them (host_cores or pool_cores).
     queues: list[collections.deque[_Prefill]] = [collections.deque() for _ in range(group.prefill)]
 
     def start(rep: SimReplica) -> None:
@@ -190,9 +267,11 @@ def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> Sim
         if run.running or any(queues[m][0] is not run for m in chunk.group):
             return
         run.running = True
-        assert host is not None
+        assert pool_host is not None
         ranks = len(chunk.group) * group.prefill_tp
-        host.run(chunk.seconds, ranks, functools.partial(chunk_done, run))
+        if group.pool_cores is not None:
+            ranks = min(ranks, group.pool_cores)
+        pool_host.run(chunk.seconds, ranks, functools.partial(chunk_done, run))
 
     def chunk_done(run: _Prefill) -> None:
         run.running = False
@@ -201,14 +280,42 @@ def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> Sim
             next_chunk(run)
             return
         members = run.chunks[-1].group
-        loop.at(loop.now + group.handoff_s(run.tokens, len(members)), run.land)
+        run.prefilled()
         for m in members:
             queues[m].popleft()
         for m in members:
             if queues[m]:
                 next_chunk(queues[m][0])
 
+    def grant(d: int) -> None:
+        # The oldest waiting hand-offs, while their slots are free: each piece's transfer,
+        # then the decode leader's next step receives it.
+        own = slots[d]
+        while own.waiting and own.waiting[0][0] <= own.free:
+            need, send = own.waiting.popleft()
+            own.free -= need
+            send()
+
+    def offer(d: int, rid: str, tokens: int, senders: int) -> None:
+        # A prefill has ended: its pieces (one per sender) handshake for slots.
+        need = min(senders, group.slots)
+
+        def send() -> None:
+            slots[d].held[rid] = need
+            on_land = functools.partial(land, decodes[d], rid, tokens)
+            loop.at(loop.now + group.handoff_s(tokens, senders), on_land)
+
+        slots[d].waiting.append((need, send))
+        grant(d)
+
     def end(rep: SimReplica) -> None:
+        hooks = rep.hooks
+        assert isinstance(hooks, DecodeHooks)
+        own = slots[rep.index]
+        for rid in hooks.receiving:  # landed: their slots free (the leader's ``Landed``)
+            own.free += own.held.pop(rid, 0)
+        hooks.receiving = []
+        grant(rep.index)
         for rid, _, finished in rep.finish_step(loop.now):
             if finished:
                 done.append(rep.times.pop(rid))
@@ -222,6 +329,9 @@ def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> Sim
     def land(rep: SimReplica, rid: str, tokens: int) -> None:
         # One whole piece from instance 0; the sim prices the transfer, not its slot.
         admission(rep).receive(rid, 0, tokens, 0, slot=0, xfer=0)
+        hooks = rep.hooks
+        assert isinstance(hooks, DecodeHooks)
+        hooks.queued_rows.append(tokens)
         if rep.idle and rep.index not in waking:
             waking.add(rep.index)
             loop.at(loop.now, functools.partial(wake, rep))
@@ -258,12 +368,11 @@ def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> Sim
         plan = plan_request(req.prompt_tokens, pool, group.rules, rates.current(loop.now))
         pool = pool.commit((c.group, c.end) for c in plan.chunks)
         senders = len(plan.chunks[-1].group)
-        on_land = functools.partial(land, rep, rid, req.prompt_tokens)
-        if host is None:
-            landed = loop.now + plan.ttft + group.handoff_s(req.prompt_tokens, senders)
-            loop.at(landed, on_land)
+        on_prefilled = functools.partial(offer, d, rid, req.prompt_tokens, senders)
+        if pool_host is None:
+            loop.at(loop.now + plan.ttft, on_prefilled)
             return
-        run = _Prefill(plan.chunks, req.prompt_tokens, on_land)
+        run = _Prefill(plan.chunks, req.prompt_tokens, on_prefilled)
         for m in plan.chunks[-1].group:  # the last group holds every earlier one
             queues[m].append(run)
         next_chunk(run)

@@ -62,6 +62,16 @@ def test_a_cas_step_waits_for_the_slowest_replica_and_adds_each_layers_exchange(
     assert cost.exchange_seconds(22, owner_busy=True) == pytest.approx(0.0032)
 
 
+def test_a_cas_step_with_one_busy_replica_is_priced_by_its_step_alone() -> None:
+    # Measured alone (its neighbour idle), a replica's step is 8 ms + 4 ms a row.
+    cost = dataclasses.replace(_cas(), alone=_PerToken(0.008, 0.004))
+    assert cost.group_step_time([_batch(3), None]) == pytest.approx(0.020 + 2 * 0.0023)
+    assert cost.group_step_time([None, _batch(3)]) == pytest.approx(0.020 + 2 * 0.0023)
+    # Both busy: each beside the other, as before.
+    both = cost.group_step_time([_batch(2), _batch(3)])
+    assert both == pytest.approx(0.025 + 4 * 0.0015, rel=1e-9)
+
+
 def test_bad_cas_inputs_are_refused() -> None:
     with pytest.raises(ValueError, match="rows increasing"):
         dataclasses.replace(_cas(), shared=((4, 0.1), (2, 0.2)))

@@ -1,0 +1,121 @@
+"""The Tetris simulation's hand-off as the engine runs it (Tetris §4.2): transfer slots held
+until the decode step that receives a piece has ended, the receive's time inside that step, and
+a pool pinned apart from the decode instance (``TetrisGroupSim.pool_cores``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import statistics
+from dataclasses import dataclass
+
+import pytest
+
+from gearshift.operator.planner.cdsp import PlannerRules, plan_request
+from gearshift.operator.planner.instance_pool import Pool
+from gearshift.operator.planner.latency_model import LatencyModel
+from gearshift.operator.sim.replica import ReplicaConfig
+from gearshift.operator.sim.tetris_sim import TetrisGroupSim, simulate_tetris
+from gearshift.operator.sim.trace import TraceRequest
+
+STEP_S = 0.01  # every decode step, whatever its batch
+
+
+@dataclass(frozen=True)
+class _FlatDecode:
+    def step_time(self, batch: object) -> float:
+        del batch
+        return STEP_S
+
+
+def _group(**kw: object) -> TetrisGroupSim:
+    # Short prompts prefill in about a millisecond on one instance, far faster than a decode
+    # step; SP 2 halves the per-token time of long ones.
+    rules = PlannerRules(
+        {1: LatencyModel(1, 1e-3, 1e-5, 0.0, 0.0), 2: LatencyModel(2, 2e-3, 5e-6, 0.0, 0.0)},
+        chunk_granularity=32,
+        max_chunks=1,
+    )
+    group = TetrisGroupSim(
+        prefill=2,
+        decode=1,
+        rules=rules,
+        improvement_rate=1.0,  # the smallest SP that fits: one instance per short prompt
+        config=ReplicaConfig(num_blocks=4096, block_size=16, max_model_len=8192),
+        decode_cost=_FlatDecode(),
+        kv_bytes_per_token=1000.0,
+        link_bandwidth=1e9,
+        link_latency=1e-3,
+    )
+    return dataclasses.replace(group, **kw)
+
+
+def _firsts(group: TetrisGroupSim, trace: list[TraceRequest]) -> list[float]:
+    return sorted(r.token_times[0] for r in simulate_tetris(group, trace).requests)
+
+
+BURST = [TraceRequest(0.0, 32, 40) for _ in range(8)]  # eight short prompts at once
+
+
+def test_a_piece_holds_its_slot_until_the_step_that_receives_it_has_ended() -> None:
+    # One slot: a piece lands in one step, and the next piece is granted only once that step
+    # has ended, so no two first tokens share a step.
+    one = _firsts(_group(transfer_slots=1), BURST)
+    gaps = [b - a for a, b in itertools.pairwise(one)]
+    assert min(gaps) >= STEP_S - 1e-9, gaps
+    # A slot per request: the burst's pieces land together, several first tokens to a step.
+    many = _firsts(_group(transfer_slots=8), BURST)
+    assert len({round(t, 9) for t in many}) < len(many)
+    assert statistics.mean(one) > statistics.mean(many)
+    # The default is one slot per prefill instance (the policy's transferBackends default).
+    assert _firsts(_group(), BURST) == _firsts(_group(transfer_slots=2), BURST)
+    with pytest.raises(ValueError, match="transfer_slots"):
+        _group(transfer_slots=0)
+
+
+def test_a_receive_lengthens_the_decode_step_that_lands_it() -> None:
+    # r0 decodes 200 tokens; r1's 1000-token KV lands in one of r0's steps, which takes the
+    # receive's time longer; r1's first token comes one step after it.
+    trace = [TraceRequest(0.0, 32, 200), TraceRequest(0.5, 1000, 2)]
+    free = simulate_tetris(_group(), trace).requests
+    priced = _group(receive_latency=0.004, receive_bandwidth=1e8)
+    r0, r1 = simulate_tetris(priced, trace).requests
+    receive = priced.receive_s(1000)
+    assert receive == pytest.approx(0.004 + 1000 * 1000.0 / 1e8)
+    gaps = [b - a for a, b in itertools.pairwise(r0.token_times)]
+    long = [i for i, g in enumerate(gaps) if g > STEP_S + 1e-6]
+    assert len(long) == 1 and gaps[long[0]] == pytest.approx(STEP_S + receive, abs=1e-9)
+    assert r1.token_times[0] == pytest.approx(r0.token_times[long[0] + 1] + STEP_S, abs=1e-9)
+    # Unpriced, every step of r0 takes its cost.
+    gaps = [b - a for a, b in itertools.pairwise(free[0].token_times)]
+    assert max(gaps) == pytest.approx(STEP_S, abs=1e-9)
+    with pytest.raises(ValueError, match="a receive needs"):
+        _group(receive_bandwidth=0.0)
+
+
+def test_a_pool_pinned_to_one_core_shares_it_and_leaves_the_decode_steps_alone() -> None:
+    # Two 3000-token prompts at once, one per instance: on a pool of one core each prefill
+    # takes twice its Eq. (1) time, on two cores its own.
+    trace = [TraceRequest(0.0, 3000, 3), TraceRequest(0.0, 3000, 3)]
+    (chunk,) = plan_request(3000, Pool.uniform([0.0, 0.0], 8), _group().rules, 1.0).chunks
+    assert chunk.sp == 1
+    one_core = simulate_tetris(_group(pool_cores=1), trace).requests
+    two_cores = simulate_tetris(_group(pool_cores=2), trace).requests
+    for slow, fast in zip(one_core, two_cores, strict=True):
+        assert slow.ttft - fast.ttft == pytest.approx(chunk.seconds, abs=STEP_S + 1e-9)
+        # The decode instance has a core of its own: its steps take their cost.
+        assert all(
+            b - a == pytest.approx(STEP_S, abs=1e-9)
+            for a, b in itertools.pairwise(slow.token_times)
+        )
+    # A ring over both instances is priced by its Eq. (1) model, measured on those cores:
+    # pinned to one core it is not slowed again.
+    ring = [TraceRequest(0.0, 3000, 3)]
+    group = _group(improvement_rate=0.1)
+    (chunk,) = plan_request(3000, Pool.uniform([0.0, 0.0], 8), group.rules, 0.1).chunks
+    assert chunk.sp == 2
+    pinned = simulate_tetris(dataclasses.replace(group, pool_cores=1), ring).requests
+    devices = simulate_tetris(group, ring).requests
+    assert pinned[0].token_times == pytest.approx(devices[0].token_times, abs=1e-9)
+    with pytest.raises(ValueError, match="pool_cores"):
+        _group(pool_cores=1, host_cores=2)
