@@ -1,8 +1,9 @@
 """Tetris's simulation against a real Tetris group (issue 16: each new policy once it exists),
 loosely: the group's own Eq. (1) profile, the decode instance's measured step, the measured
-receive and hand-off, with the ranks on this machine's shared cores (``tetris_sim``'s ``host_cores`` and
-``host_gangs``), predict the group's makespan and mean TPOT for a short Poisson trace within 50%
-on this shared CPU (``benchmarks/sim_fidelity_tetris.py`` reports the real error)."""
+receive and hand-off, with the ranks on this machine's shared cores (``tetris_sim``'s
+``host_cores`` and ``host_gangs``), predict the group's makespan and mean TPOT for a short
+Poisson trace within 50% on this shared CPU (``benchmarks/sim_fidelity_tetris.py`` reports the
+real error)."""
 
 from __future__ import annotations
 
