@@ -298,6 +298,7 @@ def _tetris_groups(
                 link.latency,
                 per_node=node // ptp,
                 prefill_tp=ptp,
+                decode_tp=tp,  # the hand-off's pieces: a decode rank's bytes a row
             )
             groups = hw.count // size
             policy = {

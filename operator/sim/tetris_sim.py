@@ -12,11 +12,13 @@ on the prefill pool, the KV hand-off, and decode instances that run the engine's
 * **Hand-off** (§4.2): the request's KV over the intra-node link from the last group's members in
   parallel, after its prefill ends, on one of the decode instance's transfer slots
   (``transferBackends``; by default one per prefill instance). As in the engine
-  (``worker/policies/tetris/transfer.py``, ``launch/tetris/reader.py``) a piece holds its slot
-  from its grant until the decode step that receives it has ended and reported it landed, and
-  waiting pieces are granted in the order their prefills ended. So a burst of short prompts
-  lands at most ``slots`` pieces a decode step, and the rest queue behind the decode instance's
-  steps: a request's first token can wait several of them.
+  (``worker/policies/tetris/transfer.py``, ``launch/tetris/reader.py``) each member's rows go
+  in pieces of at most the transfer buffer (``transferBufferBytes``, ``launch/tetris/state.py``
+  ``pieces_of``); a piece holds its slot from its grant until the decode step that receives it
+  has ended and reported it landed, and waiting pieces are granted in the order their prefills
+  ended. So a burst of short prompts, or a long prompt of many pieces, lands at most ``slots``
+  pieces a decode step, and the rest queue behind the decode instance's steps: a request's
+  first token can wait several of them.
 * **Decode instances** are simulated replicas (``replica.SimReplica``) whose leader is the
   engine's own ``DecodeAdmission`` (``worker/policies/tetris/admission.py``): the request's prompt
   blocks are reserved when it is placed, the landed KV is a receive step, the request then joins
@@ -64,6 +66,8 @@ from gearshift.worker.kv.block_manager import BlockManager
 from gearshift.worker.policies.tetris.admission import DecodeAdmission
 
 RECEIVE_STEP_S = 1e-6  # a step that only lands KV (its copy is priced as the hand-off)
+# TetrisPolicy.transfer_buffer_bytes's default (policy.proto): the most a piece carries.
+DEFAULT_TRANSFER_BUFFER_BYTES = 64 << 20
 
 
 class DecodeHooks:
@@ -78,9 +82,9 @@ class DecodeHooks:
         self.receive_s = receive_s
         self.admission: DecodeAdmission | None = None
         self.queued_rows: list[int] = []  # the pieces the next step receives, by rows
-        # Requests whose pieces the step now running receives: they land (and free their
-        # transfer slots) when it ends, as the engine's leader reports ``Landed`` after its step.
-        self.receiving: list[str] = []
+        # How many pieces the step now running receives: they land (and free their transfer
+        # slots) when it ends, as the engine's leader reports ``Landed`` after its step.
+        self.receiving = 0
 
     def bind(self, scheduler: Scheduler, blocks: BlockManager) -> None:
         self.admission = DecodeAdmission(scheduler, blocks)
@@ -108,7 +112,7 @@ class DecodeHooks:
         assert self.admission is not None
         self.admission.step_submitted()
         landed, _ = self.admission.take_reports()
-        self.receiving = [rid for rid, _, _ in landed]
+        self.receiving = len(landed)
 
     def micro_batches(self) -> int:
         return 1
@@ -151,6 +155,7 @@ class TetrisGroupSim:
     # bandwidth (None: free; the link's price is then the whole hand-off, before the step).
     receive_latency: float = 0.0
     receive_bandwidth: float | None = None
+    transfer_buffer_bytes: int = DEFAULT_TRANSFER_BUFFER_BYTES  # transferBufferBytes
 
     def __post_init__(self) -> None:
         if self.host_cores is not None and self.host_cores < 1:
@@ -171,6 +176,23 @@ class TetrisGroupSim:
             )
         if self.transfer_slots is not None and self.transfer_slots < 1:
             raise ValueError(f"transfer_slots must be >= 1, got {self.transfer_slots}")
+        if self.transfer_buffer_bytes < 1:
+            raise ValueError(
+                f"transfer_buffer_bytes must be >= 1, got {self.transfer_buffer_bytes}"
+            )
+
+    def pieces(self, tokens: int, senders: int) -> list[int]:
+        """The rows of each piece a request's KV is handed over in: each of ``senders``
+        members' share of the rows (even, as the last group's zigzag leaves them) cut at the
+        transfer buffer, by a decode rank's bytes a row (``launch/tetris/state.pieces_of``)."""
+        row = self.kv_bytes_per_token / self.decode_tp
+        per = max(1, int(self.transfer_buffer_bytes // max(row, 1.0)))
+        base, extra = divmod(tokens, senders)
+        out: list[int] = []
+        for m in range(senders):
+            n = base + (1 if m < extra else 0)
+            out += [min(per, n - start) for start in range(0, n, per)]
+        return out
 
     @property
     def slots(self) -> int:
@@ -191,14 +213,13 @@ class TetrisGroupSim:
 
 @dataclass(eq=False)
 class _Slots:
-    """One decode instance's transfer slots: free ones, the requests holding them, and the
-    hand-offs waiting for one (in the order their prefills ended, as first handshakes)."""
+    """One decode instance's transfer slots: how many are free, and the pieces waiting for one
+    (in the order their prefills ended, as first handshakes) as their hand-offs."""
 
     free: int
-    held: dict[str, int] = dataclasses.field(default_factory=dict)  # request id: slots
-    waiting: collections.deque[tuple[int, Callable[[], None]]] = dataclasses.field(
+    waiting: collections.deque[Callable[[], None]] = dataclasses.field(
         default_factory=collections.deque
-    )  # (slots it needs, its hand-off)
+    )
 
 
 @dataclass(eq=False)
@@ -287,34 +308,30 @@ def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> Sim
             if queues[m]:
                 next_chunk(queues[m][0])
 
+    def later(delay: float, action: Callable[[], None]) -> None:
+        loop.at(loop.now + delay, action)
+
     def grant(d: int) -> None:
-        # The oldest waiting hand-offs, while their slots are free: each piece's transfer,
-        # then the decode leader's next step receives it.
+        # The oldest waiting pieces, while slots are free: each piece's transfer, then the
+        # decode leader's next step receives it.
         own = slots[d]
-        while own.waiting and own.waiting[0][0] <= own.free:
-            need, send = own.waiting.popleft()
-            own.free -= need
-            send()
+        while own.waiting and own.free:
+            own.free -= 1
+            own.waiting.popleft()()
 
-    def offer(d: int, rid: str, tokens: int, senders: int) -> None:
-        # A prefill has ended: its pieces (one per sender) handshake for slots.
-        need = min(senders, group.slots)
-
-        def send() -> None:
-            slots[d].held[rid] = need
-            on_land = functools.partial(land, decodes[d], rid, tokens)
-            loop.at(loop.now + group.handoff_s(tokens, senders), on_land)
-
-        slots[d].waiting.append((need, send))
+    def offer(d: int, rid: str, pieces: list[int]) -> None:
+        # A prefill has ended: its pieces handshake for slots, one each.
+        for k, rows in enumerate(pieces):
+            arrive_at = functools.partial(land, decodes[d], rid, rows, k)
+            send = functools.partial(later, group.handoff_s(rows, 1), arrive_at)
+            slots[d].waiting.append(send)
         grant(d)
 
     def end(rep: SimReplica) -> None:
         hooks = rep.hooks
         assert isinstance(hooks, DecodeHooks)
-        own = slots[rep.index]
-        for rid in hooks.receiving:  # landed: their slots free (the leader's ``Landed``)
-            own.free += own.held.pop(rid, 0)
-        hooks.receiving = []
+        slots[rep.index].free += hooks.receiving  # landed: the leader's ``Landed``
+        hooks.receiving = 0
         grant(rep.index)
         for rid, _, finished in rep.finish_step(loop.now):
             if finished:
@@ -326,12 +343,12 @@ def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> Sim
         if rep.idle:
             start(rep)
 
-    def land(rep: SimReplica, rid: str, tokens: int) -> None:
-        # One whole piece from instance 0; the sim prices the transfer, not its slot.
-        admission(rep).receive(rid, 0, tokens, 0, slot=0, xfer=0)
+    def land(rep: SimReplica, rid: str, rows: int, piece: int) -> None:
+        # A piece's ``Receive`` reaches the decode leader: its next step receives it.
+        admission(rep).receive(rid, 0, rows, piece, slot=0, xfer=0)
         hooks = rep.hooks
         assert isinstance(hooks, DecodeHooks)
-        hooks.queued_rows.append(tokens)
+        hooks.queued_rows.append(rows)
         if rep.idle and rep.index not in waking:
             waking.add(rep.index)
             loop.at(loop.now, functools.partial(wake, rep))
@@ -356,19 +373,19 @@ def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> Sim
             return
         rid = f"r{index}"
         rep = decodes[d]
+        pool = pool.advance(loop.now - pool_at)
+        pool_at = loop.now
+        plan = plan_request(req.prompt_tokens, pool, group.rules, rates.current(loop.now))
+        pieces = group.pieces(req.prompt_tokens, len(plan.chunks[-1].group))
         rep.add(rid, loop.now, req.prompt_tokens, req.output_tokens)
         try:
-            admission(rep).expect(rid, 1)
+            admission(rep).expect(rid, len(pieces))
         except InvalidRequestError as exc:
             rep.times.pop(rid)
             rejected.append((index, str(exc)))
             return
-        pool = pool.advance(loop.now - pool_at)
-        pool_at = loop.now
-        plan = plan_request(req.prompt_tokens, pool, group.rules, rates.current(loop.now))
         pool = pool.commit((c.group, c.end) for c in plan.chunks)
-        senders = len(plan.chunks[-1].group)
-        on_prefilled = functools.partial(offer, d, rid, req.prompt_tokens, senders)
+        on_prefilled = functools.partial(offer, d, rid, pieces)
         if pool_host is None:
             loop.at(loop.now + plan.ttft, on_prefilled)
             return

@@ -73,6 +73,27 @@ def test_a_piece_holds_its_slot_until_the_step_that_receives_it_has_ended() -> N
         _group(transfer_slots=0)
 
 
+def test_a_long_prompt_goes_in_pieces_of_the_transfer_buffer_one_slot_each() -> None:
+    from gearshift.worker.launch.tetris.state import pieces_of
+    from gearshift.worker.policies.registry import make_policy
+
+    group = _group(transfer_buffer_bytes=100_000)  # 100 rows of 1000 bytes a piece
+    # Each member's share cut at the buffer, as the engine's pieces_of cuts it.
+    assert group.pieces(250, 1) == [n for _, n in pieces_of({0: 250}, 1000, 100_000)[0]]
+    assert group.pieces(250, 2) == [100, 25, 100, 25]
+    default = make_policy({"tetris": {"prefill_instances": 2, "decode_instances": 1}})
+    assert _group().transfer_buffer_bytes == default.message.transfer_buffer_bytes
+    # r0 keeps the decode instance busy; r1's 1000 rows are 10 pieces on 2 slots: 5 rounds,
+    # and a freed slot's next piece lands two steps later (its Receive comes after the next
+    # step has begun), so the last piece lands about 8 steps after a single piece would.
+    trace = [TraceRequest(0.0, 32, 400), TraceRequest(0.5, 1000, 2)]
+    one = simulate_tetris(_group(transfer_buffer_bytes=1 << 30), trace).requests[1]
+    ten = simulate_tetris(group, trace).requests[1]
+    assert 7 * STEP_S - 1e-9 <= ten.ttft - one.ttft <= 9 * STEP_S + 1e-9
+    with pytest.raises(ValueError, match="transfer_buffer_bytes"):
+        _group(transfer_buffer_bytes=0)
+
+
 def test_a_receive_lengthens_the_decode_step_that_lands_it() -> None:
     # r0 decodes 200 tokens; r1's 1000-token KV lands in one of r0's steps, which takes the
     # receive's time longer; r1's first token comes one step after it.

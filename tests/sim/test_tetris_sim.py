@@ -3,6 +3,8 @@ pool, the hand-off, and decode instances whose leader is the engine's own Decode
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from gearshift.operator.planner.cdsp import PlannerRules, plan_request
@@ -106,7 +108,8 @@ def _group(prefill: int = 4) -> TetrisGroupSim:
 
 
 def test_one_request_gets_its_first_token_one_decode_step_after_the_hand_off() -> None:
-    group = _group()
+    # A buffer that holds each member's rows: one piece per member, all at once.
+    group = dataclasses.replace(_group(), transfer_buffer_bytes=1 << 40)
     trace = [TraceRequest(arrival_s=1.0, prompt_tokens=8000, output_tokens=3)]
     result = simulate_tetris(group, trace)
     (req,) = result.requests
