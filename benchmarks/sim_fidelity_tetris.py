@@ -428,7 +428,7 @@ def _pin_apart(group: Any, policy: Any) -> int:
             pid = group.procs[rank].pid
             for tid in os.listdir(f"/proc/{pid}/task"):
                 os.sched_setaffinity(int(tid), mask)
-    return 1
+    return len(cores[:1])
 
 
 def _fit(samples: list[Any]) -> tuple[list[dict[str, Any]], dict[int, Any]]:
@@ -496,7 +496,10 @@ def _measure_receive(group, outputs, worker_pb2, SamplingParams) -> list[tuple[i
                 while first is None:
                     if time.perf_counter() > deadline:
                         raise SystemExit(f"no first token of a {n}-token request in 60 s")
-                    rid, item, t = outputs.get(timeout=60)
+                    try:
+                        rid, item, t = outputs.get(timeout=1.0)
+                    except queue.Empty:
+                        continue
                     if isinstance(item, BaseException):
                         raise SystemExit(f"{rid} failed: {item}")
                     if rid == rids[0] and item.new_token_ids:
@@ -564,8 +567,8 @@ def _measure_handoff(
             prefill = group.stats()["prefill_seconds_sum"] - before
             step = decode_cost.step_time(decode_batch(1, n))
             xs.append(n * group.row_bytes)
-            ys.append(first - prefill - step - RECEIVE_STEP_S - receive(n))
             rs.append(receive(n))
+            ys.append(first - prefill - step - RECEIVE_STEP_S - rs[-1])
     if whole is not None:
         whole.append(_fit_link([(x, y + r) for x, y, r in zip(xs, ys, rs, strict=True)]))
     return _fit_link(list(zip(xs, ys, strict=True)))
