@@ -33,6 +33,9 @@ from gearshift.worker.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
 A = TypeVar("A", bound=msg.Event)
+# How long a failure report waits for the rank that ranks which exited as followers followed
+# (their watchdog's EXIT_PEER_FAILED, or 1 after a failed collective) to be reported gone.
+FOLLOWED_WAIT_S = 5.0
 Pending = dict[int, set[str]]  # request ids not yet finished, per replica
 Results = dict[str, tuple[list[int], str]]  # request id -> (tokens, finish reason or error)
 Ended = msg.Finished | msg.Refused
@@ -66,18 +69,32 @@ class ReplicaGroup:
         if self._closed:
             return
         n = len(self.procs) // max(1, self.replicas)
-        dead = [
-            (r, p.exitcode)
-            for r, p in enumerate(self.procs)
-            if not p.is_alive() and not (self._stopping and p.exitcode == 0)
-        ]
+
+        def ended() -> list[tuple[int, Any]]:
+            return [
+                (r, p.exitcode)
+                for r, p in enumerate(self.procs)
+                if not p.is_alive() and not (self._stopping and p.exitcode == 0)
+            ]
+
+        def followed(code: Any) -> bool:
+            return code in (1, EXIT_PEER_FAILED)
+
+        dead = ended()
         if not dead:
             return
+        # Only followers have ended: the peer they followed is gone or hung, and the fork
+        # server may not have reported its exit yet. Wait for it a little, so it is named.
+        deadline = time.monotonic() + FOLLOWED_WAIT_S
+        while all(followed(c) for _, c in dead) and time.monotonic() < deadline:
+            if len(dead) == len(self.procs):
+                break
+            time.sleep(0.05)
+            dead = ended()
 
         def likely_first(item: tuple[int, Any]) -> tuple[int, int]:
             rank, code = item
-            followed = code in (1, EXIT_PEER_FAILED)
-            return (0 if code is not None and code < 0 else 2 if followed else 1, rank)
+            return (0 if code is not None and code < 0 else 2 if followed(code) else 1, rank)
 
         rank, code = min(dead, key=likely_first)
         raise GroupFailure(
