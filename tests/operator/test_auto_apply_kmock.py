@@ -181,7 +181,9 @@ def test_an_accepted_layout_change_rolls_with_surge_and_never_drops_below_the_re
         admin.serve(g1, new_policy, _revision(api, g1))  # its pods came up and serve
         # Then g0 rolls: its pods are replaced (the router sees it stop serving) ...
         wait_for(lambda: _revision(api, g0) != old, 30, what="g0 rolled")
-        assert g0 in admin.drained
+        # The operator writes the StatefulSet first, then drains, then deletes the pods: the
+        # drain may land just after the new revision is seen.
+        wait_for(lambda: g0 in admin.drained, 30, what="g0 drained at the router")
         admin.stop_serving(g0)
         admin.serve(g0, new_policy, _revision(api, g0))  # ... and serve the new layout
         # ... and the surge group goes once g0 serves.
