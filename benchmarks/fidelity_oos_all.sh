@@ -2,7 +2,7 @@
 # Simulator fidelity out of sample for every layout and policy (issue 30, item 2), on a quiet
 # machine: each script profiles once, then runs the validation traces of benchmarks/fidelity_oos.py
 # (2 length mixes x offline/Poisson/Gamma CV 2.5 x 3 seeds, 24 requests each) through the engine
-# and the simulator, and writes benchmarks/sim_fidelity*_oos.json. About an hour on 2 quiet
+# and the simulator, and writes benchmarks/sim_fidelity*_oos.json. About half an hour on 2 quiet
 # cores (benchmarks/README.md, "Simulator fidelity out of sample").
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -32,6 +32,13 @@ so both run the same chunk plans; the real group gets each plan as the router wo
   the KV's trip), priced where the simulator puts the hand-off, before the step that receives
   it. ``--link-gbps`` and ``--link-ms`` give it instead.
 
+* how much slower the pool computes beside a decode step (``_measure_beside``): the SP 1 part of
+  the profile grid again while the decode instance decodes 8 requests, each point's median over
+  its median alone, the median of those (``TetrisGroupSim.pool_beside_decode``). One instance's
+  chunk and the decode rank are two ranks on two cores, so no core is shared: what it measures is
+  the caches, memory bandwidth and clock they do share. The simulator slows every pool chunk by it
+  while a decode step computes; the same runs are also priced without it (``no_beside``).
+
 The simulator also holds each piece's transfer slot (two here, one per prefill instance) from
 its grant until the decode step that received it has ended, as the engine does. A freed slot's
 next piece reaches the decode instance once its next step has begun, so a burst of prompts
@@ -176,6 +183,12 @@ def measure_and_simulate(
             )
         bandwidth, latency = out["bandwidth"], out["latency"] = link
         print(f"hand-off: {bandwidth / 1e9:.3f} GB/s, {latency * 1e3:.2f} ms")
+        out["beside_points"] = _measure_beside(group, outputs, worker_pb2, SamplingParams, samples)
+        out["beside_decode"] = max(1.0, statistics.median(r for *_, r in out["beside_points"]))
+        print(
+            f"the pool beside a decode step: {out['beside_decode']:.3f}x (SP 1, "
+            f"{len(out['beside_points'])} points)"
+        )
         if busy_check:
             # The same grid while the decode instance decodes beside the pool: the check of
             # the simulator's lock-step gang model (a chunk on both instances beside a decode
@@ -226,6 +239,7 @@ def measure_and_simulate(
             pool_cores=pool_cores,
             receive_latency=receive_lat,
             receive_bandwidth=receive_bw,
+            pool_beside_decode=out["beside_decode"],
         )
         if validate is not None:
             oos = fidelity_oos()
@@ -249,7 +263,12 @@ def measure_and_simulate(
                 bw, lat = whole[0]
                 before = dataclasses.replace(before, link_bandwidth=bw, link_latency=lat)
                 out["handoff_whole"] = whole[0]
-            alternatives = {"before_slots": functools.partial(simulate, group=before)}
+            alternatives = {
+                "before_slots": functools.partial(simulate, group=before),
+                "no_beside": functools.partial(
+                    simulate, group=dataclasses.replace(sim_group, pool_beside_decode=1.0)
+                ),
+            }
             out["validation"] = validate(measure, simulate, alternatives)
             return out
         plans = plan(trace)
@@ -269,7 +288,10 @@ def measure_and_simulate(
     # core (a device) of its own.
     out["shared"] = simulate_tetris(dataclasses.replace(sim_group, host_gangs=False), trace)
     out["own"] = simulate_tetris(
-        dataclasses.replace(sim_group, host_cores=None, host_gangs=False, pool_cores=None), trace
+        dataclasses.replace(
+            sim_group, host_cores=None, host_gangs=False, pool_cores=None, pool_beside_decode=1.0
+        ),
+        trace,
     )
     return out
 
@@ -352,6 +374,7 @@ def main() -> None:
                 "receive": _receive_json(got),
                 "host_cores": got["cores"],
                 "pool_cores": got["pool_cores"],
+                "pool_beside_decode": _beside_json(got),
                 "before_slots_handoff": got.get("handoff_whole"),
                 **got["validation"],
             }
@@ -389,6 +412,7 @@ def main() -> None:
         "receive": _receive_json(got),
         "host_cores": got["cores"],
         "pool_cores": got["pool_cores"],
+        "pool_beside_decode": _beside_json(got),
         "chunks_per_request": chunks,
         "pool_prefill_seconds": got["pool_s"],
         "eq1_prefill_seconds": got["planned_s"],
@@ -405,6 +429,16 @@ def _receive_json(got: dict[str, Any]) -> dict[str, Any]:
         "bandwidth_bytes_per_s": bandwidth,
         "latency_s": latency,
         "points": got["receive_points"],
+    }
+
+
+def _beside_json(got: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "factor": got["beside_decode"],
+        "points": [
+            {"history": c, "length": n, "alone_s": a, "beside_s": b, "ratio": r}
+            for c, n, a, b, r in got["beside_points"]
+        ],
     }
 
 
@@ -603,6 +637,29 @@ def _measure_decode_steps(  # type: ignore[no-untyped-def]
 
 
 BUSY_LOAD = 8  # requests the decode instance decodes while the pool is profiled beside it
+
+
+def _measure_beside(
+    group, outputs, worker_pb2, SamplingParams, alone
+) -> list[tuple[int, int, float, float, float]]:  # type: ignore[no-untyped-def]
+    """SP 1 chunks on the first instance while the decode instance decodes ``BUSY_LOAD``
+    requests, against ``alone`` (the idle group's profile samples): (history, length, median
+    alone, median beside, their ratio) for each point of the grid."""
+    rids = _start_load(group, outputs, worker_pb2, SamplingParams, "beside")
+    try:
+        beside = group.profile([1], PROFILE_HISTORIES, PROFILE_LENGTHS, PROFILE_REPEATS)
+    finally:
+        _stop_load(group, outputs, rids)
+
+    def medians(samples: list[Any]) -> dict[tuple[int, int], float]:
+        by: dict[tuple[int, int], list[float]] = {}
+        for sp, c, n, seconds in samples:
+            if sp == 1:
+                by.setdefault((c, n), []).append(seconds)
+        return {k: statistics.median(v) for k, v in by.items()}
+
+    a, b = medians(alone), medians(beside)
+    return [(c, n, a[c, n], b[c, n], b[c, n] / a[c, n]) for c, n in sorted(a) if (c, n) in b]
 
 
 def _profile_beside_decode(group, outputs, worker_pb2, SamplingParams) -> list[Any]:  # type: ignore[no-untyped-def]

@@ -37,6 +37,13 @@ on the prefill pool, the KV hand-off, and decode instances that run the engine's
   each chunk over ``min(members, pool_cores)`` of them. Its Eq. (1) models are measured on those
   cores (``TetrisGroup.profile`` on the running group), so a ring whose members share one core
   is priced by its profile and not slowed again.
+* **The pool beside a decode step** (``pool_beside_decode``, with ``host_cores`` or
+  ``pool_cores``): a chunk computes that much slower while a decode instance's step computes
+  (``shared_cores.SharedCores.set_slowdown``), even on a core of its own: the ranks share the
+  host's caches, memory bandwidth and clock. Eq. (1) is profiled on an idle group, so this is
+  what the busy group's chunks add; ``benchmarks/sim_fidelity_tetris.py`` measures it as SP 1
+  chunks beside 8 decoding requests over the same chunks alone (1.04 in the recorded
+  out-of-sample run, ``benchmarks/README.md``).
 
 Not modelled: history rebalancing (it overlaps compute, §4.1).
 """
@@ -156,6 +163,9 @@ class TetrisGroupSim:
     receive_latency: float = 0.0
     receive_bandwidth: float | None = None
     transfer_buffer_bytes: int = DEFAULT_TRANSFER_BUFFER_BYTES  # transferBufferBytes
+    # How much slower a pool chunk computes while a decode step computes beside it (module
+    # docstring); 1: not at all. Only with host_cores or pool_cores.
+    pool_beside_decode: float = 1.0
 
     def __post_init__(self) -> None:
         if self.host_cores is not None and self.host_cores < 1:
@@ -176,6 +186,13 @@ class TetrisGroupSim:
             )
         if self.transfer_slots is not None and self.transfer_slots < 1:
             raise ValueError(f"transfer_slots must be >= 1, got {self.transfer_slots}")
+        if self.pool_beside_decode < 1.0 or (
+            self.pool_beside_decode != 1.0 and self.host_cores is None and self.pool_cores is None
+        ):
+            raise ValueError(
+                f"pool_beside_decode must be >= 1, and other than 1 only with host_cores or "
+                f"pool_cores, got {self.pool_beside_decode}"
+            )
         if self.transfer_buffer_bytes < 1:
             raise ValueError(
                 f"transfer_buffer_bytes must be >= 1, got {self.transfer_buffer_bytes}"
@@ -272,8 +289,17 @@ def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> Sim
     # Each prefill instance's requests in the order it got them (host_cores or pool_cores).
     queues: list[collections.deque[_Prefill]] = [collections.deque() for _ in range(group.prefill)]
 
+    stepping: set[int] = set()  # the decode instances with a step computing
+
+    def stepping_is(rep: SimReplica, busy: bool) -> None:
+        # The pool's chunks slow while any decode step computes beside them.
+        (stepping.add if busy else stepping.discard)(rep.index)
+        if pool_host is not None:
+            pool_host.set_slowdown(group.pool_beside_decode if stepping else 1.0)
+
     def start(rep: SimReplica) -> None:
         finish = rep.launch(loop.now)
+        stepping_is(rep, finish is not None)
         if finish is None:
             return
         if host is None:
@@ -292,7 +318,7 @@ def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> Sim
         ranks = len(chunk.group) * group.prefill_tp
         if group.pool_cores is not None:
             ranks = min(ranks, group.pool_cores)
-        pool_host.run(chunk.seconds, ranks, functools.partial(chunk_done, run))
+        pool_host.run(chunk.seconds, ranks, functools.partial(chunk_done, run), slowed=True)
 
     def chunk_done(run: _Prefill) -> None:
         run.running = False

@@ -65,6 +65,22 @@ def test_a_lock_step_gang_advances_only_while_all_its_ranks_hold_a_core() -> Non
     assert _ends(3, [(0.0, 2.0, 2), (0.0, 1.0, 1)]) == {1: 1.0, 0: 2.0}
 
 
+def test_a_slowdown_slows_only_the_slowed_tasks_and_only_while_it_is_in_force() -> None:
+    # Two 1 s tasks on 2 cores, one slowed: a slowdown of 2 from 0.5 s to 1.0 s costs the
+    # slowed one 0.25 s of work, so it ends at 1.25 s; the other ends at 1 s as if alone.
+    loop = EventLoop()
+    host = SharedCores(loop, 2)
+    ends: dict[str, float] = {}
+    host.run(1.0, 1, lambda: ends.__setitem__("slowed", loop.now), slowed=True)
+    host.run(1.0, 1, lambda: ends.__setitem__("plain", loop.now))
+    loop.at(0.5, lambda: host.set_slowdown(2.0))
+    loop.at(1.0, lambda: host.set_slowdown(1.0))
+    loop.run()
+    assert ends == pytest.approx({"plain": 1.0, "slowed": 1.25}, abs=1e-12)
+    with pytest.raises(ValueError, match="slowdown"):
+        host.set_slowdown(0.5)
+
+
 def test_a_zero_task_ends_at_once_and_bad_tasks_are_refused() -> None:
     assert _ends(1, [(0.0, 1.0, 1), (0.5, 0.0, 1)]) == {1: 0.5, 0: 1.0}
     host = SharedCores(EventLoop(), 2)

@@ -1,6 +1,7 @@
 """The Tetris simulation's hand-off as the engine runs it (Tetris §4.2): transfer slots held
 until the decode step that receives a piece has ended, the receive's time inside that step, and
-a pool pinned apart from the decode instance (``TetrisGroupSim.pool_cores``)."""
+a pool pinned apart from the decode instance (``TetrisGroupSim.pool_cores``), and the pool's
+chunks slowed beside a decode step (``pool_beside_decode``)."""
 
 from __future__ import annotations
 
@@ -140,3 +141,27 @@ def test_a_pool_pinned_to_one_core_shares_it_and_leaves_the_decode_steps_alone()
     assert pinned[0].token_times == pytest.approx(devices[0].token_times, abs=1e-9)
     with pytest.raises(ValueError, match="pool_cores"):
         _group(pool_cores=1, host_cores=2)
+
+
+def test_the_pool_computes_slower_only_while_a_decode_step_computes_beside_it() -> None:
+    # r1's 3000-token prompt prefills on one instance of a pool pinned to 2 cores. Beside r0's
+    # decode steps, which run throughout, it takes the factor times its Eq. (1) time.
+    busy = [TraceRequest(0.0, 32, 400), TraceRequest(0.5, 3000, 3)]
+    (chunk,) = plan_request(3000, Pool.uniform([0.0, 0.0], 8), _group().rules, 1.0).chunks
+    assert chunk.sp == 1
+    plain = simulate_tetris(_group(pool_cores=2), busy).requests[1]
+    slowed = simulate_tetris(_group(pool_cores=2, pool_beside_decode=1.5), busy).requests[1]
+    assert slowed.ttft - plain.ttft == pytest.approx(0.5 * chunk.seconds, abs=STEP_S + 1e-9)
+    # The same on cores every rank shares (two busy ranks on two cores: no sharing).
+    shared = simulate_tetris(_group(host_cores=2, pool_beside_decode=1.5), busy).requests[1]
+    assert shared.ttft == pytest.approx(slowed.ttft, abs=1e-9)
+    # With the decode instance idle the prefill runs at its Eq. (1) time, factor or not.
+    alone = [TraceRequest(0.0, 3000, 3)]
+    assert (
+        simulate_tetris(_group(pool_cores=2, pool_beside_decode=1.5), alone).requests[0].token_times
+        == simulate_tetris(_group(pool_cores=2), alone).requests[0].token_times
+    )
+    with pytest.raises(ValueError, match="pool_beside_decode"):
+        _group(pool_beside_decode=1.5)  # a device per rank: nothing to share
+    with pytest.raises(ValueError, match="pool_beside_decode"):
+        _group(pool_cores=2, pool_beside_decode=0.9)
