@@ -32,12 +32,19 @@ so both run the same chunk plans; the real group gets each plan as the router wo
   the KV's trip), priced where the simulator puts the hand-off, before the step that receives
   it. ``--link-gbps`` and ``--link-ms`` give it instead.
 
-* how much slower the pool computes beside a decode step (``_measure_beside``): the SP 1 part of
-  the profile grid again while the decode instance decodes 8 requests, each point's median over
-  its median alone, the median of those (``TetrisGroupSim.pool_beside_decode``). One instance's
-  chunk and the decode rank are two ranks on two cores, so no core is shared: what it measures is
-  the caches, memory bandwidth and clock they do share. The simulator slows every pool chunk by it
-  while a decode step computes; the same runs are also priced without it (``no_beside``).
+* how much slower the pool computes beside other ranks (``_measure_beside``): the SP 1 part of
+  the profile grid again while the decode instance decodes 8 requests, and SP 1 chunks of each
+  grid length on both instances at once (each instance's own time, 5 each) against one at a
+  time; each point's median over its median alone, and the median of all those
+  (``TetrisGroupSim.pool_beside``). Either way two ranks compute on two cores, so no core is
+  shared: what it measures is the caches, memory bandwidth and clock they do share. The simulator
+  slows every pool chunk by it while another rank computes beside it; the same runs are also
+  priced without it (``no_beside``).
+
+The simulator prices each piece's hand-off as one rank's work on the pool's cores
+(``TetrisGroupSim.handoff_is_work``): on this build the sends, the pipes and the handshake are
+computed by the group's processes on the same cores. The same runs are also priced with the
+hand-off as a wait that takes no core (``handoff_wait``).
 
 The simulator also holds each piece's transfer slot (two here, one per prefill instance) from
 its grant until the decode step that received it has ended, as the engine does. A freed slot's
@@ -71,6 +78,7 @@ import queue
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -184,9 +192,9 @@ def measure_and_simulate(
         bandwidth, latency = out["bandwidth"], out["latency"] = link
         print(f"hand-off: {bandwidth / 1e9:.3f} GB/s, {latency * 1e3:.2f} ms")
         out["beside_points"] = _measure_beside(group, outputs, worker_pb2, SamplingParams, samples)
-        out["beside_decode"] = max(1.0, statistics.median(r for *_, r in out["beside_points"]))
+        out["beside"] = max(1.0, statistics.median(r for *_, r in out["beside_points"]))
         print(
-            f"the pool beside a decode step: {out['beside_decode']:.3f}x (SP 1, "
+            f"the pool beside other ranks: {out['beside']:.3f}x (SP 1, "
             f"{len(out['beside_points'])} points)"
         )
         if busy_check:
@@ -239,7 +247,7 @@ def measure_and_simulate(
             pool_cores=pool_cores,
             receive_latency=receive_lat,
             receive_bandwidth=receive_bw,
-            pool_beside_decode=out["beside_decode"],
+            pool_beside=out["beside"],
         )
         if validate is not None:
             oos = fidelity_oos()
@@ -266,7 +274,10 @@ def measure_and_simulate(
             alternatives = {
                 "before_slots": functools.partial(simulate, group=before),
                 "no_beside": functools.partial(
-                    simulate, group=dataclasses.replace(sim_group, pool_beside_decode=1.0)
+                    simulate, group=dataclasses.replace(sim_group, pool_beside=1.0)
+                ),
+                "handoff_wait": functools.partial(
+                    simulate, group=dataclasses.replace(sim_group, handoff_is_work=False)
                 ),
             }
             out["validation"] = validate(measure, simulate, alternatives)
@@ -289,7 +300,7 @@ def measure_and_simulate(
     out["shared"] = simulate_tetris(dataclasses.replace(sim_group, host_gangs=False), trace)
     out["own"] = simulate_tetris(
         dataclasses.replace(
-            sim_group, host_cores=None, host_gangs=False, pool_cores=None, pool_beside_decode=1.0
+            sim_group, host_cores=None, host_gangs=False, pool_cores=None, pool_beside=1.0
         ),
         trace,
     )
@@ -374,7 +385,7 @@ def main() -> None:
                 "receive": _receive_json(got),
                 "host_cores": got["cores"],
                 "pool_cores": got["pool_cores"],
-                "pool_beside_decode": _beside_json(got),
+                "pool_beside": _beside_json(got),
                 "before_slots_handoff": got.get("handoff_whole"),
                 **got["validation"],
             }
@@ -412,7 +423,7 @@ def main() -> None:
         "receive": _receive_json(got),
         "host_cores": got["cores"],
         "pool_cores": got["pool_cores"],
-        "pool_beside_decode": _beside_json(got),
+        "pool_beside": _beside_json(got),
         "chunks_per_request": chunks,
         "pool_prefill_seconds": got["pool_s"],
         "eq1_prefill_seconds": got["planned_s"],
@@ -434,10 +445,10 @@ def _receive_json(got: dict[str, Any]) -> dict[str, Any]:
 
 def _beside_json(got: dict[str, Any]) -> dict[str, Any]:
     return {
-        "factor": got["beside_decode"],
+        "factor": got["beside"],
         "points": [
-            {"history": c, "length": n, "alone_s": a, "beside_s": b, "ratio": r}
-            for c, n, a, b, r in got["beside_points"]
+            {"beside": kind, "history": c, "length": n, "alone_s": a, "beside_s": b, "ratio": r}
+            for kind, c, n, a, b, r in got["beside_points"]
         ],
     }
 
@@ -639,17 +650,41 @@ def _measure_decode_steps(  # type: ignore[no-untyped-def]
 BUSY_LOAD = 8  # requests the decode instance decodes while the pool is profiled beside it
 
 
+BESIDE_REPEATS = 5  # both instances at once, per length
+
+
 def _measure_beside(
     group, outputs, worker_pb2, SamplingParams, alone
-) -> list[tuple[int, int, float, float, float]]:  # type: ignore[no-untyped-def]
-    """SP 1 chunks on the first instance while the decode instance decodes ``BUSY_LOAD``
-    requests, against ``alone`` (the idle group's profile samples): (history, length, median
-    alone, median beside, their ratio) for each point of the grid."""
+) -> list[tuple[str, int, int, float, float, float]]:  # type: ignore[no-untyped-def]
+    """SP 1 chunks beside another rank against ``alone`` (the idle group's profile samples):
+    on the first instance while the decode instance decodes ``BUSY_LOAD`` requests, and on
+    both instances at once (each one's own time; ``probes._probe`` from a thread per
+    instance). (beside what, history, length, median alone, median beside, their ratio) for
+    each point."""
+    from gearshift.worker.launch.tetris.probes import _probe
+
     rids = _start_load(group, outputs, worker_pb2, SamplingParams, "beside")
     try:
-        beside = group.profile([1], PROFILE_HISTORIES, PROFILE_LENGTHS, PROFILE_REPEATS)
+        decode = group.profile([1], PROFILE_HISTORIES, PROFILE_LENGTHS, PROFILE_REPEATS)
     finally:
         _stop_load(group, outputs, rids)
+    seeds = itertools.count(10_000)
+    pool: list[tuple[int, int, int, float]] = []
+    for n in PROFILE_LENGTHS:
+        for _ in range(BESIDE_REPEATS):
+            got: list[float] = []
+
+            def probe(member: int, length: int, seed: int, into: list[float] = got) -> None:
+                into.append(_probe(group, [member], 0, length, seed))
+
+            threads = [threading.Thread(target=probe, args=(m, n, next(seeds))) for m in (0, 1)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            if len(got) != 2:
+                raise SystemExit(f"both instances at once, {n} tokens: {len(got)} of 2 answered")
+            pool += [(1, 0, n, seconds) for seconds in got]
 
     def medians(samples: list[Any]) -> dict[tuple[int, int], float]:
         by: dict[tuple[int, int], list[float]] = {}
@@ -658,8 +693,12 @@ def _measure_beside(
                 by.setdefault((c, n), []).append(seconds)
         return {k: statistics.median(v) for k, v in by.items()}
 
-    a, b = medians(alone), medians(beside)
-    return [(c, n, a[c, n], b[c, n], b[c, n] / a[c, n]) for c, n in sorted(a) if (c, n) in b]
+    a = medians(alone)
+    out = []
+    for kind, samples in (("decode", decode), ("pool", pool)):
+        b = medians(samples)
+        out += [(kind, c, n, a[c, n], b[c, n], b[c, n] / a[c, n]) for c, n in sorted(b)]
+    return out
 
 
 def _profile_beside_decode(group, outputs, worker_pb2, SamplingParams) -> list[Any]:  # type: ignore[no-untyped-def]

@@ -20,11 +20,12 @@ task starts or ends:
 A task is work measured in seconds at full speed, run by ``ranks`` ranks in lock step (a ring
 chunk over its group, a TP step).
 
-- **Interference** (``set_slowdown``): ranks on cores of their own still share the host's caches,
+- **Interference** (``beside``): ranks on cores of their own still share the host's caches,
   memory bandwidth and clock, so a task can run slower beside another than alone even with a core
-  to itself. A task started with ``slowed`` runs at its speed over the slowdown in force (1: none),
-  which its owner sets while what slows it runs (``tetris_sim``: the pool's chunks beside a decode
-  step, by the factor ``benchmarks/sim_fidelity_tetris.py`` measures).
+  to itself. A task started with ``slowed`` runs at its speed over ``beside`` while another task
+  runs on these cores, or while its owner says that something outside them computes
+  (``set_outside_busy``: ``tetris_sim``'s decode rank pinned apart from the pool), by the factor
+  ``benchmarks/sim_fidelity_tetris.py`` measures.
 """
 
 from __future__ import annotations
@@ -46,16 +47,21 @@ class _Task:
     ranks: int
     then: Callable[[], None]
     order: int
-    slowed: bool = False  # runs at its speed over the slowdown in force
+    slowed: bool = False  # runs at its speed over ``beside`` while in company
 
 
 class SharedCores:
     """Tasks on one host's ``cores``, driven by ``loop``: processor-shared, and with ``gangs``
     each task's ranks in lock step."""
 
-    def __init__(self, loop: EventLoop, cores: int, gangs: bool = False) -> None:
+    def __init__(
+        self, loop: EventLoop, cores: int, gangs: bool = False, beside: float = 1.0
+    ) -> None:
         if cores < 1:
             raise ValueError(f"cores must be >= 1, got {cores}")
+        if beside < 1.0:
+            raise ValueError(f"beside must be >= 1, got {beside}")
+        self.beside = beside
         self.loop = loop
         self.cores = cores
         self.gangs = gangs
@@ -63,14 +69,16 @@ class SharedCores:
         self._at = 0.0  # when the tasks' ``left`` was last brought up to date
         self._epoch = 0  # the scheduled wake-up that is still current
         self._order = itertools.count()
-        self._slowdown = 1.0  # what ``slowed`` tasks' speed is divided by now
+        self._outside_busy = False  # something beside these cores computes
 
     def speeds(self) -> list[float]:
         """Each running task's speed now, as a fraction of its full speed (in start order)."""
         busy = sum(t.ranks for t in self._tasks)
         share = min(1.0, self.cores / busy) if busy else 1.0
+        company = len(self._tasks) > 1 or self._outside_busy
+        slowdown = self.beside if company else 1.0
         return [
-            (share**t.ranks if self.gangs else share) / (self._slowdown if t.slowed else 1.0)
+            (share**t.ranks if self.gangs else share) / (slowdown if t.slowed else 1.0)
             for t in self._tasks
         ]
 
@@ -78,21 +86,20 @@ class SharedCores:
         self, seconds: float, ranks: int, then: Callable[[], None], slowed: bool = False
     ) -> None:
         """Start ``seconds`` of full-speed work on ``ranks`` ranks now; ``then`` at its end;
-        ``slowed``: at its speed over the slowdown in force while it runs."""
+        ``slowed``: at its speed over ``beside`` while in company."""
         if seconds < 0 or ranks < 1:
             raise ValueError(f"a task needs seconds >= 0 and ranks >= 1, got {seconds}, {ranks}")
         self._advance()
         self._tasks.append(_Task(seconds, ranks, then, next(self._order), slowed))
         self._schedule()
 
-    def set_slowdown(self, factor: float) -> None:
-        """From now on, ``slowed`` tasks run at their speed over ``factor`` (>= 1; 1: none)."""
-        if factor < 1.0:
-            raise ValueError(f"a slowdown must be >= 1, got {factor}")
-        if factor == self._slowdown:
+    def set_outside_busy(self, busy: bool) -> None:
+        """Whether something outside these cores computes beside them from now on (``slowed``
+        tasks are then in company)."""
+        if busy == self._outside_busy:
             return
         self._advance()
-        self._slowdown = factor
+        self._outside_busy = busy
         self._schedule()
 
     def _advance(self) -> None:

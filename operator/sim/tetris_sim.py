@@ -37,13 +37,20 @@ on the prefill pool, the KV hand-off, and decode instances that run the engine's
   each chunk over ``min(members, pool_cores)`` of them. Its Eq. (1) models are measured on those
   cores (``TetrisGroup.profile`` on the running group), so a ring whose members share one core
   is priced by its profile and not slowed again.
-* **The pool beside a decode step** (``pool_beside_decode``, with ``host_cores`` or
-  ``pool_cores``): a chunk computes that much slower while a decode instance's step computes
-  (``shared_cores.SharedCores.set_slowdown``), even on a core of its own: the ranks share the
-  host's caches, memory bandwidth and clock. Eq. (1) is profiled on an idle group, so this is
-  what the busy group's chunks add; ``benchmarks/sim_fidelity_tetris.py`` measures it as SP 1
-  chunks beside 8 decoding requests over the same chunks alone (1.04 in the recorded
-  out-of-sample run, ``benchmarks/README.md``).
+* **The hand-off is work on the cores** (``handoff_is_work``, with ``host_cores`` or
+  ``pool_cores``): on the CPU build a piece's trip is the sending member's gloo send, the pipes'
+  messages and the handshake, all computed by processes on the same cores, so each piece's
+  hand-off time (measured on the idle group, where it runs at full speed) is one rank's work on
+  the pool's cores, shared with the chunks and decode steps there. In a burst it slows the next
+  prefills and is slowed by them. (``sim_fidelity_tetris.py`` also prices each run with the
+  hand-off as a plain wait, ``handoff_wait``.)
+* **The pool beside other ranks** (``pool_beside``, with ``host_cores`` or ``pool_cores``): a
+  chunk computes that much slower while another rank computes beside it (a decode step, another
+  chunk, a hand-off; ``shared_cores.SharedCores`` ``beside``), even on a core of its own: the
+  ranks share the host's caches, memory bandwidth and clock. Eq. (1) is profiled one chunk at a
+  time on an idle group, so this is what a busy group's chunks add; ``benchmarks/
+  sim_fidelity_tetris.py`` measures it as SP 1 chunks beside 8 decoding requests and beside the
+  other instance's chunk, over the same chunks alone (``benchmarks/README.md``).
 
 Not modelled: history rebalancing (it overlaps compute, §4.1).
 """
@@ -163,9 +170,12 @@ class TetrisGroupSim:
     receive_latency: float = 0.0
     receive_bandwidth: float | None = None
     transfer_buffer_bytes: int = DEFAULT_TRANSFER_BUFFER_BYTES  # transferBufferBytes
-    # How much slower a pool chunk computes while a decode step computes beside it (module
+    # How much slower a pool chunk computes while another rank computes beside it (module
     # docstring); 1: not at all. Only with host_cores or pool_cores.
-    pool_beside_decode: float = 1.0
+    pool_beside: float = 1.0
+    # With host_cores or pool_cores: each piece's hand-off is a rank's work on the pool's cores
+    # (module docstring); False: a wait that takes no core.
+    handoff_is_work: bool = True
 
     def __post_init__(self) -> None:
         if self.host_cores is not None and self.host_cores < 1:
@@ -186,12 +196,12 @@ class TetrisGroupSim:
             )
         if self.transfer_slots is not None and self.transfer_slots < 1:
             raise ValueError(f"transfer_slots must be >= 1, got {self.transfer_slots}")
-        if self.pool_beside_decode < 1.0 or (
-            self.pool_beside_decode != 1.0 and self.host_cores is None and self.pool_cores is None
+        if self.pool_beside < 1.0 or (
+            self.pool_beside != 1.0 and self.host_cores is None and self.pool_cores is None
         ):
             raise ValueError(
-                f"pool_beside_decode must be >= 1, and other than 1 only with host_cores or "
-                f"pool_cores, got {self.pool_beside_decode}"
+                f"pool_beside must be >= 1, and other than 1 only with host_cores or "
+                f"pool_cores, got {self.pool_beside}"
             )
         if self.transfer_buffer_bytes < 1:
             raise ValueError(
@@ -278,12 +288,14 @@ def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> Sim
         return hooks.admission
 
     host = (
-        SharedCores(loop, group.host_cores, group.host_gangs)
+        SharedCores(loop, group.host_cores, group.host_gangs, beside=group.pool_beside)
         if group.host_cores is not None
         else None
     )
     pool_host = (
-        SharedCores(loop, group.pool_cores) if group.pool_cores is not None else host
+        SharedCores(loop, group.pool_cores, beside=group.pool_beside)
+        if group.pool_cores is not None
+        else host
     )  # where the pool's chunks run (None: a device per rank)
     slots = [_Slots(group.slots) for _ in decodes]
     # Each prefill instance's requests in the order it got them (host_cores or pool_cores).
@@ -292,10 +304,11 @@ def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> Sim
     stepping: set[int] = set()  # the decode instances with a step computing
 
     def stepping_is(rep: SimReplica, busy: bool) -> None:
-        # The pool's chunks slow while any decode step computes beside them.
+        # Pinned apart, the pool's chunks are in company while a decode step computes (on
+        # shared cores the step is a task beside them).
         (stepping.add if busy else stepping.discard)(rep.index)
-        if pool_host is not None:
-            pool_host.set_slowdown(group.pool_beside_decode if stepping else 1.0)
+        if pool_host is not None and pool_host is not host:
+            pool_host.set_outside_busy(bool(stepping))
 
     def start(rep: SimReplica) -> None:
         finish = rep.launch(loop.now)
@@ -349,7 +362,10 @@ def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> Sim
         # A prefill has ended: its pieces handshake for slots, one each.
         for k, rows in enumerate(pieces):
             arrive_at = functools.partial(land, decodes[d], rid, rows, k)
-            send = functools.partial(later, group.handoff_s(rows, 1), arrive_at)
+            if group.handoff_is_work and pool_host is not None:
+                send = functools.partial(pool_host.run, group.handoff_s(rows, 1), 1, arrive_at)
+            else:
+                send = functools.partial(later, group.handoff_s(rows, 1), arrive_at)
             slots[d].waiting.append(send)
         grant(d)
 

@@ -65,20 +65,27 @@ def test_a_lock_step_gang_advances_only_while_all_its_ranks_hold_a_core() -> Non
     assert _ends(3, [(0.0, 2.0, 2), (0.0, 1.0, 1)]) == {1: 1.0, 0: 2.0}
 
 
-def test_a_slowdown_slows_only_the_slowed_tasks_and_only_while_it_is_in_force() -> None:
-    # Two 1 s tasks on 2 cores, one slowed: a slowdown of 2 from 0.5 s to 1.0 s costs the
-    # slowed one 0.25 s of work, so it ends at 1.25 s; the other ends at 1 s as if alone.
+def test_a_slowed_task_runs_slower_only_in_company() -> None:
+    # On 2 cores with beside 2: a slowed 1 s task alone runs at full speed until a plain 0.5 s
+    # task joins at 0.5 s (0.5 s of work left); together until 1.0 s (the plain one ends; the
+    # slowed one did 0.25 s), then alone again: it ends at 1.25 s.
     loop = EventLoop()
-    host = SharedCores(loop, 2)
+    host = SharedCores(loop, 2, beside=2.0)
     ends: dict[str, float] = {}
     host.run(1.0, 1, lambda: ends.__setitem__("slowed", loop.now), slowed=True)
-    host.run(1.0, 1, lambda: ends.__setitem__("plain", loop.now))
-    loop.at(0.5, lambda: host.set_slowdown(2.0))
-    loop.at(1.0, lambda: host.set_slowdown(1.0))
+    loop.at(0.5, lambda: host.run(0.5, 1, lambda: ends.__setitem__("plain", loop.now)))
     loop.run()
     assert ends == pytest.approx({"plain": 1.0, "slowed": 1.25}, abs=1e-12)
-    with pytest.raises(ValueError, match="slowdown"):
-        host.set_slowdown(0.5)
+    # Something outside the cores computing counts as company too.
+    loop = EventLoop()
+    host = SharedCores(loop, 2, beside=2.0)
+    host.run(1.0, 1, lambda: ends.__setitem__("outside", loop.now), slowed=True)
+    loop.at(0.5, lambda: host.set_outside_busy(True))
+    loop.at(1.0, lambda: host.set_outside_busy(False))
+    loop.run()
+    assert ends["outside"] == pytest.approx(1.25, abs=1e-12)
+    with pytest.raises(ValueError, match="beside"):
+        SharedCores(EventLoop(), 2, beside=0.5)
 
 
 def test_a_zero_task_ends_at_once_and_bad_tasks_are_refused() -> None:

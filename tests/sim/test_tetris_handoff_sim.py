@@ -1,7 +1,7 @@
 """The Tetris simulation's hand-off as the engine runs it (Tetris §4.2): transfer slots held
 until the decode step that receives a piece has ended, the receive's time inside that step, and
 a pool pinned apart from the decode instance (``TetrisGroupSim.pool_cores``), and the pool's
-chunks slowed beside a decode step (``pool_beside_decode``)."""
+chunks slowed beside other ranks (``pool_beside``)."""
 
 from __future__ import annotations
 
@@ -131,9 +131,10 @@ def test_a_pool_pinned_to_one_core_shares_it_and_leaves_the_decode_steps_alone()
             for a, b in itertools.pairwise(slow.token_times)
         )
     # A ring over both instances is priced by its Eq. (1) model, measured on those cores:
-    # pinned to one core it is not slowed again.
+    # pinned to one core it is not slowed again (its two members' hand-offs, work on that core,
+    # are: below).
     ring = [TraceRequest(0.0, 3000, 3)]
-    group = _group(improvement_rate=0.1)
+    group = _group(improvement_rate=0.1, handoff_is_work=False)
     (chunk,) = plan_request(3000, Pool.uniform([0.0, 0.0], 8), group.rules, 0.1).chunks
     assert chunk.sp == 2
     pinned = simulate_tetris(dataclasses.replace(group, pool_cores=1), ring).requests
@@ -143,25 +144,66 @@ def test_a_pool_pinned_to_one_core_shares_it_and_leaves_the_decode_steps_alone()
         _group(pool_cores=1, host_cores=2)
 
 
-def test_the_pool_computes_slower_only_while_a_decode_step_computes_beside_it() -> None:
+def test_the_pool_computes_slower_only_while_another_rank_computes_beside_it() -> None:
     # r1's 3000-token prompt prefills on one instance of a pool pinned to 2 cores. Beside r0's
     # decode steps, which run throughout, it takes the factor times its Eq. (1) time.
     busy = [TraceRequest(0.0, 32, 400), TraceRequest(0.5, 3000, 3)]
     (chunk,) = plan_request(3000, Pool.uniform([0.0, 0.0], 8), _group().rules, 1.0).chunks
     assert chunk.sp == 1
     plain = simulate_tetris(_group(pool_cores=2), busy).requests[1]
-    slowed = simulate_tetris(_group(pool_cores=2, pool_beside_decode=1.5), busy).requests[1]
+    slowed = simulate_tetris(_group(pool_cores=2, pool_beside=1.5), busy).requests[1]
     assert slowed.ttft - plain.ttft == pytest.approx(0.5 * chunk.seconds, abs=STEP_S + 1e-9)
     # The same on cores every rank shares (two busy ranks on two cores: no sharing).
-    shared = simulate_tetris(_group(host_cores=2, pool_beside_decode=1.5), busy).requests[1]
+    shared = simulate_tetris(_group(host_cores=2, pool_beside=1.5), busy).requests[1]
     assert shared.ttft == pytest.approx(slowed.ttft, abs=1e-9)
-    # With the decode instance idle the prefill runs at its Eq. (1) time, factor or not.
+    # Alone on the group the prefill runs at its Eq. (1) time, factor or not.
     alone = [TraceRequest(0.0, 3000, 3)]
     assert (
-        simulate_tetris(_group(pool_cores=2, pool_beside_decode=1.5), alone).requests[0].token_times
+        simulate_tetris(_group(pool_cores=2, pool_beside=1.5), alone).requests[0].token_times
         == simulate_tetris(_group(pool_cores=2), alone).requests[0].token_times
     )
-    with pytest.raises(ValueError, match="pool_beside_decode"):
-        _group(pool_beside_decode=1.5)  # a device per rank: nothing to share
-    with pytest.raises(ValueError, match="pool_beside_decode"):
-        _group(pool_cores=2, pool_beside_decode=0.9)
+    # Two prompts at once, one per instance, with the decode instance idle: each chunk is
+    # beside the other, so both take the factor times their time.
+    pair = [TraceRequest(0.0, 3000, 3), TraceRequest(0.0, 3000, 3)]
+    fast = simulate_tetris(_group(pool_cores=2, handoff_is_work=False), pair).requests
+    slow = simulate_tetris(
+        _group(pool_cores=2, handoff_is_work=False, pool_beside=1.5), pair
+    ).requests
+    for f, s in zip(fast, slow, strict=True):
+        assert s.ttft - f.ttft == pytest.approx(0.5 * chunk.seconds, abs=1e-9)
+    with pytest.raises(ValueError, match="pool_beside"):
+        _group(pool_beside=1.5)  # a device per rank: nothing to share
+    with pytest.raises(ValueError, match="pool_beside"):
+        _group(pool_cores=2, pool_beside=0.9)
+
+
+def test_a_hand_off_is_work_on_the_pools_cores() -> None:
+    # The ring above, pinned to one core: its two members' pieces are sent at once, each a
+    # rank's work on that core, so they share it and land one hand-off later than as a wait.
+    ring = [TraceRequest(0.0, 3000, 3)]
+    group = _group(improvement_rate=0.1, pool_cores=1)
+    work = simulate_tetris(group, ring).requests[0]
+    wait = simulate_tetris(dataclasses.replace(group, handoff_is_work=False), ring).requests[0]
+    handoff = group.handoff_s(1500, 1)
+    assert work.ttft - wait.ttft == pytest.approx(handoff, abs=1e-9)
+    # On cores of their own (two, one a member) each piece's hand-off takes its time.
+    two = simulate_tetris(dataclasses.replace(group, pool_cores=2), ring).requests[0]
+    two_wait = simulate_tetris(
+        dataclasses.replace(group, pool_cores=2, handoff_is_work=False), ring
+    ).requests[0]
+    assert two.token_times == pytest.approx(two_wait.token_times, abs=1e-9)
+    # Two prompts at once on one core: they prefill together, then their hand-offs share the
+    # core, so the last first token comes later than with the hand-off as a wait.
+    burst = [TraceRequest(0.0, 3000, 3), TraceRequest(0.0, 3000, 3)]
+    one = dataclasses.replace(group, improvement_rate=1.0)
+    late = simulate_tetris(one, burst).requests
+    early = simulate_tetris(dataclasses.replace(one, handoff_is_work=False), burst).requests
+    assert max(r.ttft for r in late) > max(r.ttft for r in early) + 1e-6
+    # On a device per rank the hand-off is a wait whatever the flag.
+    devices = _group(improvement_rate=0.1)
+    assert (
+        simulate_tetris(devices, ring).requests[0].token_times
+        == simulate_tetris(dataclasses.replace(devices, handoff_is_work=False), ring)
+        .requests[0]
+        .token_times
+    )
