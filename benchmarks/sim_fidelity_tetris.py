@@ -16,7 +16,8 @@ so both run the same chunk plans; the real group gets each plan as the router wo
 * the decode instance's step cost from ``gearshift profile``'s measurement of a one-rank engine
   of the same model and settings, plus what the decode instance adds to each step (its leader
   lands KV and admits requests too), measured on the idle group: batches of 1, 2, 4 and 8
-  requests, each step's time less the profiled step (``cost_model.StepOverhead``);
+  requests, 3 of each, each batch's median step less the profiled step, the median of the 3
+  (``cost_model.StepOverhead``);
 * what landing a piece adds to the decode step that receives it (``_measure_receive``): 8
   requests decode while single requests of 24, 128, 320 and 800 prompt tokens arrive one at a
   time (5 each); the step before each one's first token is the one that landed its KV, and its
@@ -621,29 +622,36 @@ def _measure_handoff(
 
 DECODE_BATCHES = (1, 2, 4, 8)
 DECODE_PROMPT, DECODE_OUTPUT = 16, 41
+DECODE_REPEATS = 3  # batches of each size, for the decode instance's per-step extra
 
 
 def _measure_decode_steps(  # type: ignore[no-untyped-def]
     group, outputs, decode_cost, worker_pb2, SamplingParams
 ) -> tuple[tuple[int, float], ...]:
     """What the decode instance adds to each step over the one-rank profile, by batch size:
-    ``n`` requests decoded together on the idle group, their mean TPOT less the profiled step
-    at their mean context."""
+    ``n`` requests decoded together on the idle group, the median step less the profiled step
+    at their mean context; the median of ``DECODE_REPEATS`` such batches (single batches of 2
+    gave 1.5 and 5.7 ms in two runs)."""
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_OUTPUT, ignore_eos=True)
     points = []
     for n in DECODE_BATCHES:
-        rids = [f"dec{n}.{i}" for i in range(n)]
-        for i, rid in enumerate(rids):
-            wire = worker_pb2.TetrisPlan(decode_instance=0)
-            wire.chunks.add(num_tokens=DECODE_PROMPT, prefill_instances=[i % 2])
-            group.submit(rid, [(7 * i + k) % 1000 for k in range(DECODE_PROMPT)], params, wire)
-        times = _token_times(outputs, rids, 120)
-        # Steps once every request of the batch decodes: from the last first token on.
-        start = max(ts[0] for ts in times.values())
-        steps = [b - a for ts in times.values() for a, b in itertools.pairwise(ts) if a >= start]
-        step = statistics.median(steps)
         own = decode_cost.step_time(decode_batch(n, DECODE_PROMPT + DECODE_OUTPUT // 2))
-        points.append((n, max(step - own, 0.0)))
+        extras = []
+        for repeat in range(DECODE_REPEATS):
+            rids = [f"dec{n}.{repeat}.{i}" for i in range(n)]
+            for i, rid in enumerate(rids):
+                wire = worker_pb2.TetrisPlan(decode_instance=0)
+                wire.chunks.add(num_tokens=DECODE_PROMPT, prefill_instances=[i % 2])
+                ids = [(7 * i + 3 * repeat + k) % 1000 for k in range(DECODE_PROMPT)]
+                group.submit(rid, ids, params, wire)
+            times = _token_times(outputs, rids, 120)
+            # Steps once every request of the batch decodes: from the last first token on.
+            start = max(ts[0] for ts in times.values())
+            steps = [
+                b - a for ts in times.values() for a, b in itertools.pairwise(ts) if a >= start
+            ]
+            extras.append(statistics.median(steps) - own)
+        points.append((n, max(statistics.median(extras), 0.0)))
     return tuple(points)
 
 
