@@ -502,14 +502,12 @@ def _token_times(
     done: set[str] = set()
     deadline = time.perf_counter() + timeout_s
     while len(done) < len(rids):
-        if time.perf_counter() > deadline:
-            raise SystemExit(f"{sorted(set(rids) - done)} did not finish in {timeout_s} s")
-        try:
-            rid, item, t = outputs.get(timeout=1.0)
-        except queue.Empty:
+        got = _next_output(
+            outputs, deadline, f"{sorted(set(rids) - done)} did not finish in {timeout_s} s"
+        )
+        if got is None:
             continue
-        if isinstance(item, BaseException):
-            raise SystemExit(f"{rid} failed: {item}")
+        rid, item, t = got
         if rid not in times:
             continue
         if item.new_token_ids:
@@ -517,6 +515,21 @@ def _token_times(
         if item.finished or (started and times[rid]):
             done.add(rid)
     return times
+
+
+def _next_output(outputs: Any, deadline: float, late: str) -> tuple[str, Any, float] | None:
+    """The group's next output (request id, item, when), or None after a second without one;
+    ends the script with ``late`` past ``deadline`` (perf_counter) or naming a failed
+    request."""
+    if time.perf_counter() > deadline:
+        raise SystemExit(late)
+    try:
+        rid, item, t = outputs.get(timeout=1.0)
+    except queue.Empty:
+        return None
+    if isinstance(item, BaseException):
+        raise SystemExit(f"{rid} failed: {item}")
+    return rid, item, t
 
 
 RECEIVE_PROMPTS, RECEIVE_REPEATS = (24, 128, 320, 800), 5
@@ -540,14 +553,12 @@ def _measure_receive(group, outputs, worker_pb2, SamplingParams) -> list[tuple[i
                 sent = False
                 deadline = time.perf_counter() + 60
                 while first is None:
-                    if time.perf_counter() > deadline:
-                        raise SystemExit(f"no first token of a {n}-token request in 60 s")
-                    try:
-                        rid, item, t = outputs.get(timeout=1.0)
-                    except queue.Empty:
+                    got = _next_output(
+                        outputs, deadline, f"no first token of a {n}-token request in 60 s"
+                    )
+                    if got is None:
                         continue
-                    if isinstance(item, BaseException):
-                        raise SystemExit(f"{rid} failed: {item}")
+                    rid, item, t = got
                     if rid == rids[0] and item.new_token_ids:
                         ticks.append(t)
                     elif rid == f"recv{n}.{k}" and item.new_token_ids:
