@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What a session lent a GPU machine runs (device tool, in the repository root there):
-# the gpu-marked tests, then the GPU benchmarks; logs and figures land in $OUT.
+# the gpu-marked tests, then the GPU benchmarks (SiDP's, the calibrated plan's, the engine's);
+# logs and figures land in $OUT.
 #
 #   bash benchmarks/gpu_check.sh            # OUT defaults to /tmp/gearshift-gpu
 #
@@ -45,6 +46,10 @@ timeout "$(budget "${KERNEL_TEST_S:-120}")" python3 -m pytest -p no:cacheprovide
     tests/worker/kernels/test_cpu_portability.py -k "not portable_isa" 2>&1 | tee "$OUT/kernels.log"
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 timeout "$(budget "${GPU_BENCH_S:-60}")" python3 benchmarks/sidp_gpu.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+# The calibrated plan against the uncalibrated one on this GPU (issue 30): calibrated_plan.json.
+timeout "$(budget "${GPU_PLAN_S:-120}")" python3 benchmarks/calibrated_plan.py --repeats 2 \
+    --out "$OUT" 2>&1 | tee "$OUT/calibrated_plan.log"
+[ "${PIPESTATUS[0]}" = 0 ] || rc=1
 # The engine against this GPU's roofline (issue 27): gpu_engine.{json,png} in $OUT.
 ENGINE_S=$(budget "${GPU_ENGINE_S:-300}")
 timeout "$ENGINE_S" python3 benchmarks/gpu_engine.py --out "$OUT" --budget-s $(( ENGINE_S - 20 )) \

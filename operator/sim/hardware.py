@@ -187,7 +187,6 @@ def preset_of_product(product: str) -> str | None:
         return name  # an SXM part, or a card made in one form only (L4)
     match = [name + f for f in forms if f in variants]
     return match[0] if len(match) == 1 else None
-    return name
 
 
 _SPEC = re.compile(r"^(?:(\d+)x)?([A-Za-z0-9]+)$")

@@ -220,7 +220,7 @@ def from_profile(
         base = Hardware(dev, profile.devices, profile.devices, link, link, link, {"preset": None})
     fitted = measured_links(profile)
     base = replace(base, measured=tuple((m.collective, m.ranks, m.link) for m in fitted))
-    describe = f"the profile {profile.describe()}"
+    describe = f"the {profile.describe()}"  # "the profile of M on ..."
     if unprofiled == "roofline":
         if preset is None:
             raise HardwareError(
