@@ -91,6 +91,22 @@ def device_name(device: str) -> tuple[str, str]:
     return platform.processor() or platform.machine(), "cpu"
 
 
+def engine_version() -> str:
+    """This engine's version: the installed distribution's, else that of the source checkout it
+    runs from (on the path without being installed, as ``benchmarks/gpu_check.sh`` runs it)."""
+    try:
+        return importlib.metadata.version("gearshift")
+    except importlib.metadata.PackageNotFoundError:
+        import tomllib
+        from pathlib import Path
+
+        pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+        try:
+            return str(tomllib.loads(pyproject.read_text())["project"]["version"])
+        except (OSError, KeyError, tomllib.TOMLDecodeError):
+            return "unknown"
+
+
 def run_layouts(args: argparse.Namespace, grid: Any) -> int:
     from gearshift.operator.sim import calibration
     from gearshift.operator.sim.calibration import CalibrationProfile, LayoutProfile, layout_of
@@ -146,7 +162,7 @@ def run_layouts(args: argparse.Namespace, grid: Any) -> int:
         device,
         kind,
         max(_ranks(p) for p in policies.values()),
-        importlib.metadata.version("gearshift"),
+        engine_version(),
         _dtype(str(config.dtype), str(args.model), str(config.device)),
         str(args.model),
         layouts,

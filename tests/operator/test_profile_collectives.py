@@ -64,3 +64,21 @@ def test_the_collective_grid_needs_layouts(
     assert args.func(args) == 2
     assert "--collective-repeats: only with --layouts" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
+
+
+def test_the_engine_version_comes_from_the_checkout_when_not_installed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """gpu_check.sh runs the checkout on the path, not installed: a profile still names the
+    engine's version (pyproject.toml's), the one the installed package reports."""
+    import importlib.metadata
+
+    from gearshift.operator.commands import profile_layouts
+
+    installed = importlib.metadata.version("gearshift")
+
+    def missing(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert profile_layouts.engine_version() == installed
