@@ -94,12 +94,15 @@ def plan(
     ]  # fmt: skip
     subprocess.run(cmd, check=True, timeout=600, capture_output=True, text=True)
     data = json.loads(report.read_text())
-    (candidate,) = [c for c in data["candidates"] if c["gpus"] == 1 and c["replicas"] == 1]
-    point = candidate["points"][0]
+    ones = [c for c in data["candidates"] if c["gpus"] == 1 and c["replicas"] == 1]
+    if len(ones) != 1:
+        names = [c["name"] for c in data["candidates"]]
+        raise SystemExit(f"{' '.join(pricing)}: no one-rank candidate among {names}")
+    point = ones[0]["points"][0]
     return {
         "command": "gearshift " + " ".join(cmd[3:]),
         "pricing": data["pricing"],
-        "candidate": candidate["name"],
+        "candidate": ones[0]["name"],
         "figures": {f: float(point[f]) for f in FIGURES},
     }
 
@@ -235,8 +238,11 @@ def main() -> int:
     ):  # fmt: skip
         if getattr(args, key) is None:
             setattr(args, key, smoke if args.smoke else gpu)
-    if args.repeats < 1 or args.requests < 1 or args.rate <= 0:
-        ap.error("--repeats and --requests at least 1, --rate above 0")
+    for key in ("repeats", "requests", "hidden", "layers", "batched_tokens"):
+        if getattr(args, key) < 1:
+            ap.error(f"--{key.replace('_', '-')}: at least 1, got {getattr(args, key)}")
+    if args.rate <= 0 or args.profile_timeout_s <= 0:
+        ap.error("--rate and --profile-timeout-s: above 0")
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         report = run(args, Path(tmp))

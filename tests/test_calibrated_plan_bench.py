@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "calibrated_plan.py"
 
 
@@ -56,7 +58,16 @@ def test_without_a_preset_the_uncalibrated_plan_is_named_as_not_run(tmp_path: Pa
     assert report["uncalibrated"].startswith("no preset for ")
 
 
-def test_a_bad_repeat_count_is_refused(tmp_path: Path) -> None:
-    done = _run(tmp_path, "--repeats", "0", timeout=60)
-    assert done.returncode == 2 and "--repeats" in done.stderr
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--repeats", "0"], "--repeats"),
+        (["--layers", "0"], "--layers"),
+        (["--batched-tokens", "-1"], "--batched-tokens"),
+        (["--rate", "0"], "--rate"),
+    ],
+)
+def test_a_bad_setting_is_refused_naming_it(tmp_path: Path, flags: list[str], named: str) -> None:
+    done = _run(tmp_path, *flags, timeout=60)
+    assert done.returncode == 2 and named in done.stderr
     assert not (tmp_path / "calibrated_plan.json").exists()
