@@ -92,7 +92,9 @@ def plan(
         "--no-extras", "-o", str(report), "--max-model-len", "1024",
         "--max-num-batched-tokens", str(batched),
     ]  # fmt: skip
-    subprocess.run(cmd, check=True, timeout=600, capture_output=True, text=True)
+    done = subprocess.run(cmd, check=False, timeout=600, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"gearshift plan {' '.join(pricing)} failed:\n{done.stderr[-3000:]}")
     data = json.loads(report.read_text())
     ones = [c for c in data["candidates"] if c["gpus"] == 1 and c["replicas"] == 1]
     if len(ones) != 1:
@@ -128,15 +130,24 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     hardware = args.hardware or (
         f"1x{p}" if kind == "cuda" and (p := preset_of_product(device)) else None
     )
+    if hardware is not None:
+        from gearshift.operator.sim.hardware import HardwareError, load
+
+        try:
+            load(hardware)
+        except HardwareError as exc:  # before minutes of profiling, not after
+            raise SystemExit(f"--hardware {hardware}: {exc}") from exc
     model = random_llama(folder / "model", hidden=args.hidden, layers=args.layers)
     flags = engine_flags(args, model)
     profile = folder / "profile.json"
     t0 = time.perf_counter()
-    subprocess.run(
+    done = subprocess.run(
         [*GEARSHIFT, "profile", *flags, "--layouts", "one", "-o", str(profile),
          *(["--quick"] if args.smoke else [])],
-        check=True, timeout=args.profile_timeout_s,
+        check=False, timeout=args.profile_timeout_s,
     )  # fmt: skip
+    if done.returncode != 0:  # its stderr went to ours
+        raise SystemExit(f"gearshift profile failed (exit {done.returncode})")
     profile_s = time.perf_counter() - t0
     traffic = folder / "traffic.json"
     traffic.write_text(

@@ -71,3 +71,10 @@ def test_a_bad_setting_is_refused_naming_it(tmp_path: Path, flags: list[str], na
     done = _run(tmp_path, *flags, timeout=60)
     assert done.returncode == 2 and named in done.stderr
     assert not (tmp_path / "calibrated_plan.json").exists()
+
+
+def test_an_unknown_preset_is_refused_before_profiling(tmp_path: Path) -> None:
+    done = _run(tmp_path, "--hardware", "1xNOPE", timeout=60)
+    assert done.returncode == 1 and "--hardware 1xNOPE" in done.stderr
+    assert "profiled" not in done.stderr  # gearshift profile never ran
+    assert not (tmp_path / "calibrated_plan.json").exists()
