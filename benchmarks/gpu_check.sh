@@ -47,7 +47,7 @@ timeout "$(budget "${KERNEL_TEST_S:-120}")" python3 -m pytest -p no:cacheprovide
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 timeout "$(budget "${GPU_BENCH_S:-60}")" python3 benchmarks/sidp_gpu.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"
 # The calibrated plan against the uncalibrated one on this GPU (issue 30): calibrated_plan.json.
-timeout "$(budget "${GPU_PLAN_S:-120}")" python3 benchmarks/calibrated_plan.py --repeats 2 \
+timeout "$(budget "${GPU_PLAN_S:-150}")" python3 benchmarks/calibrated_plan.py --repeats 2 \
     --out "$OUT" 2>&1 | tee "$OUT/calibrated_plan.log"
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 # The engine against this GPU's roofline (issue 27): gpu_engine.{json,png} in $OUT.
