@@ -40,17 +40,12 @@ HERE = Path(__file__).resolve().parent
 if str(HERE.parent) not in sys.path:
     sys.path.insert(0, str(HERE.parent))  # `benchmarks.*` when run as a script
 
+from benchmarks import fidelity_oos  # noqa: E402
+
 GEARSHIFT = [sys.executable, "-m", "gearshift.operator.cli"]
-# The figures both the plan's report and the replay give, computed the same way.
-FIGURES = (
-    "makespan_s",
-    "output_tokens_per_s",
-    "ttft_mean_s",
-    "ttft_p50_s",
-    "ttft_p99_s",
-    "tpot_p50_s",
-    "tpot_p99_s",
-)
+# The fidelity runs' figures that the plan's report gives too (it has no mean TPOT), computed
+# the same way for the replay (fidelity_oos.figures) as the plan computes its own.
+FIGURES = tuple(f for f in fidelity_oos.FIGURES if f != "tpot_mean_s")
 # sim_fidelity.py's trace lengths (fidelity_trace), as a traffic file's.
 LENGTHS = {
     "prompt": {"lognormal": {"median": 120, "p90": 400, "low": 8, "high": 700}},
@@ -120,7 +115,6 @@ def errors(predicted: dict[str, float], runs: list[dict[str, float]]) -> dict[st
 
 
 def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
-    from benchmarks.fidelity_oos import engine_records, figures
     from benchmarks.sim_fidelity import random_llama, replay
     from gearshift.operator.commands.profile_layouts import device_name
     from gearshift.operator.sim.hardware import preset_of_product
@@ -160,7 +154,9 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         runs, tokens = [], []
         for _ in range(args.repeats):
             first, last, count = replay(engine, trace)
-            runs.append(figures(engine_records(trace, first, last, count)))
+            runs.append(
+                fidelity_oos.figures(fidelity_oos.engine_records(trace, first, last, count))
+            )
             tokens.append(sum(count.values()))
     finally:
         engine.shutdown()
