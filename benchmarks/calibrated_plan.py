@@ -41,16 +41,12 @@ if str(HERE.parent) not in sys.path:
     sys.path.insert(0, str(HERE.parent))  # `benchmarks.*` when run as a script
 
 from benchmarks import fidelity_oos  # noqa: E402
+from benchmarks.sim_fidelity import traffic_lengths  # noqa: E402
 
 GEARSHIFT = [sys.executable, "-m", "gearshift.operator.cli"]
 # The fidelity runs' figures that the plan's report gives too (it has no mean TPOT), computed
 # the same way for the replay (fidelity_oos.figures) as the plan computes its own.
 FIGURES = tuple(f for f in fidelity_oos.FIGURES if f != "tpot_mean_s")
-# sim_fidelity.py's trace lengths (fidelity_trace), as a traffic file's.
-LENGTHS = {
-    "prompt": {"lognormal": {"median": 120, "p90": 400, "low": 8, "high": 700}},
-    "output": {"lognormal": {"median": 40, "p90": 120, "low": 2, "high": 200}},
-}
 
 
 def engine_flags(args: argparse.Namespace, model: Path) -> list[str]:
@@ -109,8 +105,11 @@ def errors(predicted: dict[str, float], runs: list[dict[str, float]]) -> dict[st
     out = {}
     for f in FIGURES:
         mean = statistics.mean(r[f] for r in runs)
-        each = [predicted[f] / r[f] - 1 for r in runs]
-        out[f] = {"error": predicted[f] / mean - 1, "worst_error": max(each, key=abs)}
+        each = [fidelity_oos._error(predicted[f], r[f]) for r in runs]
+        out[f] = {
+            "error": fidelity_oos._error(predicted[f], mean),
+            "worst_error": max(each, key=abs),
+        }
     return out
 
 
@@ -145,7 +144,9 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     profile_s = time.perf_counter() - t0
     traffic = folder / "traffic.json"
     traffic.write_text(
-        json.dumps({"rate": args.rate, "requests": args.requests, "seed": args.seed, **LENGTHS})
+        json.dumps(
+            {"rate": args.rate, "requests": args.requests, "seed": args.seed, **traffic_lengths()}
+        )
     )
     trace = Traffic.load(traffic).trace(args.rate)
     engine = start_replay_engine(flags)
@@ -188,7 +189,7 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         "hardware": hardware,
         "uncalibrated_meaningful": hardware is not None and kind == "cuda",
         "model": {"hidden": args.hidden, "layers": args.layers, "dtype": args.dtype},
-        "traffic": {"rate": args.rate, "requests": args.requests, "seed": args.seed, **LENGTHS},
+        "traffic": json.loads(traffic.read_text()),
         "profile_s": profile_s,
         "profile": json.loads(profile.read_text()),
         "repeats": args.repeats,

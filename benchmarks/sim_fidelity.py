@@ -141,6 +141,19 @@ def profile_grid() -> Any:
     )
 
 
+# The trace's lengths, LogNormal.from_median_p90's (median, p90, low, high) in tokens.
+PROMPT_LENGTHS = (120, 400, 8, 700)
+OUTPUT_LENGTHS = (40, 120, 2, 200)
+
+
+def traffic_lengths() -> dict[str, Any]:
+    """The trace's lengths as a traffic file gives them (``gearshift plan --traffic``)."""
+    return {
+        side: {"lognormal": dict(zip(("median", "p90", "low", "high"), spec, strict=True))}
+        for side, spec in (("prompt", PROMPT_LENGTHS), ("output", OUTPUT_LENGTHS))
+    }
+
+
 def fidelity_trace(requests: int, rate: float, seed: int) -> list[Any]:
     """Lognormal prompts (median 120) and outputs (median 40): Poisson arrivals at ``rate``
     req/s, or every request at t = 0 when ``rate`` is 0 (offline)."""
@@ -152,8 +165,8 @@ def fidelity_trace(requests: int, rate: float, seed: int) -> list[Any]:
     trace = synthesize(
         requests,
         Arrivals(RateCurve.constant(rate or 1.0)),
-        LogNormal.from_median_p90(120, 400, 8, 700),
-        LogNormal.from_median_p90(40, 120, 2, 200),
+        LogNormal.from_median_p90(*PROMPT_LENGTHS),
+        LogNormal.from_median_p90(*OUTPUT_LENGTHS),
         seed,
     )
     if not rate:

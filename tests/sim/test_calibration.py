@@ -170,10 +170,18 @@ def _plan_and_engine(folder: Path, hidden: int, layers: int) -> tuple[dict, dict
     once) after a warm-up, ENGINE_RUNS times. Then ``gearshift plan --profile`` plans that trace
     at a rate far above what the engine serves. Returns the plan's output tokens/s per layout, the
     engine's (median), and the plan's report."""
-    import importlib.metadata
-
-    from benchmarks.sim_fidelity import engine_config, fidelity_trace, random_llama, run_engine
-    from gearshift.operator.commands.profile_layouts import device_name, layout_policy
+    from benchmarks.sim_fidelity import (
+        engine_config,
+        fidelity_trace,
+        random_llama,
+        run_engine,
+        traffic_lengths,
+    )
+    from gearshift.operator.commands.profile_layouts import (
+        device_name,
+        engine_version,
+        layout_policy,
+    )
     from gearshift.operator.sim.profile import ProfileGrid, measure
     from gearshift.worker.launch import start_engine
     from gearshift.worker.policies import policy_json
@@ -183,7 +191,7 @@ def _plan_and_engine(folder: Path, hidden: int, layers: int) -> tuple[dict, dict
     # trace's longest (about 700): with 320 instead, the wide model's plan came out 28-33% under
     # the engine's throughput, against 0-16% with 600. Their repeats and decode steps: with one
     # repeat of 3 steps, the wide model's TP 2 plan came out 7-28% under the engine in 4 runs
-    # (CI failed on the 28%, 2026-11-28), against 0-13% with 2 repeats of 5.
+    # (CI failed on the 28%, 2026-11-28), against 2-18% in 7 runs with 2 repeats of 5.
     grid = ProfileGrid(
         prompt_lens=(16, 128, 500),
         prefill_batches=(1, 3),
@@ -215,7 +223,7 @@ def _plan_and_engine(folder: Path, hidden: int, layers: int) -> tuple[dict, dict
     device, kind = device_name(str(config.device))
     prof = folder / "profile.json"
     calibration.CalibrationProfile(
-        device, kind, 2, importlib.metadata.version("gearshift"), "float32", str(model), layouts
+        device, kind, 2, engine_version(), "float32", str(model), layouts
     ).save(prof)
     traffic = folder / "traffic.json"
     traffic.write_text(
@@ -224,8 +232,7 @@ def _plan_and_engine(folder: Path, hidden: int, layers: int) -> tuple[dict, dict
                 "rate": 1000,
                 "requests": 32,
                 "seed": 0,
-                "prompt": {"lognormal": {"median": 120, "p90": 400, "low": 8, "high": 700}},
-                "output": {"lognormal": {"median": 40, "p90": 120, "low": 2, "high": 200}},
+                **traffic_lengths(),
             }
         )
     )
