@@ -8,8 +8,8 @@
 # The whole script keeps to GPU_CHECK_S seconds (default 470, under 8 minutes): each step is cut
 # at the smaller of its own cap and what is left, and gpu_engine.py starts no section it has no
 # time for.
-# The machine's image brings CUDA torch; the few packages it lacks travel as wheels in .whl/
-# (see benchmarks/README.md). The checkout is put on the path as the `gearshift` namespace.
+# The machine's image brings CUDA torch; the few packages it lacks travel as wheels in .whl/,
+# made here beforehand by benchmarks/gpu_wheels.sh (name .whl in the device call's carry). The checkout is put on the path as the `gearshift` namespace.
 set -u
 OUT=${OUT:-/tmp/gearshift-gpu}
 mkdir -p "$OUT"
