@@ -73,11 +73,11 @@ from gearshift.operator.sim.replica import ReplicaConfig, RequestTimes, SimRepli
 from gearshift.operator.sim.results import SimResult
 from gearshift.operator.sim.shared_cores import SharedCores
 from gearshift.operator.sim.trace import TraceRequest
-from gearshift.worker.engine.contract import QueueView, StepKind, StepRequest
+from gearshift.worker.engine.contract import QueueView, StepRequest
 from gearshift.worker.engine.scheduler import ScheduledBatch, Scheduler
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.kv.block_manager import BlockManager
-from gearshift.worker.policies.tetris.admission import DecodeAdmission
+from gearshift.worker.policies.tetris.admission import DecodeAdmission, decode_step_request
 
 RECEIVE_STEP_S = 1e-6  # a step that only lands KV (its copy is priced as the hand-off)
 # TetrisPolicy.transfer_buffer_bytes's default (policy.proto): the most a piece carries.
@@ -104,8 +104,7 @@ class DecodeHooks:
         self.admission = DecodeAdmission(scheduler, blocks)
 
     def step_request(self, queues: QueueView) -> StepRequest:
-        del queues
-        return StepRequest(StepKind.DECODE)
+        return decode_step_request(queues)
 
     def held(self) -> frozenset[str]:
         return frozenset()

@@ -172,6 +172,32 @@ def test_every_request_finishes_with_no_block_held_and_groups_split_the_trace() 
     assert max(r.ttft for r in two.requests) <= max(r.ttft for r in one.requests) + 1e-9
 
 
+def test_a_decode_instance_out_of_kv_recomputes_what_it_preempts() -> None:
+    """The engine's decode instance, simulated: placement checks a request's prompt and outputs
+    against the blocks left, but does not reserve the growth of those already decoding, so a
+    tight cache preempts. The instance recomputes what it preempted (it did not, and those
+    requests never ended: neither finished nor refused, 2026-11-28)."""
+    cfg = ReplicaConfig(num_blocks=40, block_size=16, max_model_len=512)
+    group = dataclasses.replace(_group(), config=cfg)
+    trace = [TraceRequest(0.05 * i, prompt_tokens=100, output_tokens=200) for i in range(8)]
+    result = simulate_tetris(group, trace)
+    assert len(result.requests) + len(result.rejected) == 8 and len(result.requests) >= 3
+    assert all(len(r.token_times) == 200 for r in result.requests)
+    assert sum(r.preemptions for r in result.requests) > 0
+
+
+def test_more_requests_than_the_decode_instances_seats_are_all_served() -> None:
+    """A request holds a block-table row from its placement on, not only while it has a seat:
+    with 4 seats, a burst of 12 holds 12 rows (the engine's table had 4 and failed its decode
+    instance, 2026-11-28); all 12 are served."""
+    cfg = ReplicaConfig(num_blocks=2000, block_size=16, max_model_len=512, max_num_seqs=4)
+    group = dataclasses.replace(_group(), config=cfg)
+    trace = [TraceRequest(0.0, prompt_tokens=100, output_tokens=20) for _ in range(12)]
+    result = simulate_tetris(group, trace)
+    assert result.rejected == [] and len(result.requests) == 12
+    assert all(len(r.token_times) == 20 for r in result.requests)
+
+
 def test_a_higher_load_queues_the_pool() -> None:
     group = _group()
 

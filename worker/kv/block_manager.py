@@ -141,7 +141,7 @@ class BlockManager:
         if need > len(self.free) - reclaimed:
             return False
         if table.row < 0:
-            table.row = self.free_rows.pop()
+            table.row = self._take_row()
         row = self.tables[table.row]
         if hit:
             for b in hit.block_ids:
@@ -173,11 +173,24 @@ class BlockManager:
         if len(chosen) < need:
             return False
         if table.row < 0:
-            table.row = self.free_rows.pop()
+            table.row = self._take_row()
         for b in chosen:
             del self.free[b]
             self._take(table, b)
         return True
+
+    def _take_row(self) -> int:
+        """A free block-table row. The table starts with one row per seat (max_num_seqs), but
+        a sequence holds its row for as long as it holds KV, not only while it has a seat: a
+        Tetris decode instance reserves blocks for every request whose KV is on its way
+        (``policies/tetris/admission.py``), however many are running. So when every row is
+        held the table doubles, rather than fail the holder; the rows are gathered per step
+        (``engine/plan.py``), so nothing keeps the old array."""
+        if not self.free_rows:
+            n = len(self.tables)
+            self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)])
+            self.free_rows = list(range(2 * n - 1, n - 1, -1))
+        return self.free_rows.pop()
 
     def _take(self, table: BlockTable, b: int) -> None:
         """Give free block ``b`` (already off the free list) to ``table``."""

@@ -211,3 +211,21 @@ def test_a_block_hits_only_in_the_view_that_wrote_it_and_keeps_its_entry_across_
         assert hit == (written if view == 0 else tuple(b_ids)) and len(c.block_ids) == 4
     bm.free_table(c)
     assert bm.leaked_blocks() == []
+
+
+def test_more_holders_than_seats_get_rows_and_every_row_keeps_its_blocks():
+    """A sequence holds its row while it holds KV, seated or not (a Tetris decode instance
+    reserves for every request in transfer): past max_seqs the table grows, the earlier rows
+    intact, and every row is handed back."""
+    bm = _bm(32)  # max_seqs 4
+    tables = [BlockTable() for _ in range(9)]
+    for i, t in enumerate(tables):
+        assert bm.allocate(t, 4 * (1 + i % 3)) if i % 2 else bm.allocate_where(t, 4, bool)
+    assert sorted(t.row for t in tables) == list(range(9))
+    assert len(bm.tables) >= 9
+    for t in tables:
+        assert list(bm.tables[t.row, : len(t.block_ids)]) == t.block_ids
+    for t in tables:
+        bm.free_table(t)
+    assert bm.num_free_blocks == 32 and bm.leaked_blocks() == []
+    assert sorted(bm.free_rows) == list(range(len(bm.tables)))

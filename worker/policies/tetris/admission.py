@@ -2,7 +2,7 @@
 sections that carry their pieces to the instance's ranks.
 
 ``DecodeAdmission`` takes each request out of the scheduler's queue as soon as the engine has
-accepted it (the instance never prefills: its steps are decode-only), gives it KV blocks for its
+accepted it (the pool prefills it: the instance's steps are decode-only), gives it KV blocks for its
 prompt at once (so what is in transfer is already reserved: §5.2's virtual usage), turns every
 granted piece into a plan section, and, when the last piece has landed, puts the request into
 the running batch with all but its last prompt token computed. The first decode step then
@@ -10,6 +10,12 @@ computes that token's row (the same KV the pool sent for it) and samples the fir
 with the request's own sampling state, so the first token obeys every sampling parameter exactly
 as the rest do. On every rank, ``decode.ReceiveHook`` acts on the sections: each piece on its
 transfer slot's channel, its messages labelled with its grant number (``handoff.py``).
+
+A running request can still be preempted, when the outputs of those placed here outgrow the
+blocks left (placement reserves only what a request holds in transfer). The engine then frees
+its blocks and queues it to be recomputed, and only this instance can: the pool handed it over
+long ago. So a step with such a request waiting may prefill (``decode_step_request``), as any
+engine recomputes what it preempted.
 
 Torch-free: the simulator (operator/sim/tetris_sim.py) admits requests with this same class.
 """
@@ -22,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gearshift.worker.engine.contract import QueueView, StepKind, StepRequest
 from gearshift.worker.engine.scheduler import Scheduler
 from gearshift.worker.engine.sequence import FinishReason, Sequence, SequenceStatus
 from gearshift.worker.errors import InvalidRequestError
@@ -39,6 +46,13 @@ STREAM = "tetris_stream"
 
 Post = tuple[int, int, int, int]  # a streamed piece's receives to post: (src, slot, xfer, rows)
 Piece = tuple[int, int, int, int, list[int]]  # a whole piece: (src, slot, xfer, rows, blocks)
+
+
+def decode_step_request(queues: QueueView) -> StepRequest:
+    """A decode instance leader's next step: decode-only, unless the scheduler's queue holds a
+    request (``expect`` takes every new one out at once, so one there was preempted), which it
+    may then recompute."""
+    return StepRequest() if queues.waiting else StepRequest(StepKind.DECODE)
 
 
 def encode_stream(posts: list[Post], completes: list[tuple[int, list[int]]]) -> list[int]:

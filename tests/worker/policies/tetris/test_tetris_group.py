@@ -575,3 +575,55 @@ def test_a_whole_piece_leaves_during_the_members_next_prefill(
     got = outputs.collect({"short", "long"})
     assert [got["short"], got["long"]] == expected
     assert group.stats()["pieces_sent_mid_prefill"] == 1.0, group.stats()
+
+
+def test_more_requests_than_the_decode_instances_seats_all_end_with_one_process_tokens(
+    tiny_checkpoint: Callable[..., Path],
+    tetris_factory: Callable[..., tuple[TetrisGroup, Outputs]],
+) -> None:
+    """A decode instance holds a request's KV from its Expect on, not only while it decodes:
+    with max_num_seqs 2, seven requests at once are seven holders of block-table rows, where
+    the engine has seats for two a step. They must all be served (the rest wait their turn,
+    as in vLLM), with the one-process tokens; the decode rank must not fail for want of a
+    row (it raised IndexError here, 2026-11-28)."""
+    folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=2)
+    names = [f"r{i}" for i in range(7)]
+    prompts = _prompts([9, 14, 11, 6, 17, 12, 8], seed=23)
+    expected = _reference(folder, prompts, 5)
+    group, outputs = tetris_factory(
+        folder, {"prefill_instances": 2, "decode_instances": 1}, max_num_seqs=2
+    )
+    for i, (name, ids) in enumerate(zip(names, prompts, strict=True)):
+        group.submit(name, ids, _greedy(5), _plan([(len(ids), [i % 2])]))
+    got = outputs.collect(set(names))
+    assert [got[n] for n in names] == expected
+
+
+def test_a_decode_instance_out_of_kv_recomputes_what_it_preempts(
+    tiny_checkpoint: Callable[..., Path],
+    tetris_factory: Callable[..., tuple[TetrisGroup, Outputs]],
+) -> None:
+    """Requests placed on a decode instance hold their prompts' blocks; their outputs grow into
+    the rest. When it runs out, the scheduler preempts a sequence (recompute), and the decode
+    instance, which otherwise only decodes, must prefill it again itself: the pool has long
+    handed it over. Four requests of up to 50 tokens on a 24-block (96-token) cache: every one
+    ends with the one-process tokens (a preempted one waited forever before, 2026-11-28)."""
+    folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=2)
+    names = ["a", "b", "c", "d"]
+    prompts = _prompts([9, 10, 8, 10], seed=29)
+    expected = _reference(folder, prompts, 40)
+    group, outputs = tetris_factory(
+        folder,
+        {"prefill_instances": 2, "decode_instances": 1},
+        kv_cache_bytes=24 << 10,  # 256 bytes a token: 24 blocks of 4 tokens
+        max_model_len=64,
+    )
+    for i, (name, ids) in enumerate(zip(names, prompts, strict=True)):
+        group.submit(name, ids, _greedy(40), _plan([(len(ids), [i % 2])]))
+    got = outputs.collect(set(names), timeout_s=60)
+    assert [got[n] for n in names] == expected
+    # The decode instance did preempt (its periodic snapshot says so): the case was exercised.
+    deadline = time.monotonic() + 30
+    while (snap := group.snapshots[0]) is None or snap.stats.num_preemptions == 0:
+        assert time.monotonic() < deadline, snap
+        time.sleep(0.05)
