@@ -223,7 +223,9 @@ def table(data: dict[str, Any]) -> str:
             f"{at['ttft_p50_s']:>9.3f} {at['ttft_p99_s']:>8.3f} {at['tpot_p50_s']:>9.4f} "
             f"{at['tpot_p99_s']:>8.4f} {at['output_tokens_per_s']:>10.0f} "
             f"{'-' if rate is None else f'{top}{rate:g}':>8}{mark}"
-        )
+            + (f" refused {at['rejected']} of {at['requests'] + at['rejected']}"
+               if at.get("rejected") else "")
+        )  # fmt: skip
     if "pruned_candidates" in data:
         lines.append(
             f"pruned: {data['pruned_candidates']} of {len(data['candidates'])} candidates "

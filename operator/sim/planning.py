@@ -8,7 +8,9 @@ SLO (``goodput.py``: at least 90% of requests within every bound, none refused).
 
 The recommendation: with an SLO, the candidate with the highest such rate, then the lower p99
 TTFT at the declared rate; when no candidate meets the SLO at the declared rate, or no SLO is
-given, the lowest p99 TTFT at the declared rate. Candidates within the simulator's measured error
+given, the lowest p99 TTFT at the declared rate among the candidates that refused no request
+there (when every one refused some, those that refused the fewest): a refusal is a 503, and a
+candidate's percentiles cover only what it served. Candidates within the simulator's measured error
 of the leader (``error_band.py``) are a tie, broken by fewer GPUs, then the lower p99 TPOT when
 outside its band (issue 30, item 3). ``reason`` says which rule decided.
 """
@@ -50,6 +52,13 @@ class CandidateResult:
     def at_rate_met(self) -> bool:
         at = self.at_rate
         return bool(at and at.get("met"))
+
+    @property
+    def refused_at_rate(self) -> int:
+        """Requests of the declared rate's trace the candidate refused (the router answers them
+        503: no room for them)."""
+        at = self.at_rate
+        return int(at.get("rejected", 0)) if at else 0
 
     @property
     def max_rate(self) -> float | None:
@@ -118,6 +127,9 @@ def simulate_point(
     deployment = candidate.deployment()
     trace = traffic.trace(rate)
     result = candidate.run(trace) if candidate.run is not None else simulate(deployment, trace)
+    lost = len(trace) - len(result.requests) - len(result.rejected)
+    if lost:  # a simulated engine that never ended some requests: say so, rank nothing on it
+        raise RuntimeError(f"{lost} of {len(trace)} requests neither finished nor were refused")
     point: dict[str, Any] = {"rate": rate, "declared": math.isclose(rate, traffic.rate)}
     point.update(result.summary() if result.requests else {"requests": 0})
     point["rejected"] = len(result.rejected)
@@ -225,7 +237,13 @@ def recommend(
         ]
         rule = f"highest simulated rate meeting the SLO ({goodput})"
     else:
-        order = sorted(ran, key=lambda r: (p99(r), -tput(r)))
+        # A candidate's percentiles cover only the requests it served: one that refused some
+        # looks fast because it dropped load. Only those refusing the fewest (none, if any
+        # refuse none) are ranked.
+        fewest = min(r.refused_at_rate for r in ran)
+        order = sorted(
+            (r for r in ran if r.refused_at_rate == fewest), key=lambda r: (p99(r), -tput(r))
+        )
         lead = order[0]
         tied = [r for r in order if band.tie(p99(r), p99(lead), "ttft_p99_s")]
         rule = (
@@ -233,6 +251,13 @@ def recommend(
             if goodput
             else "no SLO given; lowest p99 TTFT at the declared rate"
         )
+        if len(order) < len(ran):
+            rule += (
+                f" among those that refused no request ({len(ran) - len(order)} refused some)"
+                if fewest == 0
+                else f" among those that refused the fewest requests ({fewest}; every one "
+                "refused some)"
+            )
     best = _break_tie(tied, band)
     why = _why(best, rule, p99(best))
     if len(tied) > 1:

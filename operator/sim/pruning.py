@@ -101,7 +101,9 @@ def _ttft_lead(
     results: list[CandidateResult], goodput: Goodput | None, sweep: Sequence[float]
 ) -> float | None:
     """The p99 TTFT a candidate must tie to matter, when TTFT is what decides; else None."""
-    ran = [r for r in results if r.at_rate and r.at_rate.get("requests")]
+    # A candidate that refused requests cannot lead (planning.recommend ranks it after every
+    # one that refused none), so its p99 TTFT prunes nothing.
+    ran = [r for r in results if r.at_rate and r.at_rate.get("requests") and not r.refused_at_rate]
     if goodput is not None:
         ran = [r for r in ran if r.at_rate_met and r.max_rate == max(sweep)]
     return min((float(r.at_rate["ttft_p99_s"]) for r in ran), default=None)  # type: ignore[index]

@@ -40,3 +40,37 @@ def test_the_default_plan_prunes_and_reports_every_candidate(tmp_path: Path) -> 
     assert not data["ties"] or data["ties"][0] == data["recommended"]
     assert all("error_band" in p for c in ran for p in c["points"])
     assert f"pruned: {len(pruned)} of 17 candidates" in done.stdout
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model", ["llama3_8b", "llama3_70b"])
+def test_the_default_plan_of_a_real_size_model_simulates_every_candidate(
+    model: str, tmp_path: Path
+) -> None:
+    """Real shapes on 8xH200 at the defaults (300 requests a point), where a small model never
+    fills a decode instance: every candidate is simulated or pruned, none fails, and every
+    simulated point accounts for every request (served or refused). Tetris's decode instances
+    crashed the plan (a block-table row past max_num_seqs) and lost the requests they preempted,
+    2026-11-28."""
+    out = tmp_path / "plan.json"
+    cmd = [
+        sys.executable, "-m", "gearshift.operator.cli", "plan", "--model",
+        str(FIXTURES / f"{model}_config.json"), "--hardware", "8xH200", "--rate", "4",
+        "--no-progress", "-o", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=550, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert all(c["error"] is None for c in data["candidates"]), [
+        (c["name"], c["error"]) for c in data["candidates"] if c["error"]
+    ]
+    points = [p for c in data["candidates"] for p in c["points"]]
+    assert points and all(p["requests"] + p["rejected"] == 300 for p in points)
+    assert any(c["name"].startswith("tetris") and c["points"] for c in data["candidates"])
+    best = next(c for c in data["candidates"] if c["name"] == data["recommended"])
+    # 70B: two Tetris shapes refuse some requests; the pick is one that served them all.
+    assert best["points"][0]["rejected"] == 0

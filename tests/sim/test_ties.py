@@ -90,3 +90,48 @@ def test_a_clear_goodput_lead_is_no_tie() -> None:
 
 def _traffic() -> Traffic:
     return Traffic.from_mapping({"rate": 4, "prompt": {"fixed": 10}, "output": {"fixed": 4}})
+
+
+def _refusing(result: Any, refused: int) -> Any:
+    point = {**result.points[0], "requests": 10 - refused, "rejected": refused, "met": False}
+    return CandidateResult(result.candidate, [point])
+
+
+def test_a_candidate_that_refused_requests_is_not_recommended_over_one_that_served_all() -> None:
+    """Its percentiles cover only the requests it served: refusing half the load made a Tetris
+    shape the default plan's pick for Llama-3-70B on 8xH200 (p99 TTFT 371 s against 443 s for
+    TP 2 x 4, which served all 300), 2026-11-28."""
+    fast = _refusing(_result("sp8", 8, ttft=0.010, tpot=0.010, rate=4.0), refused=5)
+    slow = _result("tp8", 8, ttft=0.500, tpot=0.010, rate=4.0)
+    best, why, ties = recommend([fast, slow], None)
+    assert best is slow and ties == [slow], why
+    assert "refused no request (1 refused some)" in why
+    # With an SLO that none meets, the fallback to the lowest p99 TTFT ranks the same way.
+    unmet = CandidateResult(slow.candidate, [{**slow.points[0], "met": False}])
+    best, why, _ = recommend([fast, unmet], Goodput.parse("ttft:0.1 tpot:1"))
+    assert best is unmet and "no candidate meets the SLO" in why and "refused no request" in why
+    # When every one refused some, those that refused the fewest are ranked.
+    fewer = _refusing(_result("tp8", 8, ttft=0.500, tpot=0.010, rate=4.0), refused=2)
+    best, why, _ = recommend([fast, fewer], None)
+    assert best is fewer and "refused the fewest requests (2; every one refused some)" in why
+
+
+def test_pruning_takes_no_lead_from_a_candidate_that_refused_requests() -> None:
+    from gearshift.operator.sim.pruning import _ttft_lead
+
+    fast = _refusing(_result("sp8", 8, ttft=0.010, tpot=0.010, rate=4.0), refused=5)
+    slow = _result("tp8", 8, ttft=0.500, tpot=0.010, rate=4.0)
+    assert _ttft_lead([fast], None, [4.0]) is None
+    assert _ttft_lead([fast, slow], None, [4.0]) == 0.500
+
+
+def test_the_table_says_how_many_requests_a_candidate_refused() -> None:
+    from gearshift.operator.commands.plan import table
+
+    fast = _refusing(_result("sp8", 8, ttft=0.010, tpot=0.010, rate=4.0), refused=5)
+    slow = _result("tp8", 8, ttft=0.500, tpot=0.010, rate=4.0)
+    best, why, ties = recommend([fast, slow], None)
+    data = PlanReport([fast, slow], best, why, [4.0], _traffic(), None, ties).to_json()
+    data.update(model="m", hardware="8xH200")
+    rows = {line.split()[0]: line for line in table(data).splitlines()}
+    assert rows["sp8"].endswith("refused 5 of 10") and "refused" not in rows["tp8"]
