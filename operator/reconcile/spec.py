@@ -216,13 +216,36 @@ def parse_policy(raw: dict[str, Any]) -> policy_pb2.Policy:
 _PARSE_AT = re.compile(r" at \w+\.([\w.]*\w)\.*$")
 
 
+# Or, for a value out of its type's range, only the field's JSON name: "Failed to parse
+# cooldownSeconds field: Value out of range: -5."
+_PARSE_FIELD = re.compile(r"Failed to parse (\w+) field")
+
+
 def _bad_field(raw: dict[str, Any], message: str) -> str:
     """The spec path of the value protobuf refused (e.g. spec.policy.auto.traffic.source)."""
-    found = _PARSE_AT.search(message)
-    if len(raw) != 1 or found is None:
+    if len(raw) != 1:
         return "spec.policy"
-    camel = [re.sub(r"_([a-z])", lambda m: m.group(1).upper(), p) for p in found[1].split(".")]
-    return ".".join(["spec.policy", str(next(iter(raw))), *camel])
+    kind = str(next(iter(raw)))
+    found = _PARSE_AT.search(message)
+    if found is not None:
+        camel = [re.sub(r"_([a-z])", lambda m: m.group(1).upper(), p) for p in found[1].split(".")]
+        return ".".join(["spec.policy", kind, *camel])
+    named = _PARSE_FIELD.search(message)
+    path = _path_of_key(raw[kind], named[1]) if named is not None else None
+    return ".".join(["spec.policy", kind, *path]) if path else "spec.policy"
+
+
+def _path_of_key(value: Any, key: str) -> list[str] | None:
+    """The path to the first ``key`` in ``value``'s objects (depth first), or None."""
+    if not isinstance(value, dict):
+        return None
+    if key in value:
+        return [key]
+    for name, inner in value.items():
+        below = _path_of_key(inner, key)
+        if below is not None:
+            return [str(name), *below]
+    return None
 
 
 def parse(body: dict[str, Any]) -> DeploymentSpec:

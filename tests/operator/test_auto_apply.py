@@ -176,3 +176,29 @@ def test_the_child_answers_a_plan_or_the_field_at_fault() -> None:
         assert isinstance(failed, auto_planner.Failed) and failed.field == "spec.policy.auto.gpu"
     finally:
         planner.close()
+
+
+@pytest.mark.parametrize(
+    ("fields", "path", "says"),
+    [
+        ({"margin": -0.5}, "spec.policy.auto.margin", "must be at least 0, got -0.5"),
+        ({"margin": "x"}, "spec.policy.auto.margin", "Couldn't parse float"),
+        ({"cooldownSeconds": -5}, "spec.policy.auto.cooldownSeconds", "out of range"),
+        ({"cooldownSeconds": "abc"}, "spec.policy.auto.cooldownSeconds", "invalid literal"),
+        ({"cooldownSeconds": 1.5}, "spec.policy.auto.cooldownSeconds", "parse integer"),
+        ({"apply": "Sometimes"}, "spec.policy.auto.apply", "Invalid enum value"),
+    ],
+)
+def test_a_bad_margin_cooldown_or_apply_is_refused_naming_the_field(
+    fields: dict[str, Any], path: str, says: str
+) -> None:
+    """The CRD's schema refuses these at admission; a spec that reached the operator another
+    way (applied before a rule, or an API server without the schema) is refused the same,
+    with the field's path: a negative margin was taken as given, and a cooldown out of range
+    named only spec.policy."""
+    from gearshift.operator.reconcile.spec import SpecError
+
+    with pytest.raises(SpecError) as err:
+        _spec(**fields)
+    assert err.value.field == path and str(err.value).startswith(f"{path}: "), err.value
+    assert says in str(err.value)

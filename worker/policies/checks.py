@@ -76,7 +76,9 @@ def layout_errors(policy: policy_pb2.Policy, group_gpus: int) -> list[str]:
         return ["policy: exactly one of " + ", ".join(kinds.kinds()) + " must be set"]
     spec = kinds.spec_of(kind)
     if spec is None:
-        return []  # auto: planned into a concrete policy first, which is checked in turn
+        # auto: planned into a concrete policy first, which is checked in turn; its own
+        # fields' bounds (margin >= 0) are checked here.
+        return policy_fields.bound_errors(policy_fields.message_of(policy), f"policy.{kind}")
     errors = policy_fields.bound_errors(policy_fields.message_of(policy), f"policy.{kind}")
     if errors:
         return errors
