@@ -5,6 +5,7 @@ docs/planning.md). Pure simulation: no torch, no devices."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -45,6 +46,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--output", "-o", type=Path, help="write the report as JSON")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the JSON report (every figure with its error band) on stdout, and the "
+        "table and notes on stderr",
+    )
     p.add_argument("--png", type=Path, help="write p99 TTFT and TPOT vs rate per candidate")
     p.add_argument(
         "--no-extras", action="store_true", help="skip SiDP's B_th and Tetris's rate table"
@@ -148,8 +155,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     hw = priced.hardware
-    print(f"pricing: {priced.describe}")
-    print(priced.links_text())
+    say = functools.partial(print, file=sys.stderr if args.json else sys.stdout)
+    say(f"pricing: {priced.describe}")
+    say(priced.links_text())
     bar = tqdm(desc="simulating", unit="point", file=sys.stderr, disable=args.no_progress)
     try:
         report = plan_deployment(
@@ -173,12 +181,12 @@ def run(args: argparse.Namespace) -> int:
     data["model"] = model.name
     data["hardware"] = args.hardware or f"{hw.count}x {hw.device.name} (from the profile)"
     if priced.excluded:
-        print(f"excluded (not in the profile): {', '.join(priced.excluded)}")
+        say(f"excluded (not in the profile): {', '.join(priced.excluded)}")
     if priced.roofline_priced:
-        print(f"priced from the roofline (not in the profile): {', '.join(priced.roofline_priced)}")
-    print(table(data))
+        say(f"priced from the roofline (not in the profile): {', '.join(priced.roofline_priced)}")
+    say(table(data))
     if not args.no_extras and priced.profile is not None:
-        print("extras skipped: SiDP's B_th and Tetris's rate table are roofline-priced")
+        say("extras skipped: SiDP's B_th and Tetris's rate table are roofline-priced")
     elif not args.no_extras:
         from gearshift.operator.sim import plan_extras
 
@@ -186,7 +194,9 @@ def run(args: argparse.Namespace) -> int:
         data["tetris_improvement_rates"] = plan_extras.tetris_table(
             model, hw, traffic, args.tetris_rates or report.rates, plan_extras.TETRIS_REQUESTS
         )
-        print(plan_extras.text(data))
+        say(plan_extras.text(data))
+    if args.json:
+        print(json.dumps(data, indent=2))
     if args.output:
         args.output.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     if args.png:

@@ -104,6 +104,12 @@ class PlanReport:
         for c in candidates:  # each simulated figure with its error band
             for point in c["points"]:
                 point["error_band"] = self.band.bands(point)
+            # The highest rate meeting the SLO is compared within the throughput's band
+            # (``recommend``): the same interval here.
+            top = c["max_rate_meeting_slo"]
+            c["max_rate_error_band"] = (
+                None if top is None else list(self.band.interval(top, "output_tokens_per_s"))
+            )
         return {
             "rates": self.rates,
             "declared_rate": self.traffic.rate,

@@ -167,6 +167,31 @@ def test_gearshift_plan_writes_table_json_and_png(tmp_path: Path) -> None:
     assert png.stat().st_size > 10_000
 
 
+def test_json_prints_the_report_with_every_figure_in_its_error_band() -> None:
+    """``--json``: the report on stdout (scripts pipe it), the table and notes on stderr; each
+    simulated figure has its interval, and so does the highest rate meeting the SLO."""
+    done = _plan(
+        "--model", str(LLAMA), "--hardware", "8xH200", "--rate", "4", "--requests", "20",
+        "--prompt-len", "512", "--output-len", "64", "--rates", "2,4", "--policies", "static",
+        "--goodput", "ttft:5000 tpot:500", "--no-extras", "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(done.stdout)
+    assert f"recommended: {data['recommended']}" in done.stderr
+    figures = {"makespan_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
+               "tpot_p99_s", "e2e_p50_s"}  # fmt: skip
+    ran = [c for c in data["candidates"] if c["points"]]
+    assert ran
+    for c in ran:
+        for p in c["points"]:
+            assert figures <= set(p["error_band"]), p["error_band"]
+            lo, hi = p["error_band"]["makespan_s"]
+            assert lo < p["makespan_s"] < hi
+        top = c["max_rate_meeting_slo"]
+        assert (c["max_rate_error_band"] is None) == (top is None)
+    assert any(c["max_rate_error_band"] for c in ran)  # the loose SLO is met somewhere
+
+
 @pytest.mark.parametrize(
     ("args", "flag"),
     [
