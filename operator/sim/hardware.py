@@ -98,17 +98,19 @@ class Hardware:
 # - NVLink α 3 µs: NCCL's own cost model puts one ring hop of its Simple protocol (the one large
 #   messages use) on NVLink at 3.4 µs (``hwLat`` in NCCL's src/graph/tuning.cc, the table NCCL
 #   picks its algorithms by; its figures move between NCCL versions), rounded down.
-# - PCIe α 5 µs: unsourced: an assumption that keeps NCCL's order (the same table puts PCIe
-#   above NVLink); good to an order of magnitude only.
-# - network α 10 µs: unsourced: an assumption that keeps NCCL's order (the table puts the
-#   network several times above NVLink: the NIC and switch are in the path).
-# - bridge α 3 µs: unsourced: taken equal to NVLink's (a bridge is NVLink between two or four
-#   cards, without a switch).
+# - PCIe α 5 µs: the same table's ring hop over PCI, 5.7 µs (unchanged across the versions
+#   read: 2.x tuning.cc's early tables and today's), rounded down as NVLink's.
+# - network α 10 µs: the same table's ring hop over the network, 9.6 µs in NCCL's earlier
+#   tables and 14 µs in today's (NCCL has raised it as it added protocols); taken at the
+#   earlier, rounded. A profile's measured collectives replace it where a group crosses nodes.
+# - bridge α 3 µs: NCCL types an NVLink bridge's path as NVLink (it is NVLink between two or
+#   four cards, without a switch), so the same 3.4 µs, rounded down.
 _NVLINK = Link(bandwidth=450 * GB, latency=3 * US)  # H100/H200 SXM datasheets: 900 GB/s both ways
 _PCIE5 = Link(bandwidth=64 * GB, latency=5 * US)  # PCIe Gen5 x16: 128 GB/s both ways (datasheets)
 _PCIE4 = Link(bandwidth=32 * GB, latency=5 * US)  # PCIe Gen4 x16: 64 GB/s both ways (L4 datasheet)
 # One 400 Gb/s NDR InfiniBand NIC per GPU (NVIDIA DGX H100/H200 user guide: eight ConnectX-7
-# for eight GPUs) = 50 GB/s one way.
+# for eight GPUs) = 50 GB/s one way. The PCIe and NVL presets take the same NIC per GPU: their
+# servers vary (a configuration, not a part's figure); a hardware file sets it.
 _IB_NDR = Link(bandwidth=50 * GB, latency=10 * US)
 # NVLink bridges of the PCIe cards (H100 PCIe, H100 NVL: a 2-GPU bridge, 600 GB/s both ways;
 # H200 NVL: a 2- or 4-GPU bridge, 900 GB/s both ways; their datasheets). A group larger than a
