@@ -77,7 +77,7 @@ from gearshift.worker.engine.contract import QueueView, StepRequest
 from gearshift.worker.engine.scheduler import ScheduledBatch, Scheduler
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.kv.block_manager import BlockManager
-from gearshift.worker.policies.tetris.admission import DecodeAdmission, decode_step_request
+from gearshift.worker.policies.tetris.admission import DecodeAdmission
 
 RECEIVE_STEP_S = 1e-6  # a step that only lands KV (its copy is priced as the hand-off)
 # TetrisPolicy.transfer_buffer_bytes's default (policy.proto): the most a piece carries.
@@ -104,7 +104,9 @@ class DecodeHooks:
         self.admission = DecodeAdmission(scheduler, blocks)
 
     def step_request(self, queues: QueueView) -> StepRequest:
-        return decode_step_request(queues)
+        del queues
+        assert self.admission is not None
+        return self.admission.step_request()
 
     def held(self) -> frozenset[str]:
         return frozenset()

@@ -175,9 +175,12 @@ def test_every_request_finishes_with_no_block_held_and_groups_split_the_trace() 
 def test_a_decode_instance_out_of_kv_recomputes_what_it_preempts() -> None:
     """The engine's decode instance, simulated: placement checks a request's prompt and outputs
     against the blocks left, but does not reserve the growth of those already decoding, so a
-    tight cache preempts. The instance recomputes what it preempted (it did not, and those
-    requests never ended: neither finished nor refused, 2026-11-28)."""
-    cfg = ReplicaConfig(num_blocks=40, block_size=16, max_model_len=512)
+    tight cache preempts. The instance recomputes what it preempted, over as many steps as
+    its token budget takes (it did not, and those requests never ended: neither finished nor
+    refused; then it stopped after the first chunk, 2026-11-28)."""
+    cfg = ReplicaConfig(
+        num_blocks=40, block_size=16, max_model_len=512, max_num_batched_tokens=64
+    )  # a recompute of 100 prompt tokens and more takes several steps
     group = dataclasses.replace(_group(), config=cfg)
     trace = [TraceRequest(0.05 * i, prompt_tokens=100, output_tokens=200) for i in range(8)]
     result = simulate_tetris(group, trace)

@@ -14,8 +14,8 @@ transfer slot's channel, its messages labelled with its grant number (``handoff.
 A running request can still be preempted, when the outputs of those placed here outgrow the
 blocks left (placement reserves only what a request holds in transfer). The engine then frees
 its blocks and queues it to be recomputed, and only this instance can: the pool handed it over
-long ago. So a step with such a request waiting may prefill (``decode_step_request``), as any
-engine recomputes what it preempted.
+long ago. So while such a request waits or is part way through its recompute, a step may
+prefill (``DecodeAdmission.step_request``), as any engine recomputes what it preempted.
 
 Torch-free: the simulator (operator/sim/tetris_sim.py) admits requests with this same class.
 """
@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gearshift.worker.engine.contract import QueueView, StepKind, StepRequest
+from gearshift.worker.engine.contract import StepKind, StepRequest
 from gearshift.worker.engine.scheduler import Scheduler
 from gearshift.worker.engine.sequence import FinishReason, Sequence, SequenceStatus
 from gearshift.worker.errors import InvalidRequestError
@@ -46,13 +46,6 @@ STREAM = "tetris_stream"
 
 Post = tuple[int, int, int, int]  # a streamed piece's receives to post: (src, slot, xfer, rows)
 Piece = tuple[int, int, int, int, list[int]]  # a whole piece: (src, slot, xfer, rows, blocks)
-
-
-def decode_step_request(queues: QueueView) -> StepRequest:
-    """A decode instance leader's next step: decode-only, unless the scheduler's queue holds a
-    request (``expect`` takes every new one out at once, so one there was preempted), which it
-    may then recompute."""
-    return StepRequest() if queues.waiting else StepRequest(StepKind.DECODE)
 
 
 def encode_stream(posts: list[Post], completes: list[tuple[int, list[int]]]) -> list[int]:
@@ -136,6 +129,16 @@ class DecodeAdmission:
     _landed: list[tuple[str, int, int]] = field(default_factory=list)  # (rid, piece, slot)
     _failed: list[tuple[str, str]] = field(default_factory=list)  # (rid, why), to report
     admitted: int = 0
+
+    def step_request(self) -> StepRequest:
+        """The instance's next step: decode-only, unless a request it preempted waits in the
+        scheduler's queue (``expect`` takes every new one out at once) or is still being
+        recomputed (more than one token to compute: a landed request has exactly one), which
+        a step may then prefill."""
+        sched = self.scheduler
+        if sched.waiting or any(s.num_tokens - s.num_computed_tokens > 1 for s in sched.running):
+            return StepRequest()
+        return StepRequest(StepKind.DECODE)
 
     def expect(self, request_id: str, pieces: int) -> None:
         """The engine has just queued ``request_id``: take it from the queue and reserve its

@@ -30,14 +30,14 @@ import torch.distributed as dist
 
 from gearshift.v1 import policy_pb2
 from gearshift.worker.comm import CommGroup
-from gearshift.worker.engine.contract import QueueView, StepRequest
+from gearshift.worker.engine.contract import QueueView, StepKind, StepRequest
 from gearshift.worker.engine.loading import load_model
 from gearshift.worker.engine.model_runner import Gear
 from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.model.config import ModelConfig
 from gearshift.worker.parallel.layout import Layout
 from gearshift.worker.policies.base import Policy, RankContext, RankModel
-from gearshift.worker.policies.tetris.admission import DecodeAdmission, decode_step_request
+from gearshift.worker.policies.tetris.admission import DecodeAdmission
 from gearshift.worker.policies.tetris.channels import TetrisChannels, open_channels
 from gearshift.worker.policies.tetris.decode import ReceiveHook
 from gearshift.worker.policies.tetris.handoff import head_route, kv_heads_of
@@ -206,7 +206,10 @@ class TetrisPolicy(Policy):
         self.admission = DecodeAdmission(scheduler, blocks, self.hook)
 
     def step_request(self, queues: QueueView) -> StepRequest:
-        return decode_step_request(queues)
+        del queues
+        if self.admission is None:
+            return StepRequest(StepKind.DECODE)
+        return self.admission.step_request()
 
     def plan_sections(self, batch: Any) -> dict[str, Any]:
         del batch

@@ -606,8 +606,10 @@ def test_a_decode_instance_out_of_kv_recomputes_what_it_preempts(
     """Requests placed on a decode instance hold their prompts' blocks; their outputs grow into
     the rest. When it runs out, the scheduler preempts a sequence (recompute), and the decode
     instance, which otherwise only decodes, must prefill it again itself: the pool has long
-    handed it over. Four requests of up to 50 tokens on a 24-block (96-token) cache: every one
-    ends with the one-process tokens (a preempted one waited forever before, 2026-11-28)."""
+    handed it over, in as many steps as its token budget takes. Four requests of up to 50
+    tokens on a 24-block (96-token) cache, 16 tokens a step: every one ends with the
+    one-process tokens (a preempted one waited forever before, or stopped part way through its
+    recompute, 2026-11-28)."""
     folder = tiny_checkpoint("llama2-bias", num_heads=8, num_kv_heads=2, layers=2)
     names = ["a", "b", "c", "d"]
     prompts = _prompts([9, 10, 8, 10], seed=29)
@@ -617,6 +619,7 @@ def test_a_decode_instance_out_of_kv_recomputes_what_it_preempts(
         {"prefill_instances": 2, "decode_instances": 1},
         kv_cache_bytes=24 << 10,  # 256 bytes a token: 24 blocks of 4 tokens
         max_model_len=64,
+        max_num_batched_tokens=16,  # a recompute of up to 50 tokens takes several steps
     )
     for i, (name, ids) in enumerate(zip(names, prompts, strict=True)):
         group.submit(name, ids, _greedy(40), _plan([(len(ids), [i % 2])]))
