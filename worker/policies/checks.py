@@ -75,12 +75,10 @@ def layout_errors(policy: policy_pb2.Policy, group_gpus: int) -> list[str]:
     if not kind:
         return ["policy: exactly one of " + ", ".join(kinds.kinds()) + " must be set"]
     spec = kinds.spec_of(kind)
-    if spec is None:
-        # auto: planned into a concrete policy first, which is checked in turn; its own
-        # fields' bounds (margin >= 0) are checked here.
-        return policy_fields.bound_errors(policy_fields.message_of(policy), f"policy.{kind}")
     errors = policy_fields.bound_errors(policy_fields.message_of(policy), f"policy.{kind}")
-    if errors:
+    if errors or spec is None:
+        # auto (no spec) has only its own fields' bounds (margin >= 0) to check here: it is
+        # planned into a concrete policy first, which is checked in turn.
         return errors
     full = with_defaults(policy, group_gpus)
     env = PyEnv(policy_fields.message_of(full), group_gpus)
