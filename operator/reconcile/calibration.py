@@ -47,8 +47,23 @@ def check(spec: DeploymentSpec) -> None:
         why = "spec.group.gpuResource is empty: the group runs on no GPU to profile"
     elif spec.engine != "gearshift":
         why = f"engine {spec.engine}: gearshift profile measures the gearshift engine"
+    elif _names_no_version(spec.images.worker):
+        # The key holds the image reference: one that names no version (no tag, or :latest)
+        # would keep an old profile after the image behind it moved.
+        why = (
+            f"spec.images.worker {spec.images.worker!r} names no version, and a profile is "
+            "measured once per image version: pin a tag other than latest, or a digest"
+        )
     if why:
         raise SpecError(f"{FIELD}: {why}; give spec.policy.auto.profile instead", FIELD)
+
+
+def _names_no_version(image: str) -> bool:
+    """True for an image reference with neither a digest nor a tag other than ``latest``."""
+    if "@" in image:
+        return False
+    last = image.rsplit("/", 1)[-1]  # a registry's host:port is not a tag
+    return ":" not in last or last.rsplit(":", 1)[1] == "latest"
 
 
 def key(spec: DeploymentSpec, gpu: str) -> str:

@@ -46,8 +46,10 @@ def _node(product: str, **labels: str) -> dict[str, Any]:
         ({"policy": {"profile": "p"}}, f"{FIELD}, spec.policy.auto.profile: set one"),
         ({"group": {"nodes": 2, "gpusPerNode": 8}}, "the group spans several nodes"),
         ({"group": {"nodes": 1, "gpusPerNode": 2, "gpuResource": ""}}, "runs on no GPU"),
+        ({"worker": "reg:5000/gs/worker"}, "'reg:5000/gs/worker' names no version"),
+        ({"worker": "gs/worker:latest"}, "'gs/worker:latest' names no version"),
     ],
-    ids=["with-profile", "two-nodes", "no-gpu"],
+    ids=["with-profile", "two-nodes", "no-gpu", "untagged-image", "latest-image"],
 )
 def test_what_cannot_be_calibrated_is_refused_naming_the_field(
     change: dict[str, Any], says: str
@@ -55,11 +57,22 @@ def test_what_cannot_be_calibrated_is_refused_naming_the_field(
     body = _body()
     if "policy" in change:
         body["spec"]["policy"]["auto"].update(change["policy"])
+    elif "worker" in change:
+        body["spec"]["images"]["worker"] = change["worker"]
     else:
         body["spec"]["group"] = change["group"]
     with pytest.raises(SpecError, match=says) as err:
         calibration.check(parse(body))
     assert err.value.field == FIELD and str(err.value).startswith(FIELD)
+
+
+@pytest.mark.parametrize(
+    "image", ["reg:5000/gs/worker:0.2", "gs/worker:latest@sha256:" + "0" * 64, "gs/worker@sha256:1"]
+)
+def test_an_image_pinned_by_a_tag_or_a_digest_is_calibrated(image: str) -> None:
+    body = _body()
+    body["spec"]["images"]["worker"] = image
+    calibration.check(parse(body))  # no SpecError
 
 
 def test_one_calibration_serves_every_deployment_of_the_same_shape_gpu_image_and_size() -> None:
