@@ -47,7 +47,9 @@ def plan(
     - Outdated base groups roll: unavailable ones first (free), then available ones while the
       available count stays at or above replicas − max_unavailable. Surge groups count as
       available capacity, so with max_surge > 0 an old group goes down only once a new one serves.
-    - Surge groups exist only while some base group is outdated or not yet available.
+    - Surge groups are created only for outdated base groups, and kept (not deleted) while some
+      base group is outdated or not yet available: a rolled group restarting is current but
+      not serving, and the surge group is what serves in its place until it does.
     """
     # A surge group at an index below `replicas` (scaled up mid-rollout) becomes a base group.
     by_index = {g.index: g for g in groups if not g.surge or g.index < replicas}
@@ -62,19 +64,24 @@ def plan(
         out.delete.extend(g.index for g in surge)
         return out
     want_surge = min(max_surge, len(outdated))
-    for k in range(want_surge):
+    # A current base group that does not serve yet (rolled, restarting; or new) keeps a surge
+    # group that exists: deleting it now would take the serving count below `replicas`.
+    starting = sum(1 for g in base if g.current and not g.available) + replicas - len(base)
+    keep_surge = min(max_surge, len(outdated) + starting)
+    for k in range(keep_surge):
         idx = replicas + k
         existing = next((g for g in surge if g.index == idx), None)
-        if existing is None:
+        if existing is None and k < want_surge:
             out.create_surge.append(idx)
-        elif not existing.current:
-            out.roll.append(idx)
-    out.delete.extend(g.index for g in surge if g.index >= replicas + want_surge)
-    # Availability counts only groups that will still exist after this pass.
-    kept_surge = [g for g in surge if g.index < replicas + want_surge]
-    available = sum(g.available for g in base) + sum(g.available and g.current for g in kept_surge)
+    out.delete.extend(g.index for g in surge if g.index >= replicas + keep_surge)
+    # Availability counts only groups that will still exist after this pass, an old revision's
+    # as much as the new one's: both serve. An outdated surge group (a second change arrived
+    # mid-roll) rolls under the same budget as a base group, after them.
+    kept_surge = [g for g in surge if g.index < replicas + keep_surge]
+    available = sum(g.available for g in base) + sum(g.available for g in kept_surge)
     budget = available - (replicas - max_unavailable)
-    for g in sorted(outdated, key=lambda g: (g.available, g.index)):
+    stale = outdated + [g for g in kept_surge if not g.current]
+    for g in sorted(stale, key=lambda g: (g.available, g.surge, g.index)):
         if not g.available:
             out.roll.append(g.index)
         elif budget > 0:

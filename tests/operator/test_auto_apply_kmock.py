@@ -185,6 +185,11 @@ def test_an_accepted_layout_change_rolls_with_surge_and_never_drops_below_the_re
         # drain may land just after the new revision is seen.
         wait_for(lambda: g0 in admin.drained, 30, what="g0 drained at the router")
         admin.stop_serving(g0)
+        # While g0's new pods start (several passes, every 0.5 s here), the surge group is
+        # all that serves: it stays.
+        for _ in range(6):
+            threading.Event().wait(0.5)
+            assert api.get(f"{STS}/{g1}"), "the surge group went before g0 served again"
         admin.serve(g0, new_policy, _revision(api, g0))  # ... and serve the new layout
         # ... and the surge group goes once g0 serves.
         wait_for(lambda: not api.get(f"{STS}/{g1}"), 30, what="the surge group deleted")

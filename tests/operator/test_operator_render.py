@@ -178,6 +178,52 @@ def test_rollout_with_surge_adds_a_new_group_before_taking_an_old_one_down() -> 
     assert done.delete == [2]
 
 
+def test_rollout_keeps_the_surge_group_until_the_rolled_group_serves() -> None:
+    # The last old group was rolled: it is current but restarting. The surge group serves in
+    # its place, so it stays until the rolled group serves.
+    rolled = [_group(0, available=False), _group(1, surge=True)]
+    assert rollout.plan(rolled, 1, max_unavailable=0, max_surge=1).idle
+    served = [_group(0), _group(1, surge=True)]
+    assert rollout.plan(served, 1, max_unavailable=0, max_surge=1).delete == [1]
+    # A new base group alone (the first deployment) gets no surge group.
+    assert rollout.plan([_group(0, available=False)], 1, max_unavailable=0, max_surge=1).idle
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3, 5])
+@pytest.mark.parametrize("second_change_at", [None, 1, 2, 3, 4])
+def test_a_surge_rollout_never_serves_fewer_groups_than_replicas(
+    replicas: int, second_change_at: int | None
+) -> None:
+    """Passes of rollout.plan (maxUnavailable 0, maxSurge 1) over a model of the groups: a group
+    created or rolled serves two passes later; a second layout change may arrive mid-roll."""
+    groups = {i: ["A", True, False] for i in range(replicas)}  # revision, serving, surge
+    desired, starting = "B", {}
+    fewest = replicas
+    for t in range(80):
+        if t == second_change_at:
+            desired = "C"
+        seen = [rollout.ObservedGroup(i, g[0], desired, g[1], g[2]) for i, g in groups.items()]
+        step = rollout.plan(seen, replicas, max_unavailable=0, max_surge=1)
+        for i in step.create + step.create_surge:
+            groups[i], starting[i] = [desired, False, i >= replicas], 2
+        for i in step.roll:
+            groups[i][:2], starting[i] = [desired, False], 2
+        for i in step.delete:
+            groups.pop(i)
+            starting.pop(i, None)
+        fewest = min(fewest, sum(g[1] for g in groups.values()))
+        for i in list(starting):
+            starting[i] -= 1
+            if not starting[i]:
+                groups[i][1] = True
+                del starting[i]
+        if step.idle and not starting and len(groups) == replicas:
+            break
+    assert fewest >= replicas
+    assert sorted(groups) == list(range(replicas))
+    assert all(g[0] == desired and g[1] for g in groups.values())
+
+
 def _pod(
     name: str, restarts_: int = 0, phase: str = "Running", waiting: str = ""
 ) -> dict[str, Any]:
