@@ -27,6 +27,9 @@ from gearshift.operator.reconcile.auto_planner import Failed, PlanRequest, run_p
 from gearshift.operator.reconcile.spec import DeploymentSpec, SpecError, parse_policy
 from gearshift.operator.sim import auto_policy
 from gearshift.v1 import policy_fields, policy_pb2
+from gearshift.worker.errors import InvalidRequestError
+from gearshift.worker.policies import checks
+from gearshift.worker.policies.support import check_supported
 
 # Set by NVIDIA's GPU feature discovery on every GPU node, e.g. "NVIDIA-H100-80GB-HBM3".
 GPU_LABEL = "nvidia.com/gpu.product"
@@ -95,12 +98,44 @@ def with_profile(spec: DeploymentSpec, config_map: str) -> DeploymentSpec:
 
 def hold(spec: DeploymentSpec, before: dict[str, Any], message: str) -> Resolved:
     """While calibrating: the running choice keeps running, status.auto.calibrating says why no
-    plan comes; with none running yet, Waiting (nothing is rendered, reason Calibrating)."""
+    plan comes; with none running yet, or one that no longer runs on the group (resized with
+    calibrate turned on), Waiting (nothing changes, reason Calibrating)."""
     if not isinstance(before.get("policy"), dict):
         raise Waiting(None, message, False, reason="Calibrating")
     kept = {k: v for k, v in before.items() if k not in TRANSIENT}
     status = {**kept, "calibrating": {"message": message}}
+    if misfit(spec, before["policy"]):
+        raise Waiting(status, message, False, reason="Calibrating")
     return Resolved(with_policy(spec, before["policy"]), status, False)
+
+
+def misfit(spec: DeploymentSpec, policy: dict[str, Any]) -> str:
+    """Why the stored choice ``policy`` cannot run on ``spec``'s group as it is now ("": it
+    can): the group was resized since it was planned."""
+    try:
+        candidate = with_policy(spec, policy)
+    except SpecError as exc:
+        return str(exc)
+    errors = checks.layout_errors(candidate.policy, candidate.group.ranks)
+    if errors:
+        return "spec." + "; spec.".join(errors)
+    if candidate.engine == "gearshift":  # engine: vllm runs static pp/dp through vLLM itself
+        try:
+            check_supported(
+                candidate.full_policy, candidate.group.ranks, nodes=candidate.group.nodes
+            )
+        except InvalidRequestError as exc:
+            return exc.message
+    return ""
+
+
+def precheck(spec: DeploymentSpec, gpu: str) -> None:
+    """SpecError naming the field for what a plan would refuse, asked before anything costly
+    (calibrate's Job) is started for it."""
+    try:
+        auto_policy.check_inputs(spec.policy.auto, gpu, _shape(spec))
+    except auto_policy.AutoError as exc:
+        raise SpecError(str(exc), exc.field) from None
 
 
 def gpu_from_nodes(nodes: list[dict[str, Any]], selector: dict[str, str]) -> str:
@@ -317,7 +352,9 @@ def _resolve(
             return Resolved(with_policy(spec, kept["policy"]), kept, False)
         for k in ("held", "gain"):
             plan.pop(k, None)
-    decision = auto_apply.decide(running, plan, auto_apply.Rules.of(spec.policy.auto), now)
+    rules = auto_apply.Rules.of(spec.policy.auto)
+    unfit = misfit(spec, running["policy"]) if running is not None else ""
+    decision = auto_apply.decide(running, plan, rules, now, unfit)
     if decision.apply:
         changed = running is None or running.get("policy") != plan["policy"]
         applied_at = restarts.format_time(now) if changed else kept.get("appliedAt")

@@ -1,13 +1,15 @@
 """Whether ``policy: auto`` applies a new plan (issue 30, item 4). Pure: the running plan, the new
 one, the deployment's rules and the time in; a decision and its reason out.
 
-A plan after the first is a proposal. ``apply: Recommend`` never takes it. ``apply: Auto`` takes
-it when the running layout is no longer a candidate (nothing to keep), when it changes only live
-fields of the running layout (applied through Admin without restarting a pod, so there is nothing
-to protect), or when its predicted gain exceeds ``margin`` and the last change is older than
-``cooldownSeconds``. The gain compares the two layouts in the same plan (the same inputs, the
-same simulated trace), on the figure that decided the plan (``planning.recommend``): the highest
-rate meeting the SLO, else p99 TTFT at the declared rate.
+A plan after the first is a proposal. Either mode takes it when the running layout no longer
+runs on the group (spec.group was resized: there is nothing to keep). Otherwise ``apply:
+Recommend`` never takes it, and ``apply: Auto`` takes it when the running layout is no longer a
+candidate (nothing to keep), when it changes only live fields of the running layout (applied
+through Admin without restarting a pod, so there is nothing to protect), or when its predicted
+gain exceeds ``margin`` and the last change is older than ``cooldownSeconds``. The gain compares
+the two layouts in the same plan (the same inputs, the same simulated trace), on the figure that
+decided the plan (``planning.recommend``): the highest rate meeting the SLO, else p99 TTFT at the
+declared rate.
 """
 
 from __future__ import annotations
@@ -70,13 +72,21 @@ def gain(plan: dict[str, Any], running: str) -> tuple[float | None, str]:
 
 
 def decide(
-    running: dict[str, Any] | None, plan: dict[str, Any], rules: Rules, now: dt.datetime
+    running: dict[str, Any] | None,
+    plan: dict[str, Any],
+    rules: Rules,
+    now: dt.datetime,
+    misfit: str = "",
 ) -> Decision:
-    """Apply ``plan`` over the ``running`` one (status.auto; None: nothing runs yet)?"""
+    """Apply ``plan`` over the ``running`` one (status.auto; None: nothing runs yet)?
+    ``misfit``: why the running layout cannot run on the group as it is now (resized), in which
+    case there is nothing to keep, in either mode."""
     if running is None or not isinstance(running.get("policy"), dict):
         return Decision(True, "the first plan")
     if plan["policy"] == running["policy"]:
         return Decision(True, "the plan keeps the running policy")
+    if misfit:
+        return Decision(True, f"the running layout no longer runs on the group: {misfit}")
     if rules.recommend:
         return Decision(False, "apply: Recommend")
     if plan["choice"] == running.get("choice"):

@@ -187,3 +187,8 @@ class Planner:
 
     def running(self) -> int:
         return len(self._jobs)
+
+    def stop(self, owner: Owner) -> None:
+        """Stop the deployment's plan in flight, if any (its spec no longer parses, so no pass
+        polls it: nothing would enforce its timeout); finished outcomes are kept."""
+        self._stop(owner)

@@ -21,7 +21,6 @@ from gearshift.operator.reconcile.kube import Kube
 from gearshift.operator.reconcile.reconciler import Reconciler
 from gearshift.operator.reconcile.render_meta import is_owned_by
 from gearshift.operator.reconcile.settings import OperatorSettings
-from gearshift.operator.reconcile.spec import SpecError, parse
 from gearshift.operator.reconcile.tokens import TokenKeeper
 
 # Read once at import: kopf needs the timer interval when the decorator runs. Frozen, not shared
@@ -119,21 +118,19 @@ async def resync(
 
 @kopf.on.delete(*RESOURCE)
 async def on_delete(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
-    try:
-        spec = parse(dict(body))
-    except SpecError:
-        return  # nothing was rendered for an invalid spec
-    owner = (spec.namespace, spec.name, spec.uid)
+    # From the metadata alone: a deployment whose spec turned invalid after it ran still has
+    # children, and may have a plan in flight.
+    meta = body.get("metadata") or {}
+    namespace, name, uid = (str(meta.get(k) or "") for k in ("namespace", "name", "uid"))
+    owner = (namespace, name, uid)
     memo.setdefault("plans", {}).pop(owner, None)
     memo["planner"].forget(owner)
     kube: Kube = memo["kube"]
     for api_version, kind in _CHILD_KINDS:
-        for obj in await kube.select(
-            api_version, kind, spec.namespace, {names.LABEL_DEPLOYMENT: spec.name}
-        ):
-            if is_owned_by(obj, spec) or kind == "Pod":
-                await kube.delete(api_version, kind, spec.namespace, obj["metadata"]["name"])
+        for obj in await kube.select(api_version, kind, namespace, {names.LABEL_DEPLOYMENT: name}):
+            if is_owned_by(obj, name, uid) or kind == "Pod":
+                await kube.delete(api_version, kind, namespace, obj["metadata"]["name"])
     # The token Secrets go with the owner reference (garbage collection): the operator may not
     # delete Secrets at all, so it can never delete one it did not make.
-    memo["tokens"].forget(spec)
-    logger.info("deleted the children of %s/%s", spec.namespace, spec.name)
+    memo["tokens"].forget(owner)
+    logger.info("deleted the children of %s/%s", namespace, name)

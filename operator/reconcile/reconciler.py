@@ -105,6 +105,13 @@ class Reconciler:
                 model=previous.get("model"),
             )
         except SpecError as exc:
+            owner = (
+                str(meta.get("namespace", "")),
+                str(meta.get("name", "")),
+                str(meta.get("uid", "")),
+            )
+            if self.planner is not None:
+                self.planner.stop(owner)
             result = status.PassResult(
                 replicas=0, max_unavailable=1, groups=[], spec_error=str(exc), spec_field=exc.field
             )
@@ -116,7 +123,11 @@ class Reconciler:
                 generation=int(meta.get("generation", 0)),
                 previous=previous,
                 now=now,
-                model=previous.get("model"),  # a pin survives a pass that renders nothing
+                # A pass that renders nothing loses nothing: the model's pin, and auto's
+                # running choice with its cooldown and recommendation (the next valid pass
+                # decides from them, as if this one had not been).
+                auto=self.plans.get(owner) or previous.get("auto"),
+                model=previous.get("model"),
             )
         admin = AdminClient(
             self.settings.admin_address_for(spec.name, spec.namespace),
@@ -171,6 +182,7 @@ class Reconciler:
         profile: str | None = None
         if auto.calibrates(parsed):
             gpu = auto.gpu_of(parsed, nodes)
+            auto.precheck(parsed, gpu)  # a bad input is refused now, not after the Job's hours
             retry = self.settings.calibration
             measured = await calibration_run.run(self.kube, parsed, gpu, nodes or [], now, retry)
             if isinstance(measured, calibration_run.Calibrating):
@@ -291,7 +303,7 @@ class Reconciler:
         sets = [
             s
             for s in snap.of_kind("apps/v1", "StatefulSet")
-            if is_owned_by(s, spec)
+            if is_owned_by(s, spec.name, spec.uid)
             and (s["metadata"].get("labels") or {}).get(names.LABEL_COMPONENT) == "worker"
         ]
         observed = [self._observe(spec, s, reported, router is not None) for s in sets]

@@ -41,10 +41,11 @@ def child_metadata(
     return meta
 
 
-def is_owned_by(obj: dict[str, Any], spec: DeploymentSpec) -> bool:
-    """Whether `obj` is this deployment's child (by owner uid, or by labels when uid is unknown)."""
+def is_owned_by(obj: dict[str, Any], name: str, uid: str) -> bool:
+    """Whether `obj` is the child of deployment ``name`` of ``uid`` (by owner uid, or by labels
+    when uid is unknown)."""
     meta = obj.get("metadata", {})
     refs = meta.get("ownerReferences") or []
-    if spec.uid and any(r.get("uid") == spec.uid for r in refs):
+    if uid and any(r.get("uid") == uid for r in refs):
         return True
-    return (meta.get("labels") or {}).get(names.LABEL_DEPLOYMENT) == spec.name and not refs
+    return (meta.get("labels") or {}).get(names.LABEL_DEPLOYMENT) == name and not refs

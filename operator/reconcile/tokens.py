@@ -153,9 +153,8 @@ class TokenKeeper:
                 "metadata.name",
             ) from exc
 
-    def forget(self, spec: DeploymentSpec) -> None:
-        """Drop what is remembered of a deleted deployment."""
-        ident = (spec.namespace, spec.name, spec.uid)
+    def forget(self, ident: tuple[str, str, str]) -> None:
+        """Drop what is remembered of a deleted deployment (namespace, name, uid)."""
         self.previous.pop(ident, None)
         for purpose in (ADMIN, CONTROL):
             self.written.pop((*ident, purpose), None)

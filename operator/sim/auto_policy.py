@@ -176,6 +176,17 @@ def goodput_of(auto: policy_pb2.AutoPolicy) -> Goodput | None:
         raise AutoError(f"{FIELD}.goodput", str(exc).removeprefix("goodput: ")) from None
 
 
+def check_inputs(auto: policy_pb2.AutoPolicy, gpu: str, shape: GroupShape) -> None:
+    """What ``choose`` would refuse before it simulates (the model's shape, the GPU, the declared
+    traffic, the policies, the goodput), AutoError naming the field; cheap: nothing is planned.
+    The operator asks it before it starts a profiling Job that takes a GPU node for minutes."""
+    model_of(auto)
+    hardware_of(gpu, shape)
+    traffic_of(auto, shape)
+    kinds_of(auto)
+    goodput_of(auto)
+
+
 def _camel(point: dict[str, Any] | None) -> dict[str, Any]:
     if not point:
         return {}
