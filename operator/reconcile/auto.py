@@ -39,7 +39,8 @@ PLANNER_VERSION = 2
 
 
 class Waiting(Exception):
-    """Nothing runs yet and the first plan is not there: in flight, or stopped at the timeout."""
+    """Nothing runs yet and the first plan is not there: in flight, or stopped at the timeout
+    (or its child died) and planned again after the back-off."""
 
     def __init__(
         self,
@@ -47,10 +48,13 @@ class Waiting(Exception):
         message: str,
         timed_out: bool,
         reason: str = "Planning",
+        error_reason: str = "PlannerTimedOut",
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.timed_out = status, message, timed_out
         self.reason = reason  # the conditions' reason: Planning, or Calibrating (calibrate)
+        # With timed_out: PlannerTimedOut, or PlannerCrashed (the child died without answering).
+        self.error_reason = error_reason
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,8 @@ class Resolved:
     status: dict[str, Any]  # status.auto
     planned: bool  # True when this pass planned (False: the stored choice was reused)
     event: Event | None = None  # what to tell the user about this pass's plan
+    # Why status["error"], when there: PlannerTimedOut or PlannerCrashed (the conditions' reason).
+    error_reason: str = "PlannerTimedOut"
 
 
 def is_auto(spec: DeploymentSpec) -> bool:

@@ -4,15 +4,20 @@ A plan takes seconds to minutes of CPU. Each runs in a child process of its own 
 operator's event loop and client threads are not forked), one per deployment, and the reconcile
 pass only polls it: a pass never waits on a plan. A child still running after the timeout is
 killed (a thread could not be) and the deployment reports ``PlannerTimedOut``; the same inputs
-are tried again after ``retry_s``. A newer set of inputs for the same deployment kills the older
-child: its answer would be stale on arrival.
+are tried again after ``retry_s``. A child that dies without answering (the OOM killer's SIGKILL, a
+crash) is reported as ``PlannerCrashed`` and retried after the same ``retry_s``: its death says
+nothing about the inputs. Only the child's own answer naming a field at fault (``Failed``) stays
+until the inputs change. A newer set of inputs for the same deployment kills the older child: its
+answer would be stale on arrival.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -60,7 +65,29 @@ class TimedOut:
     retry_in: float  # seconds until the same inputs are planned again
 
 
-Outcome = Pending | Planned | Failed | TimedOut
+@dataclass(frozen=True)
+class Crashed:
+    """The child ended without an answer: killed by a signal (the OOM killer's SIGKILL) or
+    crashed. Retried like a timeout: the same inputs may well plan on the next try."""
+
+    code: int | None  # its exit code: -N for signal N, None when it could not be read
+    retry_in: float  # seconds until the same inputs are planned again
+
+    def how(self) -> str:
+        """How it ended, e.g. "killed by SIGKILL (e.g. the out-of-memory killer)"."""
+        if self.code is None:
+            return "exit code unknown"
+        if self.code >= 0:
+            return f"exit code {self.code}"
+        try:
+            name = signal.Signals(-self.code).name
+        except ValueError:
+            name = f"signal {-self.code}"
+        oom = " (e.g. the out-of-memory killer)" if -self.code == signal.SIGKILL else ""
+        return f"killed by {name}{oom}"
+
+
+Outcome = Pending | Planned | Failed | TimedOut | Crashed
 
 
 def run_plan(request: PlanRequest) -> Planned | Failed:
@@ -126,11 +153,11 @@ class Planner:
         ended = self._ended.get(owner)
         if ended is not None and ended[0] == key:
             outcome = ended[1]
-            if not isinstance(outcome, TimedOut):
-                return outcome
+            if not isinstance(outcome, TimedOut | Crashed):
+                return outcome  # an answer: the same inputs get the same one
             wait = self.retry_s - (now - ended[2])
             if wait > 0:
-                return TimedOut(outcome.seconds, wait)
+                return replace(outcome, retry_in=wait)
             del self._ended[owner]
         job = self._jobs.get(owner)
         if job is not None and job.key != key:
@@ -152,18 +179,16 @@ class Planner:
     def _check(self, owner: Owner, job: _Job, now: float) -> Outcome:
         outcome: Outcome | None = None
         if job.conn.poll(0):
-            try:
+            # EOF: it ended without a word (killed, crashed); outcome stays None.
+            with contextlib.suppress(EOFError, OSError):
                 outcome = job.conn.recv()
-            except EOFError:
-                outcome = Failed(
-                    "spec.policy.auto",
-                    f"the planner exited without an answer (code {job.process.exitcode})",
-                )
         elif now - job.started > self.timeout_s:
             outcome = TimedOut(self.timeout_s, self.retry_s)
-        if outcome is None:
+        else:
             return Pending(now - job.started)
-        self._stop(owner)
+        self._stop(owner)  # reaped: its exit code is known
+        if outcome is None:
+            outcome = Crashed(job.process.exitcode, self.retry_s)
         self._ended[owner] = (job.key, outcome, now)
         return outcome
 

@@ -495,7 +495,9 @@ def auto_status_schema() -> dict[str, Any]:
             "applied": {"type": "string", "description": "Why the running plan was applied."},
             "recommendation": _obj(held, "The latest plan, when it is not applied."),
             "planning": _obj(note["properties"], "A plan in flight."),
-            "error": _obj(note["properties"], "The planner ran past its timeout."),
+            "error": _obj(
+                note["properties"], "The planner ran past its timeout or died; retried later."
+            ),
             "calibrating": _obj(
                 {"message": {"type": "string"}},
                 "auto.calibrate's profiling Job is running; the running choice is kept.",

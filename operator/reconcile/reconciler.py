@@ -91,6 +91,7 @@ class Reconciler:
                 groups=[],
                 plan_waiting=wait.message,
                 plan_error=wait.message if wait.timed_out else "",
+                plan_error_reason=wait.error_reason,
                 plan_reason=wait.reason,
             )
             return status.build(
@@ -140,7 +141,8 @@ class Reconciler:
             spec, admin, router, router_error, previous, now, surge_only=chosen is not None
         )
         if chosen is not None and "error" in chosen.status:
-            result = replace(result, plan_error=chosen.status["error"]["message"])
+            error = chosen.status["error"]["message"]
+            result = replace(result, plan_error=error, plan_error_reason=chosen.error_reason)
         kind = policy_fields.kind_of(spec.policy)
         return status.build(
             result,
@@ -253,12 +255,20 @@ class Reconciler:
         if isinstance(outcome, auto_planner.Failed):
             raise SpecError(outcome.message, outcome.field)
         field = auto.auto_policy.FIELD
+        error_reason = "PlannerTimedOut"
         if isinstance(outcome, auto_planner.TimedOut):
             timed_out = True
             message = (
                 f"{field}: the plan did not finish within {outcome.seconds:g} s "
                 f"(GEARSHIFT_PLAN_TIMEOUT_SECONDS) and was stopped; the same inputs are planned "
                 f"again after {self.planner.retry_s:g} s (fewer requests or policies plan faster)"
+            )
+        elif isinstance(outcome, auto_planner.Crashed):  # not the inputs' fault: retried
+            timed_out, error_reason = True, "PlannerCrashed"
+            message = (
+                f"{field}: the planner's child process ended without an answer "
+                f"({outcome.how()}); the same inputs are planned again after "
+                f"{self.planner.retry_s:g} s (GEARSHIFT_PLAN_RETRY_SECONDS)"
             )
         else:
             timed_out = False
@@ -271,12 +281,14 @@ class Reconciler:
         if traffic is not None and traffic.observing:
             status_auto["observing"] = {"message": traffic.observing}
         if not running:  # status.auto is the running choice: none yet (the conditions say why)
-            raise auto.Waiting(None, message, timed_out)
-        resolved = auto.Resolved(auto.with_policy(spec, before["policy"]), status_auto, False)
+            raise auto.Waiting(None, message, timed_out, error_reason=error_reason)
+        resolved = auto.Resolved(
+            auto.with_policy(spec, before["policy"]), status_auto, False, error_reason=error_reason
+        )
         try:
             checked(resolved.spec, planned=True)
         except SpecError:  # the running choice does not fit the new group: wait for the plan
-            raise auto.Waiting(status_auto, message, timed_out) from None
+            raise auto.Waiting(status_auto, message, timed_out, error_reason=error_reason) from None
         return resolved
 
     async def _router_status(self, admin: AdminClient) -> RouterRead:

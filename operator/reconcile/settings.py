@@ -30,7 +30,8 @@ class OperatorSettings:
     # mounts it from a Secret); "": a key of this process only.
     key_file: str = ""
     # policy: auto: a plan running longer is stopped (PlannerTimedOut), and the same inputs are
-    # planned again after plan_retry_seconds (auto_planner.py).
+    # planned again after plan_retry_seconds (auto_planner.py), as after a planner child that
+    # died without answering (PlannerCrashed, e.g. the OOM killer).
     plan_timeout_seconds: float = 300.0
     plan_retry_seconds: float = 600.0
     # auto.calibrate: a failed profiling Job is deleted and created again after a backoff that

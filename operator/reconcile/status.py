@@ -62,7 +62,8 @@ class PassResult:
     spec_error: str = ""  # the spec is invalid or not runnable: nothing is rendered
     spec_field: str = ""  # the field spec_error is about, e.g. "spec.policy.static.pp"
     plan_waiting: str = ""  # policy: auto has no plan to run yet (planning, or timed out)
-    plan_error: str = ""  # policy: auto's planner ran past its timeout
+    plan_error: str = ""  # policy: auto's planner ran past its timeout or died; retried later
+    plan_error_reason: str = "PlannerTimedOut"  # why plan_error: PlannerTimedOut, PlannerCrashed
     plan_reason: str = "Planning"  # why plan_waiting: Planning, or Calibrating (auto.calibrate)
 
 
@@ -131,7 +132,7 @@ def build(
     if result.spec_error:
         ready = (False, "InvalidSpec", result.spec_error)
     elif result.plan_waiting:
-        why = "PlannerTimedOut" if result.plan_error else result.plan_reason
+        why = result.plan_error_reason if result.plan_error else result.plan_reason
         ready = (False, why, result.plan_waiting)
     elif result.replicas == 0:
         ready = (False, "ScaledToZero", "spec.replicas is 0")
@@ -155,7 +156,7 @@ def build(
         progressing = (False, "InvalidSpec", result.spec_error)
     elif result.plan_waiting:
         progressing = (
-            (False, "PlannerTimedOut", result.plan_waiting)
+            (False, result.plan_error_reason, result.plan_waiting)
             if result.plan_error
             else (True, result.plan_reason, result.plan_waiting)
         )
@@ -172,7 +173,7 @@ def build(
     if result.spec_error:
         degraded = (True, "InvalidSpec", result.spec_error)
     elif result.plan_error:
-        degraded = (True, "PlannerTimedOut", result.plan_error)
+        degraded = (True, result.plan_error_reason, result.plan_error)
     elif result.gave_up:
         degraded = (True, "GroupRestartLimit", "; ".join(result.gave_up))
     elif result.restarting:
