@@ -31,6 +31,8 @@ _INT_TYPES = {
     FieldDescriptor.TYPE_SINT64: ("int64", False),
 }
 
+_32_BITS = {FieldDescriptor.TYPE_INT32, FieldDescriptor.TYPE_UINT32, FieldDescriptor.TYPE_SINT32}
+
 
 def proto_comments(proto_root: Path = PROTO_ROOT) -> dict[str, str]:
     """Leading comments of every message and field, keyed by full name (gearshift.v1.X.y):
@@ -102,6 +104,13 @@ def _field_schema(field: FieldDescriptor, comments: dict[str, str]) -> dict[str,
         schema = {"type": "integer", "format": fmt}
         if unsigned:
             schema["minimum"] = 0
+        # The proto type's own range: past it the operator's parse refuses what the API server
+        # would have stored (a uint32 is carried as an int64).
+        bits = 32 if field.type in _32_BITS else 64
+        if unsigned and bits == 32:
+            schema["maximum"] = 2**32 - 1
+        elif not unsigned and bits == 32:
+            schema["minimum"], schema["maximum"] = -(2**31), 2**31 - 1
     elif field.type in (FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_DOUBLE):
         schema = {"type": "number"}
     elif field.type == FieldDescriptor.TYPE_BOOL:

@@ -117,6 +117,9 @@ INVALID = [
     ("auto", "spec.policy.auto.traffic.prompt.fixed", 100, "set one of preset and fixed"),
     ("auto", "spec.policy.auto.requests", 5, "spec.policy.auto.requests"),
     ("auto", "spec.policy.auto.model.hiddenSize", 0, "spec.policy.auto.model.hiddenSize"),
+    # Past a uint32's range: the API server would store what the operator cannot parse.
+    ("auto", "spec.policy.auto.cooldownSeconds", 5_000_000_000, "auto.cooldownSeconds"),
+    ("shift", "spec.policy.shift.threshold", 2**32, "spec.policy.shift.threshold"),
     ("shift", "metadata.name", "x" * 41, "metadata.name: at most 40"),
     ("shift", "spec.restartPolicy", {"backoffSeconds": 600}, "maxBackoffSeconds must be at least"),
     ("static", "spec.router", {"protectMetrics": True}, "router.protectMetrics: needs"),
