@@ -6,8 +6,9 @@ of that one ConfigMap. Pure functions of the spec (the API calls are calibration
 One calibration serves every deployment in the namespace with the same key: the model's shape
 (``auto.model``), the GPU type, the worker image and the group's GPU count (which layouts are
 measured). Its objects carry no deployment label (they are nobody's child alone) but an owner
-reference to each deployment using them (``controller: false``): Kubernetes' garbage collector
-deletes them with the last of those deployments.
+reference to each deployment using them (``controller: false``). A deployment that stops using
+one (its key changed, ``calibrate`` off, deleted) removes its reference, and the last one deletes
+the calibration (calibration_run.retire), as Kubernetes' garbage collector would, later.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ ConfigMap: the profile once the Job wrote it, the Job's failure, or still calibr
 While it calibrates the plan waits (it does not plan from the preset meanwhile: that plan would
 be replaced minutes later, rolling the groups twice): a deployment with nothing running yet
 renders nothing, with reason ``Calibrating``; one already running keeps its running choice.
+
+A calibration a deployment no longer uses (another key, ``calibrate`` off, not ``auto``, deleted)
+is let go (``retire``): its owner reference goes, and a calibration nobody references is deleted,
+a running Job with its pod.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import datetime as dt
 from dataclasses import dataclass
 from typing import Any
 
-from gearshift.operator.reconcile import calibration, restarts
+from gearshift.operator.reconcile import calibration, names, restarts
 from gearshift.operator.reconcile import calibration_retry as retry
 from gearshift.operator.reconcile.kube import Kube, KubeError
 from gearshift.operator.reconcile.spec import DeploymentSpec, SpecError
@@ -202,3 +206,102 @@ def _failed_at(job: dict[str, Any]) -> dt.datetime | None:
         if c.get("type") == "Failed" and c.get("lastTransitionTime"):
             return restarts.parse_time(c["lastTransitionTime"])
     return restarts.parse_time((job.get("metadata") or {}).get("creationTimestamp"))
+
+
+# A calibration's objects in the order they are let go: the Job first (it holds a node's GPUs),
+# the ConfigMap last (it names the calibration to the next pass if this one stops midway).
+_KINDS = (
+    ("batch/v1", "Job"),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+    ("rbac.authorization.k8s.io/v1", "Role"),
+    ("v1", "ServiceAccount"),
+    ("v1", "ConfigMap"),
+)
+Owner = tuple[str, str, str]  # a deployment: namespace, name, uid
+_LABELS = {names.LABEL_MANAGED_BY: names.MANAGED_BY, names.LABEL_COMPONENT: "calibration"}
+
+
+async def retire(kube: Kube, who: Owner, keep: str | None) -> list[str]:
+    """Let go of every calibration deployment ``who`` (namespace, name, uid) owns but no longer
+    uses (any but key ``keep``; None: all): its owner reference is removed from the
+    calibration's objects, and a calibration no deployment references any more is deleted,
+    running Job (propagation Background: its pod goes too) and hand-off alike. A calibration
+    another deployment references keeps running for it. One line per calibration let go;
+    KubeError when a call fails (the next pass tries again)."""
+    namespace, _, uid = who
+    kept = calibration.name_of(keep) if keep is not None else None
+    found = await _calibrations(kube, namespace)
+    lines = []
+    for name in sorted(found):
+        if name != kept and any(_refs(o, uid) for o in found[name]):
+            lines.append(await _let_go(kube, who, name))
+    return lines
+
+
+async def _calibrations(kube: Kube, namespace: str) -> dict[str, list[dict[str, Any]]]:
+    """The calibrations of ``namespace`` by name, each with its listed Job and ConfigMap. The
+    ConfigMap is created first and outlives each failed Job, so it names every calibration
+    even where the operator may not list Jobs (a chart from before it could)."""
+    listed = await kube.select("v1", "ConfigMap", namespace, _LABELS)
+    try:
+        listed += await kube.select("batch/v1", "Job", namespace, _LABELS)
+    except KubeError as exc:
+        if exc.status != 403:
+            raise
+    found: dict[str, list[dict[str, Any]]] = {}
+    for obj in listed:
+        meta = obj.get("metadata") or {}
+        key = (meta.get("labels") or {}).get(calibration.LABEL_CALIBRATION)
+        if key and meta.get("name") == calibration.name_of(key):  # its own objects only
+            found.setdefault(meta["name"], []).append(obj)
+    return found
+
+
+def _refs(obj: dict[str, Any], uid: str | None = None) -> list[dict[str, Any]]:
+    """``obj``'s owner references (``uid``'s only, when given)."""
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return [r for r in refs if uid is None or r.get("uid") == uid]
+
+
+async def _read(kube: Kube, namespace: str, name: str) -> dict[str, dict[str, Any]]:
+    objects = {}
+    for api_version, kind in _KINDS:
+        obj = await kube.get(api_version, kind, namespace, name)
+        if obj is not None:
+            objects[kind] = obj
+    return objects
+
+
+async def _let_go(kube: Kube, who: Owner, name: str) -> str:
+    namespace, user, uid = who
+    objects = await _read(kube, namespace, name)
+    if any(len(_refs(o)) > len(_refs(o, uid)) for o in objects.values()):
+        # Another deployment uses it: only this one's reference goes.
+        for api_version, kind in _KINDS:
+            obj = objects.get(kind)
+            refs = _refs(obj) if obj is not None else []
+            at = next((i for i, r in enumerate(refs) if r.get("uid") == uid), None)
+            if at is None:
+                continue
+            ops = [
+                {"op": "test", "path": f"/metadata/ownerReferences/{at}/uid", "value": uid},
+                {"op": "remove", "path": f"/metadata/ownerReferences/{at}"},
+            ]
+            await kube.json_patch(api_version, kind, namespace, name, ops)
+        # Read again after the patches: a deployment that let go meanwhile saw this one's
+        # reference, and this one may have removed the last (whoever reads last deletes).
+        objects = await _read(kube, namespace, name)
+        users = sorted({r.get("name", "") for o in objects.values() for r in _refs(o)})
+        if users:
+            return f"calibration {name}: no longer used by {user}; kept for {users}"
+    for api_version, kind in _KINDS:
+        obj = objects.get(kind)
+        if obj is None:
+            continue
+        # Only the version read: one another deployment adopted since is left to it (409).
+        version = (obj.get("metadata") or {}).get("resourceVersion") or ""
+        propagation = "Background" if kind == "Job" else None
+        await kube.delete(api_version, kind, namespace, name, propagation, version)
+    running = "Job" in objects and not (_done(objects["Job"]) or _failed(objects["Job"]))
+    what = "its running Job and " if running else ""
+    return f"calibration {name}: used by no deployment since {user}; deleted {what}its objects"

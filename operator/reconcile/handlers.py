@@ -15,9 +15,9 @@ from typing import Any
 import kopf
 from kubernetes import client, config
 
-from gearshift.operator.reconcile import names
+from gearshift.operator.reconcile import calibration_run, names
 from gearshift.operator.reconcile.auto_planner import Planner
-from gearshift.operator.reconcile.kube import Kube
+from gearshift.operator.reconcile.kube import Kube, KubeError
 from gearshift.operator.reconcile.reconciler import Reconciler
 from gearshift.operator.reconcile.render_meta import is_owned_by
 from gearshift.operator.reconcile.settings import OperatorSettings
@@ -81,6 +81,7 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger
             memo["tokens"],
             memo.setdefault("plans", {}),
             planner=memo["planner"],
+            calibrations=memo.setdefault("calibrations", {}),
         )
         new_status = await reconciler.reconcile(dict(body), dt.datetime.now(dt.UTC))
     old = dict(body.get("status") or {})
@@ -125,7 +126,15 @@ async def on_delete(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> 
     owner = (namespace, name, uid)
     memo.setdefault("plans", {}).pop(owner, None)
     memo["planner"].forget(owner)
+    memo.setdefault("calibrations", {}).pop(owner, None)
     kube: Kube = memo["kube"]
+    try:
+        # Shared, so not children: its own reference goes, and a calibration no other deployment
+        # uses is deleted (the garbage collector would too, later; kmock has none).
+        for line in await calibration_run.retire(kube, owner, None):
+            logger.info("%s", line)
+    except KubeError as exc:  # the garbage collector still deletes what only this one owned
+        logger.warning("could not let go of the calibrations of %s: %s", name, exc)
     for api_version, kind in _CHILD_KINDS:
         for obj in await kube.select(api_version, kind, namespace, {names.LABEL_DEPLOYMENT: name}):
             if is_owned_by(obj, name, uid) or kind == "Pod":

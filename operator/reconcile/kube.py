@@ -215,12 +215,18 @@ class Kube:
         namespace: str,
         name: str,
         propagation: str | None = None,
+        resource_version: str = "",
     ) -> bool:
         """Delete; False when it was already gone. ``propagation``: DeleteOptions'
-        propagationPolicy (a Job's API default orphans its pods; Background deletes them)."""
-        body = None
-        if propagation is not None:
-            body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": propagation}
+        propagationPolicy (a Job's API default orphans its pods; Background deletes them).
+        ``resource_version``: delete only that version (KubeError 409 if it changed since)."""
+        body: dict[str, Any] | None = None
+        if propagation is not None or resource_version:
+            body = {"kind": "DeleteOptions", "apiVersion": "v1"}
+            if propagation is not None:
+                body["propagationPolicy"] = propagation
+            if resource_version:
+                body["preconditions"] = {"resourceVersion": resource_version}
         try:
             await self._acall("DELETE", _path(api_version, kind, namespace, name), body)
         except KubeError as exc:

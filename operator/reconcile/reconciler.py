@@ -19,6 +19,7 @@ from gearshift.operator.reconcile import (
     auto,
     auto_planner,
     auto_traffic,
+    calibration,
     calibration_run,
     model_pin,
     names,
@@ -72,6 +73,10 @@ class Reconciler:
     resolver: model_pin.Resolver = model_pin.hub_resolver
     # policy: auto's plans in child processes (auto_planner.py); None: plan in a thread.
     planner: auto_planner.Planner | None = None
+    # (namespace, name, uid) → the calibration key (None: none) the deployment's other
+    # calibrations were last let go around (_retire_calibrations); shared across passes (kopf
+    # memo) so a pass lists the calibrations only when the key changes.
+    calibrations: dict[tuple[str, str, str], str | None] = field(default_factory=dict)
 
     async def reconcile(self, body: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
         """Converge the children of `body`; returns the status to write."""
@@ -168,6 +173,7 @@ class Reconciler:
             self.plans.pop(owner, None)
             if self.planner is not None:
                 self.planner.forget(owner)
+            await self._retire_calibrations(parsed, None)
             return (*runnable(body, previous, None, now), None)
         nodes = None
         if auto.needs_nodes(parsed):
@@ -185,6 +191,7 @@ class Reconciler:
         if auto.calibrates(parsed):
             gpu = auto.gpu_of(parsed, nodes)
             auto.precheck(parsed, gpu)  # a bad input is refused now, not after the Job's hours
+            await self._retire_calibrations(parsed, calibration.key(parsed, gpu))
             retry = self.settings.calibration
             measured = await calibration_run.run(self.kube, parsed, gpu, nodes or [], now, retry)
             if isinstance(measured, calibration_run.Calibrating):
@@ -193,6 +200,7 @@ class Reconciler:
                 return checked(chosen.spec, planned=True), chosen, None
             parsed, profile = auto.with_profile(parsed, measured.config_map), measured.text
         else:
+            await self._retire_calibrations(parsed, None)
             profile = await self._profile(parsed)
         router_read: RouterRead | None = None
         traffic: auto_traffic.PlanTraffic | None = None
@@ -212,6 +220,22 @@ class Reconciler:
             except KubeError as exc:  # an event is a courtesy; status.auto says the same
                 self.logger.warning("could not post the %s event: %s", chosen.event.reason, exc)
         return checked(chosen.spec, planned=True), chosen, router_read
+
+    async def _retire_calibrations(self, spec: DeploymentSpec, keep: str | None) -> None:
+        """Let go of the calibrations ``spec`` no longer uses (every one but key ``keep``'s;
+        calibration_run.retire), once per key; a failure is logged and tried again next pass."""
+        owner = (spec.namespace, spec.name, spec.uid)
+        if owner in self.calibrations and self.calibrations[owner] == keep:
+            return
+        try:
+            for line in await calibration_run.retire(
+                self.kube, (spec.namespace, spec.name, spec.uid), keep
+            ):
+                self.logger.info("%s", line)
+        except KubeError as exc:
+            self.logger.warning("could not let go of unused calibrations: %s", exc)
+            return
+        self.calibrations[owner] = keep
 
     async def _admin(self, spec: DeploymentSpec) -> AdminClient:
         return AdminClient(

@@ -224,9 +224,11 @@ def test_the_calibration_objects_are_valid_kubernetes() -> None:
         kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
 
 
-def test_the_calibration_guard_lets_the_operator_delete_only_its_calibration_jobs(
+def test_the_calibration_guard_lets_the_operator_delete_only_its_calibration_objects(
     helm: Path,  # noqa: F811
 ) -> None:
+    """A failed Job is deleted to be tried again, and a calibration no deployment uses any more
+    is deleted whole (calibration_run.retire): admitted for the calibration's own objects only."""
     policy = next(
         d
         for d in _render(helm, "clusterWide=true")
@@ -234,14 +236,47 @@ def test_the_calibration_guard_lets_the_operator_delete_only_its_calibration_job
         and d["metadata"]["name"].endswith("-calibration")
     )
     rules = policy["spec"]["matchConstraints"]["resourceRules"]
-    assert "DELETE" in next(r for r in rules if r["resources"] == ["jobs"])["operations"]
+    for resource in RESOURCES.values():
+        assert "DELETE" in next(r for r in rules if resource in r["resources"])["operations"]
     made = {
         m["kind"]: m for m in calibration.manifests(parse(_body()), "H100", H100, "0123456789ab")
     }
-    job = made["Job"]
-    assert _admitted(policy, job, "jobs", operation="DELETE") is True
-    other = copy.deepcopy(job)
-    other["metadata"]["name"] = "nightly-backup"
-    del other["metadata"]["labels"][calibration.LABEL_CALIBRATION]
-    assert _admitted(policy, other, "jobs", operation="DELETE") is False
-    assert _admitted(policy, other, "jobs", "jane@example.com", operation="DELETE") is None
+    for kind, resource in RESOURCES.items():
+        assert _admitted(policy, made[kind], resource, operation="DELETE") is True, kind
+        other = copy.deepcopy(made[kind])
+        other["metadata"]["name"] = "nightly-backup"
+        del other["metadata"]["labels"][calibration.LABEL_CALIBRATION]
+        assert _admitted(policy, other, resource, operation="DELETE") is False, kind
+        assert _admitted(policy, other, resource, "jane@example.com", operation="DELETE") is None
+        unlabelled = copy.deepcopy(made[kind])  # the name alone is not enough
+        del unlabelled["metadata"]["labels"][calibration.LABEL_CALIBRATION]
+        assert _admitted(policy, unlabelled, resource, operation="DELETE") is False, kind
+
+
+def test_the_operator_may_list_jobs_and_delete_the_calibration_kinds_only_with_calibration(
+    helm: Path,  # noqa: F811
+) -> None:
+    """What retiring an unused calibration needs (calibration_run.retire), under
+    rbac.calibration: list Jobs (to find them), delete Jobs, ServiceAccounts, Roles and
+    RoleBindings (the ConfigMap is deleted under the operator's configmaps rule)."""
+
+    def verbs(*values: str) -> dict[str, set[str]]:
+        (role,) = [
+            d
+            for d in _render(helm, *values)
+            if d["kind"] == "ClusterRole"
+            and not d["metadata"]["name"].endswith(("-node-read", "-crd-read"))
+        ]
+        out: dict[str, set[str]] = {}
+        for rule in role["rules"]:
+            for resource in rule["resources"]:
+                out.setdefault(resource, set()).update(rule["verbs"])
+        return out
+
+    granted = verbs("clusterWide=true")
+    assert {"get", "list", "delete"} <= granted["jobs"] and "watch" not in granted["jobs"]
+    for resource in ("serviceaccounts", "roles", "rolebindings"):
+        assert granted[resource] == {"get", "create", "patch", "delete"}, resource
+    assert {"list", "delete"} <= granted["configmaps"]
+    without = verbs("clusterWide=true", "rbac.calibration=false")
+    assert not {"jobs", "serviceaccounts", "roles", "rolebindings"} & set(without)

@@ -1,7 +1,8 @@
 """A failed ``auto.calibrate`` Job is tried again (issue 30, item 4): kopf against kmock with two
 attempts and a 1 s backoff. The test plays the Job controller: it marks the Job failed; the
 operator deletes it and creates it again after the backoff, the conditions saying the attempt; the
-last attempt's failure is refused naming the field; a new calibration key starts over."""
+last attempt's failure is refused naming the field; a new calibration key starts over (and the
+old key's calibration, used by no one, is deleted)."""
 
 from __future__ import annotations
 
@@ -145,7 +146,10 @@ def test_a_failed_job_is_recreated_after_the_backoff_and_given_up_after_the_last
             30,
             what="the new key's first attempt",
         )
-        names_now = {j["metadata"]["name"] for j in api.items(JOBS, CALIBRATION)}
-        assert len(names_now) == 2 and job_name in names_now
+        (new,) = [j for j in api.items(JOBS, CALIBRATION) if j["metadata"]["name"] != job_name]
+        assert new["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":0.1.1")
+        # The given-up calibration is no one's any more: deleted (calibration_run.retire).
+        wait_for(lambda: api.get(f"{JOBS}/{job_name}") is None, 30, what="the old Job deleted")
+        wait_for(lambda: api.get(f"{CMS}/{job_name}") is None, 30, what="its ConfigMap deleted")
     finally:
         api.delete_all_crs(NS)

@@ -79,19 +79,20 @@ app.kubernetes.io/name={{ .Chart.Name }},app.kubernetes.io/instance={{ .Release.
 {{- if .Values.rbac.calibration }}
 # spec.policy.auto.calibrate: the profiling Job and what lets it hand its profile back (a
 # ServiceAccount, and a Role and RoleBinding granting it get/patch of its one ConfigMap). Created,
-# and patched to add each deployment using them as an owner; never listed or watched, and only a
-# failed Job is deleted, to be created again (GEARSHIFT_CALIBRATION_ATTEMPTS); the garbage
-# collector deletes the rest with their last owner. The calibration guard (rbac.secretGuard)
-# confines the creations and updates to the calibration's own names and rule.
+# and patched to add or remove a deployment as an owner; Jobs are listed (never watched) to find
+# the calibrations a deployment stopped using. A failed Job is deleted, to be created again
+# (GEARSHIFT_CALIBRATION_ATTEMPTS), and a calibration no deployment uses any more is deleted whole.
+# The calibration guard (rbac.secretGuard) confines the writes and deletes to the calibration's
+# own names and rule.
 - apiGroups: ["batch"]
   resources: ["jobs"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["serviceaccounts"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create", "patch", "delete"]
 {{- end }}
 {{- if .Values.rbac.volcano }}
 - apiGroups: ["scheduling.volcano.sh"]
