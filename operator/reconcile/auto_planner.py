@@ -72,9 +72,14 @@ class Crashed:
 
     code: int | None  # its exit code: -N for signal N, None when it could not be read
     retry_in: float  # seconds until the same inputs are planned again
+    # An exception the plan raised that names no field (a MemoryError, a bug): not the inputs'
+    # fault as far as anyone can tell, so retried as a death is.
+    error: str = ""
 
     def how(self) -> str:
         """How it ended, e.g. "killed by SIGKILL (e.g. the out-of-memory killer)"."""
+        if self.error:
+            return f"the plan raised {self.error}"
         if self.code is None:
             return "exit code unknown"
         if self.code >= 0:
@@ -122,9 +127,9 @@ def run_plan(request: PlanRequest) -> Planned | Failed:
 
 def _child(conn: Connection, request: PlanRequest) -> None:
     try:
-        answer: Planned | Failed = run_plan(request)
+        answer: Planned | Failed | Crashed = run_plan(request)
     except Exception as exc:  # noqa: BLE001 (the child's last word; else the parent sees EOF)
-        answer = Failed("spec.policy.auto", f"the planner failed: {exc!r}")
+        answer = Crashed(None, 0.0, error=repr(exc))
     conn.send(answer)
     conn.close()
 
@@ -189,6 +194,8 @@ class Planner:
         self._stop(owner)  # reaped: its exit code is known
         if outcome is None:
             outcome = Crashed(job.process.exitcode, self.retry_s)
+        elif isinstance(outcome, Crashed):  # the child's own report of an exception
+            outcome = replace(outcome, code=job.process.exitcode, retry_in=self.retry_s)
         self._ended[owner] = (job.key, outcome, now)
         return outcome
 

@@ -290,8 +290,9 @@ class Reconciler:
         elif isinstance(outcome, auto_planner.Crashed):  # not the inputs' fault: retried
             timed_out, error_reason = True, "PlannerCrashed"
             message = (
-                f"{field}: the planner's child process ended without an answer "
-                f"({outcome.how()}); the same inputs are planned again after "
+                f"{field}: the planner's child process "
+                + ("failed" if outcome.error else "ended without an answer")
+                + f" ({outcome.how()}); the same inputs are planned again after "
                 f"{self.planner.retry_s:g} s (GEARSHIFT_PLAN_RETRY_SECONDS)"
             )
         else:

@@ -275,3 +275,30 @@ def test_the_deployment_says_the_planner_died_and_when_it_plans_again(
     finally:
         planner.close()
     assert _gone(planner_children)
+
+
+def test_an_exception_in_the_plan_that_names_no_field_is_retried(
+    planner_children: set[int],
+) -> None:
+    """A plan that raises something other than a refusal of a field (a MemoryError, a bug; here
+    bytes that are no AutoPolicy) says what it raised and is retried after the back-off, as a
+    death is: it is not the inputs' verdict."""
+    planner = auto_planner.Planner(timeout_s=60, retry_s=1)
+    broken = auto_planner.PlanRequest(b"\xff\xff", "H100", 8, 8, 1, 32768)
+    try:
+        before = _children()
+        raised = _until(
+            lambda: planner.poll(OWNER, "broken", broken),
+            lambda o: not isinstance(o, auto_planner.Pending),
+            60,
+            "the plan's answer",
+        )
+        planner_children.update(_children() - before)
+        assert isinstance(raised, auto_planner.Crashed), raised
+        assert "DecodeError" in raised.how() and raised.retry_in == 1
+        again = planner.poll(OWNER, "broken", broken)
+        assert isinstance(again, auto_planner.Crashed) and 0 < again.retry_in <= 1
+        time.sleep(1.1)
+        assert isinstance(planner.poll(OWNER, "broken", broken), auto_planner.Pending)
+    finally:
+        planner.close()
