@@ -152,7 +152,9 @@ class CalibrationProfile:
         }
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        from gearshift.operator.outputs import write_text
+
+        write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")  # whole or not at all
 
 
 def load(path: str | Path) -> CalibrationProfile:
