@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,13 +32,21 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="with --profile: what becomes of candidates it lacks: exclude them (default), or "
         "price them from the scaled preset's roofline with the profile's measured links",
     )
-    p.add_argument("--traffic", help="a YAML/JSON traffic file (instead of the flags below)")
+    # The traffic flags default to None so that one given with --traffic is refused, not
+    # ignored; TRAFFIC_DEFAULTS fills those left out without --traffic.
+    p.add_argument(
+        "--traffic", help="a YAML/JSON traffic file (instead of the five flags below and --rate)"
+    )
     p.add_argument("--rate", type=float, help="requests per second")
-    p.add_argument("--burstiness", type=float, default=1.0, help="CV of the gaps (1: Poisson)")
-    p.add_argument("--prompt-len", default="sharegpt", help="a preset or a fixed token count")
-    p.add_argument("--output-len", default=None, help="a preset or a fixed token count")
-    p.add_argument("--requests", type=int, default=300, help="requests per simulated point")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--burstiness", type=float, help="CV of the gaps (default 1: Poisson; 2: bursty)"
+    )
+    p.add_argument("--prompt-len", help="a preset or a fixed token count (default sharegpt)")
+    p.add_argument(
+        "--output-len", help="a preset or a fixed token count (default: the prompt preset's)"
+    )
+    p.add_argument("--requests", type=int, help="requests per simulated point (default 300)")
+    p.add_argument("--seed", type=int, help="the traces' seed (default 0)")
     p.add_argument("--goodput", help="SLO, vLLM's syntax in ms: 'ttft:500 tpot:50'")
     p.add_argument("--rates", help="comma-separated rates to simulate (default: a sweep)")
     p.add_argument(
@@ -56,7 +65,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--no-extras", action="store_true", help="skip SiDP's B_th and Tetris's rate table"
     )
-    p.add_argument("--sidp-context", type=int, default=1024, help="tokens per sequence for B_th")
+    p.add_argument("--sidp-context", type=int, help="tokens per sequence for B_th (default 1024)")
     p.add_argument("--tetris-rates", help="request rates of the Tetris table (default: --rates)")
     p.add_argument(
         "--no-prune",
@@ -65,6 +74,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
+
+
+TRAFFIC_DEFAULTS = {"burstiness": 1.0, "prompt_len": "sharegpt", "requests": 300, "seed": 0}
+SIDP_CONTEXT = 1024  # --sidp-context's default
+PLOT_SUFFIXES = ("png", "svg", "pdf")  # --png's formats (matplotlib's Agg and built-in ones)
 
 
 def _length(text: str, flag: str) -> dict[str, Any]:
@@ -84,9 +98,80 @@ def _rates(text: str, flag: str) -> list[float]:
         rates = [float(x) for x in text.split(",")]
     except ValueError:
         raise ValueError(f"{flag}: comma-separated numbers, got {text!r}") from None
-    if any(not r > 0 for r in rates):
-        raise ValueError(f"{flag}: every rate must be > 0")
+    if any(not 0 < r < math.inf for r in rates):
+        raise ValueError(f"{flag}: every rate must be a finite number > 0, got {text!r}")
     return rates
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_given(args: argparse.Namespace) -> None:
+    """Refuse what would otherwise be ignored: an empty value (it is not "left out"), a traffic
+    flag beside --traffic, an extras flag where the extras are not computed."""
+    for name in ("model", "traffic", "hardware", "goodput", "rates", "policies", "tetris_rates",
+                 "prompt_len", "output_len"):  # fmt: skip
+        value = getattr(args, name, None)
+        if value is not None and not value.strip():
+            raise ValueError(f"{_flag(name)}: empty; give a value or leave the flag out")
+    if args.traffic is not None:
+        for name in ("rate", "burstiness", "prompt_len", "output_len", "requests", "seed"):
+            if getattr(args, name, None) is not None:
+                field = {"prompt_len": "prompt", "output_len": "output"}.get(name, name)
+                raise ValueError(
+                    f"{_flag(name)}: not with --traffic (the file's {field!r} field sets it); "
+                    "give the traffic as --traffic FILE or as flags, not both"
+                )
+    for name in ("sidp_context", "tetris_rates"):
+        if getattr(args, name, None) is None:
+            continue
+        if args.no_extras:
+            raise ValueError(f"{_flag(name)}: not with --no-extras, which skips what it sets")
+        if args.profile is not None:
+            raise ValueError(
+                f"{_flag(name)}: not with --profile: SiDP's B_th and Tetris's rate table are "
+                "roofline-priced, so plan skips them with a profile"
+            )
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Every output path, before any work (gearshift.operator.outputs.check)."""
+    from gearshift.operator import outputs
+
+    if args.output is not None:
+        outputs.check(args.output, "--output")
+    if args.png is not None:
+        outputs.check(args.png, "--png", PLOT_SUFFIXES)
+        if args.output is not None and args.output.resolve() == args.png.resolve():
+            raise ValueError(f"--png {args.png}: the same file as --output")
+
+
+def _traffic_from_flags(args: argparse.Namespace) -> Any:
+    from gearshift.operator.sim.traffic import Traffic
+
+    if args.rate is None:
+        raise ValueError("--rate: required without --traffic")
+    given = {k: getattr(args, k) for k in TRAFFIC_DEFAULTS if getattr(args, k) is not None}
+    flags = {**TRAFFIC_DEFAULTS, **given}
+    for name in ("rate", "burstiness"):
+        value = args.rate if name == "rate" else flags[name]
+        if not 0 < value < math.inf:
+            raise ValueError(f"{_flag(name)}: a finite number > 0, got {value}")
+    if flags["requests"] < 1:
+        raise ValueError(f"--requests: at least 1, got {flags['requests']}")
+    if flags["seed"] < 0:
+        raise ValueError(f"--seed: at least 0, got {flags['seed']}")
+    data: dict[str, Any] = {
+        "rate": args.rate,
+        "burstiness": flags["burstiness"],
+        "prompt": _length(flags["prompt_len"], "--prompt-len"),
+        "requests": flags["requests"],
+        "seed": flags["seed"],
+    }
+    if args.output_len is not None:
+        data["output"] = _length(args.output_len, "--output-len")
+    return Traffic.from_mapping(data, "traffic (flags)")
 
 
 def _inputs(args: argparse.Namespace) -> tuple[Any, ...]:
@@ -95,8 +180,10 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, ...]:
     from gearshift.operator.sim.goodput import Goodput
     from gearshift.operator.sim.traffic import Traffic
 
+    _check_given(args)
+    _check_outputs(args)
     model = model_desc.load(args.model)
-    hw = hardware.load(args.hardware) if args.hardware else None
+    hw = hardware.load(args.hardware) if args.hardware is not None else None
     unprofiled = getattr(args, "unprofiled", None)
     if args.profile is None and unprofiled is not None:
         raise ValueError("--unprofiled: only with --profile")
@@ -105,27 +192,11 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, ...]:
     profile = calibration.load(args.profile) if args.profile is not None else None
     # policy: auto's rule too (pricing.choose)
     priced = pricing.choose(hw, profile, args.hardware, unprofiled or "exclude")
-    if args.traffic:
-        if args.rate is not None:
-            raise ValueError("--rate: give the traffic as --traffic FILE or as flags, not both")
-        traffic = Traffic.load(args.traffic)
-    else:
-        if args.rate is None:
-            raise ValueError("--rate: required without --traffic")
-        data: dict[str, Any] = {
-            "rate": args.rate,
-            "burstiness": args.burstiness,
-            "prompt": _length(args.prompt_len, "--prompt-len"),
-            "requests": args.requests,
-            "seed": args.seed,
-        }
-        if args.output_len is not None:
-            data["output"] = _length(args.output_len, "--output-len")
-        traffic = Traffic.from_mapping(data, "traffic (flags)")
-    goodput = Goodput.parse(args.goodput) if args.goodput else None
-    rates = _rates(args.rates, "--rates") if args.rates else None
+    traffic = Traffic.load(args.traffic) if args.traffic is not None else _traffic_from_flags(args)
+    goodput = Goodput.parse(args.goodput) if args.goodput is not None else None
+    rates = _rates(args.rates, "--rates") if args.rates is not None else None
     kinds = None
-    if args.policies:
+    if args.policies is not None:
         from gearshift.operator.sim.candidates import MODELLED_KINDS
 
         kinds = {k.strip() for k in args.policies.split(",")}
@@ -134,6 +205,8 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, ...]:
                 f"--policies: {sorted(kinds - set(MODELLED_KINDS))} are not policy kinds the "
                 f"simulator runs ({', '.join(MODELLED_KINDS)})"
             )
+    if args.sidp_context is None:
+        args.sidp_context = SIDP_CONTEXT
     if args.sidp_context < 1:
         raise ValueError("--sidp-context: must be >= 1")
     if args.tetris_rates is not None:
@@ -180,14 +253,17 @@ def run(args: argparse.Namespace) -> int:
     data = report.to_json()
     data["model"] = model.name
     data["hardware"] = args.hardware or f"{hw.count}x {hw.device.name} (from the profile)"
+    failed = None
+    if data["recommended"] is None:
+        failed, data["reason"] = no_recommendation(data, traffic, settings, args.traffic)
     if priced.excluded:
         say(f"excluded (not in the profile): {', '.join(priced.excluded)}")
     if priced.roofline_priced:
         say(f"priced from the roofline (not in the profile): {', '.join(priced.roofline_priced)}")
     say(table(data))
-    if not args.no_extras and priced.profile is not None:
+    if failed is None and not args.no_extras and priced.profile is not None:
         say("extras skipped: SiDP's B_th and Tetris's rate table are roofline-priced")
-    elif not args.no_extras:
+    elif failed is None and not args.no_extras:
         from gearshift.operator.sim import plan_extras
 
         data["sidp_b_th"] = plan_extras.sidp_thresholds(model, hw, args.sidp_context)
@@ -195,12 +271,71 @@ def run(args: argparse.Namespace) -> int:
             model, hw, traffic, args.tetris_rates or report.rates, plan_extras.TETRIS_REQUESTS
         )
         say(plan_extras.text(data))
+    try:
+        text = json.dumps(data, indent=2, allow_nan=False)
+    except ValueError as exc:  # a non-finite figure: strict JSON has none
+        print(f"error: the report holds a figure JSON cannot carry: {exc}", file=sys.stderr)
+        return 1
     if args.json:
-        print(json.dumps(data, indent=2))
-    if args.output:
-        args.output.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    if args.png:
-        plot(data, args.png)
+        print(text)
+    if failed is not None:
+        # No plan: nothing written (-o, --png), the reason on stderr and in --json's report.
+        print(f"error: no recommendation: {data['reason']}", file=sys.stderr)
+        return failed
+    return write_outputs(args, data, text)
+
+
+def no_recommendation(
+    data: dict[str, Any], traffic: Any, settings: Any, traffic_file: str | None
+) -> tuple[int, str]:
+    """Why no candidate was recommended, and the exit status: 2 when the inputs are at fault
+    (every request of the declared traffic is longer than --max-model-len), else 1."""
+    from gearshift.operator.sim.simulator import refusal
+
+    trace = traffic.trace()
+    too_long = [why for req in trace if (why := refusal(req, settings.max_model_len))]
+    if trace and len(too_long) == len(trace):
+        lengths = (
+            f"the prompt and output lengths of --traffic {traffic_file}"
+            if traffic_file is not None
+            else "--prompt-len / --output-len"
+        )
+        return 2, (
+            f"every one of the {len(trace)} requests of the declared traffic is longer than "
+            f"--max-model-len {settings.max_model_len} (the first: {too_long[0]}), so every "
+            f"candidate refuses them all; raise --max-model-len or shorten {lengths}"
+        )
+    per: list[str] = []
+    for c in data["candidates"]:
+        at = next((p for p in c["points"] if p["declared"]), None)
+        if c["error"]:
+            per.append(f"{c['name']}: {c['error']}")
+        elif c.get("pruned"):
+            per.append(f"{c['name']}: pruned ({c['pruned']})")
+        elif at is not None and not at.get("requests"):
+            per.append(f"{c['name']}: refused all {at.get('rejected', 0)} requests")
+        else:
+            per.append(f"{c['name']}: no result at the declared rate")
+    return 1, "no candidate served a request of the declared traffic: " + "; ".join(per)
+
+
+def write_outputs(args: argparse.Namespace, data: dict[str, Any], text: str) -> int:
+    """-o and --png, each written whole to a temporary file beside it and renamed into place
+    once both are written: a failure leaves neither behind."""
+    import contextlib
+
+    from gearshift.operator import outputs
+
+    try:
+        with contextlib.ExitStack() as stack:
+            if args.output is not None:
+                tmp = stack.enter_context(outputs.replacing(args.output))
+                tmp.write_text(text + "\n", encoding="utf-8")
+            if args.png is not None:
+                plot(data, stack.enter_context(outputs.replacing(args.png)))
+    except (OSError, ValueError) as exc:
+        print(f"error: writing the report: {exc}; nothing was written", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -247,7 +382,10 @@ def table(data: dict[str, Any]) -> str:
             f"tie (=): {', '.join(data['ties'])} are within the simulator's measured error of "
             f"each other ({_band(data)}); the rule: fewer GPUs, then lower p99 TPOT"
         )
-    lines.append(f"recommended: {data['recommended']} {json.dumps(data['recommended_policy'])}")
+    if data["recommended"] is None:
+        lines.append("recommended: none")
+    else:
+        lines.append(f"recommended: {data['recommended']} {json.dumps(data['recommended_policy'])}")
     lines.append(f"why: {data['reason']}")
     return "\n".join(lines)
 
@@ -279,4 +417,5 @@ def plot(data: dict[str, Any], path: Path) -> None:
     b.legend(fontsize=7, ncol=2)
     fig.suptitle(f"gearshift plan: {data['model']} on {data['hardware']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format=path.suffix.lower().lstrip(".") or None)
+    plt.close(fig)

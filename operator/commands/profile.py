@@ -71,6 +71,7 @@ def quick_grid() -> ProfileGrid:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gearshift.operator import outputs
     from gearshift.operator.sim.cost_model import CostModelError
     from gearshift.operator.sim.profile import ProfileGrid, measure
     from gearshift.worker.errors import GearshiftError
@@ -79,6 +80,12 @@ def run(args: argparse.Namespace) -> int:
     from gearshift.worker.policies.flags import policy_from_args
     from gearshift.worker.server.settings import engine_config
 
+    try:
+        # Before the minutes of profiling: a path that cannot be written would lose them.
+        outputs.check(args.output, "--output")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     grid = quick_grid() if args.quick else ProfileGrid()
     if args.layouts is not None:
         from gearshift.operator.commands.profile_layouts import run_layouts
@@ -120,6 +127,12 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         engine.shutdown()
-    model.save(args.output)
-    print(json.dumps({"prefill": vars(model.prefill), "decode": vars(model.decode)}))
+    fit = json.dumps({"prefill": vars(model.prefill), "decode": vars(model.decode)})
+    try:
+        model.save(args.output)  # whole or not at all
+    except OSError as exc:
+        print(f"error: --output {args.output}: cannot write: {exc}", file=sys.stderr)
+        print(fit)  # the fit is not lost: its coefficients on stdout
+        return 1
+    print(fit)
     return 0

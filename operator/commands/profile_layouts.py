@@ -126,6 +126,13 @@ def run_layouts(args: argparse.Namespace, grid: Any) -> int:
         if not names or len(set(names)) != len(names):
             raise ValueError(f"--layouts: distinct layout names, got {args.layouts!r}")
         policies = {n: layout_policy(n) for n in names}
+        if all(_ranks(p) == 1 for p in policies.values()):
+            for flag in ("collective_sizes", "collective_repeats"):
+                if getattr(args, flag, None) is not None:
+                    raise ValueError(
+                        f"--{flag.replace('_', '-')}: --layouts {args.layouts} has no multi-rank "
+                        "layout (tp2, sp2, pp2, shift2, ...) whose collectives it would time"
+                    )
         collective = collective_grid(args)
         config = engine_config(args, enable_prefix_caching=False, skip_tokenizer_init=True)
         api = _api_server(getattr(args, "configmap", None))
@@ -167,7 +174,11 @@ def run_layouts(args: argparse.Namespace, grid: Any) -> int:
         str(args.model),
         layouts,
     )
-    profile.save(args.output)
+    try:
+        profile.save(args.output)  # whole or not at all (checked before profiling: profile.run)
+    except OSError as exc:
+        print(f"error: --output {args.output}: cannot write: {exc}", file=sys.stderr)
+        return 1
     print(profile.describe())
     if api is not None:
         from gearshift.operator.commands.configmap_write import WriteError, write_profile

@@ -152,7 +152,9 @@ class CalibrationProfile:
         }
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        from gearshift.operator.outputs import write_text
+
+        write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")  # whole or not at all
 
 
 def load(path: str | Path) -> CalibrationProfile:
@@ -232,8 +234,12 @@ def _step_cost(data: Any, where: str) -> StepCostModel:
         _mapping(part, f"{where}.{key}", ("a", "b", "c", "d"))
         for coef in ("a", "b", "c", "d"):
             value = part.get(coef, 0.0)  # d (per sampled prompt row) is newer: 0 when absent
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ProfileError(f"{where}.{key}.{coef}: expected a number, got {value!r}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not -float("inf") < value < float("inf")  # NaN and ±Infinity (JSON's)
+            ):
+                raise ProfileError(f"{where}.{key}.{coef}: expected a finite number, got {value!r}")
         fits[key] = LinearFit(*(float(part.get(coef, 0.0)) for coef in ("a", "b", "c", "d")))
     scale = data.get("decode_scale", [])
     if not isinstance(scale, list) or not all(
@@ -274,4 +280,6 @@ def _integer(data: dict[str, Any], key: str, where: str) -> int:
 
 
 def _positive(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int | float) and value > 0
+    return (
+        not isinstance(value, bool) and isinstance(value, int | float) and 0 < value < float("inf")
+    )

@@ -170,7 +170,9 @@ class StepCostModel:
             "decode_scale": [list(pair) for pair in self.decode_scale],
             "about": self.about,
         }
-        path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        from gearshift.operator.outputs import write_text
+
+        write_text(path, json.dumps(data, indent=2) + "\n")  # whole or not at all
 
     @classmethod
     def load(cls, path: Path) -> StepCostModel:

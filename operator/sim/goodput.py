@@ -38,8 +38,8 @@ class Goodput:
                 ms = float(value)
             except ValueError:
                 raise ValueError(f"goodput: {key} must be a number of ms, got {value!r}") from None
-            if not ms > 0:
-                raise ValueError(f"goodput: {key} must be > 0 ms, got {value}")
+            if not 0 < ms < float("inf"):
+                raise ValueError(f"goodput: {key} must be a finite number > 0 ms, got {value}")
             if key in bounds:
                 raise ValueError(f"goodput: {key} given twice")
             bounds[key] = ms / 1000.0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -216,8 +217,13 @@ def _number(data: dict[str, Any], key: str, where: str) -> float:
         # PyYAML (YAML 1.1) reads "1.0e14" (no exponent sign) as a string.
         with contextlib.suppress(ValueError):
             value = float(value)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise HardwareError(f"{where}.{key}: expected a positive number, got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not value > 0
+        or not math.isfinite(value)
+    ):
+        raise HardwareError(f"{where}.{key}: expected a finite positive number, got {value!r}")
     return float(value)
 
 
@@ -225,8 +231,16 @@ def _link(data: Any, where: str) -> Link:
     if not isinstance(data, dict):
         raise HardwareError(f"{where}: expected a mapping with bandwidth and latency")
     latency = data.get("latency", 0.0)
-    if isinstance(latency, bool) or not isinstance(latency, int | float) or latency < 0:
-        raise HardwareError(f"{where}.latency: expected seconds >= 0, got {latency!r}")
+    if isinstance(latency, str):
+        with contextlib.suppress(ValueError):  # "3.0e-6" (YAML 1.1), as _number
+            latency = float(latency)
+    if (
+        isinstance(latency, bool)
+        or not isinstance(latency, int | float)
+        or not latency >= 0
+        or not math.isfinite(latency)
+    ):
+        raise HardwareError(f"{where}.latency: expected finite seconds >= 0, got {latency!r}")
     return Link(_number(data, "bandwidth", where), float(latency))
 
 
@@ -234,7 +248,10 @@ def from_dict(data: Any, where: str = "hardware") -> Hardware:
     """The file format (docs/planning.md): bytes, bytes/s, FLOP/s and seconds, SI units."""
     if not isinstance(data, dict):
         raise HardwareError(f"{where}: expected a mapping")
-    known = {"device", "count", "devices_per_node", "intra_node", "inter_node", "host_device"}
+    known = {
+        "device", "count", "devices_per_node", "intra_node", "inter_node", "host_device",
+        "efficiencies",
+    }  # fmt: skip
     extra = sorted(set(data) - known)
     if extra:
         raise HardwareError(f"{where}: unknown field(s) {', '.join(extra)}")
@@ -258,7 +275,13 @@ def from_dict(data: Any, where: str = "hardware") -> Hardware:
     intra = _link(data.get("intra_node"), f"{where}.intra_node")
     inter = _link(data.get("inter_node", data.get("intra_node")), f"{where}.inter_node")
     host = _link(data.get("host_device", data.get("intra_node")), f"{where}.host_device")
-    return Hardware(device, count, min(per_node, count), intra, inter, host, {"file": where})
+    # Whether plan scales the figures by the efficiencies fitted to our H200 measurement, as it
+    # does a preset's (pricing.py): a file's are taken as given unless it asks.
+    efficiencies = data.get("efficiencies", "none")
+    if efficiencies not in ("none", "fitted"):
+        raise HardwareError(f"{where}.efficiencies: none or fitted, got {efficiencies!r}")
+    about = {"file": where, "efficiencies": efficiencies}
+    return Hardware(device, count, min(per_node, count), intra, inter, host, about)
 
 
 def load(spec: str) -> Hardware:

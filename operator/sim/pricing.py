@@ -147,10 +147,18 @@ class Pricing:
             lines.append("  preset: none (the profile's device has no preset)")
         for name, v in data["from_preset"].items():
             lines.append(
-                f"  preset: {name}: alpha {v['latency_s'] * 1e6:.1f} us, "
+                f"  {'file' if 'file' in self.hardware.about else 'preset'}: {name}: "
+                f"alpha {v['latency_s'] * 1e6:.1f} us, "
                 f"{v['bandwidth_bytes_per_s'] / GB:.3g} GB/s"
             )
         return "\n".join(lines)
+
+
+def _source(hw: Hardware) -> str:
+    """What ``hw`` came from: a preset, or the user's hardware file (``hardware.from_dict``)."""
+    if "file" in hw.about:
+        return f"the hardware file {hw.about['file']} (device {hw.device.name})"
+    return f"the {hw.device.name} preset"
 
 
 def scaled_preset(hw: Hardware) -> Pricing:
@@ -159,7 +167,7 @@ def scaled_preset(hw: Hardware) -> Pricing:
     if compute is None or memory is None:
         return Pricing(
             hw,
-            f"the {hw.device.name} preset (datasheet roofline; no usable GPU measurement to fit "
+            f"{_source(hw)} (datasheet roofline; no usable GPU measurement to fit "
             "efficiencies, 1.0 used)",
         )
     device = replace(
@@ -169,7 +177,7 @@ def scaled_preset(hw: Hardware) -> Pricing:
     )
     return Pricing(
         replace(hw, device=device),
-        f"the {hw.device.name} preset scaled by efficiencies fitted to {FITTED_FROM}: "
+        f"{_source(hw)} scaled by efficiencies fitted to {FITTED_FROM}: "
         f"compute {compute:g}, memory {memory:g}",
     )
 
@@ -182,11 +190,19 @@ def choose(
 ) -> Pricing:
     """The one rule of ``gearshift plan`` and ``policy: auto``: the profile when there is one
     (``hw``, from ``given``, must then be its device; ``unprofiled`` as ``from_profile``), else
-    ``hw``'s scaled preset."""
+    ``hw``'s scaled preset; a hardware file's figures as given, unless it says ``efficiencies:
+    fitted``."""
     if profile is not None:
         return from_profile(profile, hw, given, unprofiled)
     if hw is None:
         raise HardwareError("--hardware: required without --profile")
+    if hw.about.get("efficiencies") == "none":  # a hardware file's figures, as given
+        return Pricing(
+            hw,
+            f"{_source(hw)}, its figures as given: not scaled by the efficiencies fitted to "
+            f"{FITTED_FROM}, which plan applies to presets only (efficiencies: fitted in the file "
+            "applies them)",
+        )
     return scaled_preset(hw)
 
 
@@ -227,7 +243,7 @@ def from_profile(
                 f"--unprofiled roofline: the profile was measured on {profile.device} "
                 f"({profile.device_kind}), which has no preset to price a roofline from"
             )
-        scaled = scaled_preset(base)
+        scaled = choose(base, None)  # a hardware file's figures as given, as without a profile
         base = scaled.hardware
         describe += f"; candidates it lacks: {scaled.describe}, with its measured links"
     return Pricing(base, describe, profile, unprofiled=unprofiled, links=fitted)

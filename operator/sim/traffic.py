@@ -13,6 +13,7 @@ field is checked and refused naming its path (``traffic.prompt.uniform``).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -84,8 +85,13 @@ class Traffic:
 
 
 def _number(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise TrafficError(f"{where}: must be a number > 0, got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not value > 0
+        or not math.isfinite(value)
+    ):
+        raise TrafficError(f"{where}: must be a finite number > 0, got {value!r}")
     return float(value)
 
 
