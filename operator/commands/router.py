@@ -51,6 +51,14 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         "it end with an error event",
     )
     p.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may wait in the router for room on its group (a Tetris group "
+        "whose decode instances lack free KV for it) before a 503 with Retry-After "
+        "(default 600; 0: never wait)",
+    )
+    p.add_argument(
         "--protect-metrics",
         action="store_true",
         help="/metrics needs an API key too (default: open, as Prometheus expects)",
@@ -137,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
             admin_host=args.admin_host,
             max_requests_per_group=args.max_requests_per_group,
             drain_timeout_s=args.drain_timeout,
+            queue_timeout_s=args.queue_timeout,
             api_keys=(*cfg.api_keys, *keys) or None,
             protect_metrics=args.protect_metrics or None,
             record_trace=args.record_trace,

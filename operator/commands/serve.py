@@ -313,6 +313,7 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
             api_keys=keys,
             max_requests_per_group=max_requests_per_group(args),
             drain_timeout_s=args.drain_timeout,
+            queue_timeout_s=600.0 if args.queue_timeout is None else args.queue_timeout,
             control_token=token,
             control_token_file=token_file,
             admin_token=admin_token,

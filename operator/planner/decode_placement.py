@@ -3,7 +3,8 @@
 FREENESS (the paper's): the highest freeness rate, free KV slots net of the slots of requests
 whose KV is still in flight ("virtual usage", after Llumnix) over the active batch size.
 LEAST_LOADED takes the fewest active requests, ROUND_ROBIN the next instance in turn. An
-instance without room for the request is never chosen; with none, the request waits.
+instance without room for the request is never chosen; with none, the request waits (the
+router's ``room_queue.py``, oldest first; the simulator's ``tetris_sim.py`` alike).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 router.json is documented in docs/operator.md: `{deployment, model: {name, path}, backend,
 groups: [{name, address}], policy, ports: {http, grpc, admin}, apiKeyEnv, controlTokenFile,
-protectMetrics, maxBodyBytes, preparationProcesses, adminTokenFile, cacheSaltByApiKey}`; backend is
-worker-grpc or openai-http.
+protectMetrics, maxBodyBytes, preparationProcesses, adminTokenFile, cacheSaltByApiKey,
+queueTimeoutSeconds}`; backend is worker-grpc or openai-http.
 """
 
 from __future__ import annotations
@@ -57,6 +57,10 @@ class RouterConfig:
     poll_interval_s: float = 0.5  # a hung group must turn /ready 503 within 5 s
     rpc_timeout_s: float = 2.0
     drain_timeout_s: float = 30.0
+    # How long a request may wait in the router for room on its group (a Tetris group with no
+    # decode instance that has its KV slots free; room_queue.py) before a 503 with Retry-After.
+    # 0: never wait. --queue-timeout, router.json queueTimeoutSeconds.
+    queue_timeout_s: float = 600.0
     config_path: Path | None = None  # re-read for group changes (a mounted ConfigMap)
     reload_interval_s: float = 5.0
     backend: str = "worker-grpc"
@@ -206,10 +210,18 @@ def from_file(path: Path, env: Mapping[str, str] | None = None) -> RouterConfig:
         admin_token_file=Path(admin_file) if admin_file else None,
         protect_metrics=bool(data.get("protectMetrics", False)),
         cache_salt_by_api_key=bool(data.get("cacheSaltByApiKey", False)),
+        queue_timeout_s=_queue_timeout(data, path),
     )
     return config.with_preparation(
         _optional_int(data, "maxBodyBytes", path), _optional_int(data, "preparationProcesses", path)
     )
+
+
+def _queue_timeout(data: Mapping[str, Any], path: Path) -> float:
+    value = data.get("queueTimeoutSeconds", RouterConfig.queue_timeout_s)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ConfigError(f"{path}: queueTimeoutSeconds must be a number >= 0, got {value!r}")
+    return float(value)
 
 
 def _optional_int(data: Mapping[str, Any], key: str, path: Path) -> int | None:

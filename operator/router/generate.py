@@ -3,6 +3,10 @@
 A request goes to the least loaded serving group. If that group fails before any token came
 back (unreachable, full, crashed) the request is sent to another group; after a token it ends
 with a clear error instead, since its output cannot be replayed elsewhere.
+
+A request its group has no room for yet (Tetris: no decode instance with its KV slots free)
+waits in the group's queue, oldest first, until a stats poll reports room (``room_queue.py``),
+for at most the pool's ``queue_timeout_s`` (then 503); one that could never fit gets a 400 at once.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ import grpc
 from gearshift.operator.router import errors
 from gearshift.operator.router.group import Lease, WorkerGroup
 from gearshift.operator.router.metrics import RouterMetrics
+from gearshift.operator.router.policy_control import NeverFits
 from gearshift.operator.router.pool import GroupPool
+from gearshift.operator.router.room_queue import LeftGroup
 from gearshift.operator.router.text import LogprobEntry, TextOptions, TextState
 from gearshift.v1 import common_pb2, worker_pb2
 from gearshift.worker.tokenizer import Tokenizer
@@ -111,11 +117,14 @@ class RequestRun:
         self._recorded = False
         self._call: grpc.aio.UnaryStreamCall | None = None
         self._cut: errors.APIError | None = None  # set by `cut`: the error the run ends with
+        self._stop: asyncio.Future[None] | None = None  # done by `cut`: a wait for room ends
 
     def cut(self, error: errors.APIError) -> None:
         """End the run now with `error` (the drain timeout passed): its worker call is cancelled
         (so the worker frees the request) and its consumer gets `error` instead of more tokens."""
         self._cut = error
+        if self._stop is not None and not self._stop.done():
+            self._stop.set_result(None)
         if self._call is not None and not self._call.done():
             self._call.cancel()
 
@@ -182,11 +191,11 @@ class RequestRun:
         )
         if lease.replica is not None:
             wire.replica = lease.replica
-        try:  # the policy's per-request decisions (Tetris: chunk plan, decode instance)
-            lease.group.planning.plan_into(lease.group.stats, wire, self._max_tokens())
-        except ValueError as exc:
+        try:
+            await self._plan(lease.group, wire)
+        except BaseException:
             lease.release()
-            raise errors.unavailable(f"group {lease.group.name}: {exc}") from exc
+            raise
         if wire.HasField("tetris_plan"):
             self.metrics.observe_tetris_plan(wire.tetris_plan)
         if self._cut is not None:
@@ -214,6 +223,48 @@ class RequestRun:
             if not call.done():
                 # The client left, or a stop string ended the request: the worker frees its KV.
                 call.cancel()
+
+    async def _plan(self, group: WorkerGroup, wire: worker_pb2.WorkerGenerateRequest) -> None:
+        """The policy's per-request decisions (Tetris: chunk plan, decode instance). With no
+        room on the group yet, the request waits in its queue (keeping its lease) for at most
+        the pool's queue_timeout_s."""
+        max_tokens = self._max_tokens()
+
+        def attempt() -> None:
+            group.planning.plan_into(group.stats, wire, max_tokens)
+
+        if self._stop is None:
+            self._stop = asyncio.get_running_loop().create_future()
+        if self._cut is not None:
+            raise self._cut
+        timeout = self.pool.queue_timeout_s
+        try:
+            await group.room.admit(attempt, timeout, self._stop)
+        except TimeoutError:
+            if self._cut is not None:
+                raise self._cut from None
+            raise errors.APIError(
+                503,
+                f"group {group.name} had no room for this request within {timeout:g} s "
+                "(the router's --queue-timeout; Tetris: no decode instance freed its KV "
+                "slots); retry later",
+                "service_unavailable",
+                None,
+                "queue_timeout",
+                1.0,
+            ) from None
+        except LeftGroup as exc:
+            raise _Retry(errors.unavailable(str(exc))) from None
+        except NeverFits as exc:
+            raise errors.APIError(
+                400,
+                f"group {group.name}: {exc}",
+                "invalid_request_error",
+                "max_tokens",
+                "kv_capacity_exceeded",
+            ) from exc
+        except ValueError as exc:
+            raise errors.unavailable(f"group {group.name}: {exc}") from exc
 
     def _classify(self, lease: Lease, exc: grpc.aio.AioRpcError) -> Exception:
         """The client's error for a failed worker call. The worker's own text (addresses, raw

@@ -18,6 +18,7 @@ from gearshift.operator.router.policy_control import (
     PolicyControl,
     RequestPlanning,
 )
+from gearshift.operator.router.room_queue import RoomQueue
 from gearshift.v1 import policy_pb2, worker_pb2, worker_pb2_grpc
 from gearshift.worker.server import auth
 
@@ -78,6 +79,8 @@ class Group(ABC):
         self.message = "not polled yet"
         self.last_poll = 0.0
         self.finished = asyncio.Event()  # set whenever in_flight drops to 0
+        # Requests waiting for room on the group (Tetris: decode KV), planned again each poll.
+        self.room = RoomQueue()
 
     @property
     def name(self) -> str:
@@ -133,7 +136,19 @@ class Group(ABC):
     async def run_poller(self, interval_s: float) -> None:
         while not self.removed:
             await self.poll()
+            self.polled()
             await asyncio.sleep(interval_s)
+
+    def polled(self) -> None:
+        """After each stats poll: plan the requests waiting for room again, oldest first; a
+        group that stopped serving sends them to another group (or an error)."""
+        if self.serving:
+            self.room.pump()
+        elif self.room:
+            self.room.fail_all(
+                f"group {self.name} stopped serving while the request waited for room "
+                f"({self.message or 'draining or removed'})"
+            )
 
     def add(self, tokens: int, replica: int | None = None) -> None:
         for load in (self.load, self._replica(replica)):

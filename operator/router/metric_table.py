@@ -201,6 +201,14 @@ GROUP_METRICS: tuple[MetricSpec, ...] = (
         G,
     ),
     MetricSpec(
+        "queued",
+        "gearshift_router_requests_queued",
+        "gauge",
+        "Requests waiting in this router for room on the group (Tetris: a decode instance "
+        "with their KV slots free), oldest first; counted in requests in flight too.",
+        G,
+    ),
+    MetricSpec(
         "outstanding",
         "gearshift_outstanding_tokens",
         "gauge",

@@ -118,6 +118,7 @@ class GroupCollector(Collector):
             lv = [self.model_name, g.name]
             fams["serving"].add_metric(lv, 1.0 if g.serving else 0.0)
             fams["in_flight"].add_metric(lv, g.load.in_flight)
+            fams["queued"].add_metric(lv, len(g.room))
             s = g.stats
             if s is None:
                 continue

@@ -27,9 +27,20 @@ class GroupController(Protocol):
     ) -> policy_pb2.Policy | None: ...
 
 
+class NoRoomYet(ValueError):
+    """The group has no room for the request now but would once it frees some (Tetris: no
+    decode instance has the KV slots free): the router queues it (``room_queue.py``)."""
+
+
+class NeverFits(ValueError):
+    """The request needs more than the group holds even when empty (Tetris: more KV slots than
+    any decode instance has): the router refuses it at once with a 400."""
+
+
 class RequestPlanner(Protocol):
     """Per-request decisions a policy takes in the router (Tetris: each request's chunk plan
-    and decode instance, §5.1); raises ValueError naming why a request cannot be planned."""
+    and decode instance, §5.1); raises ValueError naming why a request cannot be planned
+    (``NoRoomYet``: not now, it waits; ``NeverFits``: never)."""
 
     def plan_into(
         self, stats: worker_pb2.WorkerStats, wire: worker_pb2.WorkerGenerateRequest, max_tokens: int

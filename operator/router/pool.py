@@ -33,6 +33,7 @@ class GroupPool:
         rpc_timeout_s: float,
         backend: str = "worker-grpc",
         token: auth.TokenSource | str | None = None,
+        queue_timeout_s: float = 600.0,
     ) -> None:
         if backend not in GROUP_KINDS:
             raise ValueError(f"unknown backend {backend!r}; one of {', '.join(GROUP_KINDS)}")
@@ -42,6 +43,8 @@ class GroupPool:
         self.max_requests_per_group = max_requests_per_group
         self.poll_interval_s = poll_interval_s
         self.rpc_timeout_s = rpc_timeout_s
+        # How long a request may wait for room on its group (room_queue.py) before a 503.
+        self.queue_timeout_s = queue_timeout_s
         self.groups: dict[str, Group] = {}
         self._pollers: dict[str, asyncio.Task[None]] = {}
         self._turn = 0  # breaks ties between equally loaded groups in turn
@@ -68,6 +71,7 @@ class GroupPool:
         """Stop routing to a group now; close its channel once its requests finished."""
         log.info("group %s removed; closing when idle", group.name)
         group.removed = True
+        group.room.fail_all(f"group {group.name} was removed while the request waited for room")
         self.groups.pop(group.name, None)
         poller = self._pollers.pop(group.name, None)
         if poller is not None:

@@ -109,6 +109,10 @@ class RouterServer:
             raise config_mod.ConfigError("cache salt by API key: needs API keys, and none is set")
         if any(not k.strip() for k in cfg.api_keys):
             raise config_mod.ConfigError("api keys: an empty or blank key would let anyone in")
+        if not cfg.queue_timeout_s >= 0:
+            raise config_mod.ConfigError(
+                f"queue timeout (--queue-timeout) must be >= 0, got {cfg.queue_timeout_s}"
+            )
         worker_token, admin_token = self._tokens()
         tokenizer = self._tokenizer
         if tokenizer is None:
@@ -119,6 +123,7 @@ class RouterServer:
             cfg.rpc_timeout_s,
             cfg.backend,
             worker_token,
+            cfg.queue_timeout_s,
         )
         metrics = RouterMetrics(cfg.model_name, lambda: list(pool.groups.values()))
         if cfg.record_trace is not None:

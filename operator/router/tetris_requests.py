@@ -11,6 +11,11 @@ at the next request. A policy without latency models takes the ones the group fi
 start (``WorkerStats.tetris_models``, source AUTO_FITTED). A policy with neither an improvement
 rate nor a table gets a table the router profiles from the models and the prompts it has seen
 (``tetris_rate_profile.py``, §5.1); each plan says which rate it used and where it came from.
+
+A request no decode instance has room for now raises ``TetrisNoRoom`` before anything is booked
+or counted (its arrival, its prompt for the profiler): the router queues it and plans it again
+when a poll reports room (``room_queue.py``). One that needs more KV slots than any decode
+instance holds when empty (``InstanceStats.kv_slots_total``) raises ``TetrisNeverFits``.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from gearshift.operator.planner.decode_placement import DecodeLoad, DecodePlacer
 from gearshift.operator.planner.improvement_rate import ImprovementRate
 from gearshift.operator.planner.instance_pool import Pool
 from gearshift.operator.planner.settings import PlannerSettings
+from gearshift.operator.router.policy_control import NeverFits, NoRoomYet
 from gearshift.operator.router.tetris_rate_profile import RateProfiler
 from gearshift.v1 import policy_pb2, worker_pb2
 
@@ -50,6 +56,14 @@ class TetrisPlanningError(ValueError):
     """The group's policy or instances cannot be planned for (the message names why)."""
 
 
+class TetrisNoRoom(TetrisPlanningError, NoRoomYet):
+    """No decode instance has the request's KV slots available now: it waits for room."""
+
+
+class TetrisNeverFits(TetrisPlanningError, NeverFits):
+    """The request needs more KV slots than any decode instance holds when empty."""
+
+
 @dataclass
 class TetrisRequestPlanner:
     """Plans the requests the router sends to one tetris group."""
@@ -64,6 +78,7 @@ class TetrisRequestPlanner:
     _pool_at: float = 0.0
     _decode: list[DecodeLoad] = field(default_factory=list)
     _decode_index: list[int] = field(default_factory=list)
+    _decode_total: list[int] = field(default_factory=list)  # KV slots when empty; 0: unknown
     _profiler: RateProfiler = field(default_factory=RateProfiler)
     _nodes: tuple[int, ...] = ()  # each prefill instance's node, by index
 
@@ -87,6 +102,11 @@ class TetrisRequestPlanner:
         assert self._settings is not None and self._rate is not None and self._placer is not None
         self._view(stats, now)
         assert self._pool is not None
+        # Decode room first: a request that must wait books and counts nothing yet.
+        slots = prompt_tokens + max_tokens
+        decode = self._placer.choose(self._decode, slots)
+        if decode is None:
+            raise self._no_room(slots)
         self._rate.record_arrival(now)
         if self._settings.profile_rates and prompt_tokens > 0:
             table = self._profiler.observe(prompt_tokens, self._settings.rules, self._nodes)
@@ -98,12 +118,6 @@ class TetrisRequestPlanner:
             chunks = plan_request(prompt_tokens, pool, self._settings.rules, improvement)
         except ValueError as exc:
             raise TetrisPlanningError(f"tetris plan: {exc}") from exc
-        slots = prompt_tokens + max_tokens
-        decode = self._placer.choose(self._decode, slots)
-        if decode is None:
-            raise TetrisPlanningError(
-                f"no decode instance has {slots} free KV slots for this request"
-            )
         self._book(pool, now, chunks, decode, slots)
         out = worker_pb2.TetrisPlan(
             decode_instance=self._decode_index[decode],
@@ -114,6 +128,19 @@ class TetrisRequestPlanner:
         for chunk in chunks.chunks:
             out.chunks.add(num_tokens=chunk.length, prefill_instances=list(chunk.group))
         return out
+
+    def _no_room(self, slots: int) -> TetrisPlanningError:
+        """Why no decode instance takes ``slots`` now: never (every instance reports what it
+        holds when empty, and none holds that many), or not yet."""
+        if self._decode_total and all(self._decode_total):
+            most = max(self._decode_total)
+            if slots > most:
+                return TetrisNeverFits(
+                    f"this request needs {slots} KV slots (prompt + max_tokens) and no decode "
+                    f"instance holds more than {most} even when empty; shorten the prompt or "
+                    "lower max_tokens"
+                )
+        return TetrisNoRoom(f"no decode instance has {slots} free KV slots for this request")
 
     def _configure(self, stats: worker_pb2.WorkerStats) -> None:
         if stats.policy.WhichOneof("kind") != "tetris":
@@ -169,6 +196,7 @@ class TetrisRequestPlanner:
             DecodeLoad(i.kv_slots_free, i.batch_size, i.kv_slots_reserved) for i in decode
         ]
         self._decode_index = [i.index for i in decode]
+        self._decode_total = [i.kv_slots_total for i in decode]
         self._stats = stats
 
     def _book(self, pool: Pool, now: float, plan: ChunkPlan, decode: int, slots: int) -> None:

@@ -9,10 +9,12 @@ SLO (``goodput.py``: at least 90% of requests within every bound, none refused).
 The recommendation: with an SLO, the candidate with the highest such rate, then the lower p99
 TTFT at the declared rate; when no candidate meets the SLO at the declared rate, or no SLO is
 given, the lowest p99 TTFT at the declared rate among the candidates that refused no request
-there (when every one refused some, those that refused the fewest): a refusal is a 503, and a
-candidate's percentiles cover only what it served. Candidates within the simulator's measured error
-of the leader (``error_band.py``) are a tie, broken by fewer GPUs, then the lower p99 TPOT when
-outside its band (issue 30, item 3). ``reason`` says which rule decided.
+there (when every one refused some, those that refused the fewest): a refusal is a request the
+candidate can never serve (beyond its context, or more KV than a Tetris decode instance holds:
+the router answers 400; one that only has to wait for room waits, its TTFT counting the wait),
+and a candidate's percentiles cover only what it served. Candidates within the simulator's
+measured error of the leader (``error_band.py``) are a tie, broken by fewer GPUs, then the lower
+p99 TPOT when outside its band (issue 30, item 3). ``reason`` says which rule decided.
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ class CandidateResult:
 
     @property
     def refused_at_rate(self) -> int:
-        """Requests of the declared rate's trace the candidate refused (the router answers them
-        503: no room for them)."""
+        """Requests of the declared rate's trace the candidate refused: those it can never
+        serve (the router answers them 400; a request that must wait for room waits)."""
         at = self.at_rate
         return int(at.get("rejected", 0)) if at else 0
 

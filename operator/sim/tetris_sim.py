@@ -8,7 +8,15 @@ on the prefill pool, the KV hand-off, and decode instances that run the engine's
   models fitted to the roofline (``tetris_models.py``); its prefill ends at the plan's TTFT (the
   planner's own estimate, queueing included), and the plan's chunks are booked on the pool.
 * **Decode placement** by the planner's ``DecodePlacer`` (freeness rate with virtual usage,
-  §5.2) over each decode instance's free slots, batch and requests in transfer.
+  §5.2) over each decode instance's free slots, batch and requests in transfer. A request no
+  decode instance has room for waits, as in the router (``operator/router/room_queue.py``): in
+  arrival order, placed (and only then planned on the pool and counted as an arrival by the
+  improvement rate) when a decode step ends with room for the oldest waiting request; a later
+  request never goes ahead of an older one. Its TTFT counts from its arrival, the wait
+  included. Only a request that needs more KV slots than a decode instance holds when empty
+  (or more than ``max_model_len``) is refused. The router plans waiting requests at its stats
+  polls (every 0.5 s), the simulator as soon as a step frees the room: not modelled, nor the
+  router's ``--queue-timeout``.
 * **Hand-off** (§4.2): the request's KV over the intra-node link from the last group's members in
   parallel, after its prefill ends, on one of the decode instance's transfer slots
   (``transferBackends``; by default one per prefill instance). As in the engine
@@ -281,6 +289,9 @@ def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> Sim
     rejected: list[tuple[int, str]] = []
     limit = group.config.max_model_len
     block = group.config.block_size
+    capacity = group.config.num_blocks * block  # a decode instance's KV slots when empty
+    # Requests no decode instance had room for on arrival, oldest first (the router's queue).
+    waiting: collections.deque[tuple[int, TraceRequest]] = collections.deque()
     waking: set[int] = set()
 
     def admission(rep: SimReplica) -> DecodeAdmission:
@@ -379,6 +390,7 @@ def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> Sim
         for rid, _, finished in rep.finish_step(loop.now):
             if finished:
                 done.append(rep.times.pop(rid))
+        admit()  # the step may have freed room for the oldest waiting requests
         start(rep)
 
     def wake(rep: SimReplica) -> None:
@@ -397,13 +409,29 @@ def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> Sim
             loop.at(loop.now, functools.partial(wake, rep))
 
     def arrive(index: int, req: TraceRequest) -> None:
-        nonlocal pool, pool_at
-        rates.record_arrival(loop.now)  # as the router counts every request it plans
-        if req.prompt_tokens + req.output_tokens > limit:
+        need = req.prompt_tokens + req.output_tokens
+        if need > limit:
             rejected.append(
                 (index, f"{req.prompt_tokens} + {req.output_tokens} tokens exceed {limit}")
             )
             return
+        if need > capacity:  # the router's 400 kv_capacity_exceeded
+            rejected.append(
+                (index, f"{need} KV slots: no decode instance holds more than {capacity}")
+            )
+            return
+        waiting.append((index, req))
+        admit()
+
+    def admit() -> None:
+        # The oldest waiting requests, while a decode instance has room for the oldest.
+        while waiting and place(*waiting[0]):
+            waiting.popleft()
+
+    def place(index: int, req: TraceRequest) -> bool:
+        """Place ``req`` and plan its prefill; False (nothing done) when no decode instance has
+        room for it now."""
+        nonlocal pool, pool_at
         loads = []
         for rep in decodes:
             adm = admission(rep)
@@ -412,30 +440,32 @@ def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> Sim
         slots = req.prompt_tokens + req.output_tokens
         d = placer.choose(loads, slots)
         if d is None:
-            rejected.append((index, f"no decode instance has {slots} free KV slots"))
-            return
+            return False
+        rates.record_arrival(loop.now)  # as the router counts every request it plans
         rid = f"r{index}"
         rep = decodes[d]
         pool = pool.advance(loop.now - pool_at)
         pool_at = loop.now
         plan = plan_request(req.prompt_tokens, pool, group.rules, rates.current(loop.now))
         pieces = group.pieces(req.prompt_tokens, len(plan.chunks[-1].group))
-        rep.add(rid, loop.now, req.prompt_tokens, req.output_tokens)
+        # Its times count from its arrival: the wait for room is part of its TTFT.
+        rep.add(rid, req.arrival_s, req.prompt_tokens, req.output_tokens)
         try:
             admission(rep).expect(rid, len(pieces))
         except InvalidRequestError as exc:
             rep.times.pop(rid)
             rejected.append((index, str(exc)))
-            return
+            return True
         pool = pool.commit((c.group, c.end) for c in plan.chunks)
         on_prefilled = functools.partial(offer, d, rid, pieces)
         if pool_host is None:
             loop.at(loop.now + plan.ttft, on_prefilled)
-            return
+            return True
         run = _Prefill(plan.chunks, req.prompt_tokens, on_prefilled)
         for m in plan.chunks[-1].group:  # the last group holds every earlier one
             queues[m].append(run)
         next_chunk(run)
+        return True
 
     for i, req in enumerate(trace):
         loop.at(req.arrival_s, functools.partial(arrive, i, req))

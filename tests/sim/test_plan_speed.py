@@ -86,5 +86,6 @@ def test_the_default_plan_of_a_real_size_model_simulates_every_candidate(
     assert points and all(p["requests"] + p["rejected"] == 300 for p in points)
     assert any(c["name"].startswith("tetris") and c["points"] for c in data["candidates"])
     best = next(c for c in data["candidates"] if c["name"] == data["recommended"])
-    # 70B: two Tetris shapes refuse some requests; the pick is one that served them all.
+    # The pick served every request. (70B: two Tetris shapes refused some until requests with
+    # no decode room waited for it, as in the router; now they serve all, slowly.)
     assert next(p for p in best["points"] if p["declared"])["rejected"] == 0

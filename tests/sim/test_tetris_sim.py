@@ -161,10 +161,11 @@ def test_every_request_finishes_with_no_block_held_and_groups_split_the_trace() 
          "requests": 60}
     ).trace()  # fmt: skip
     one = simulate_tetris(group, trace)
-    assert len(one.requests) + len(one.rejected) == 60 and len(one.requests) > 50
+    # A request no decode instance has room for waits (as in the router), none is refused.
+    assert one.rejected == [] and len(one.requests) == 60
     assert all(len(r.token_times) == r.output_tokens for r in one.requests)
     two = simulate_groups(2, group, trace)
-    assert len(two.requests) + len(two.rejected) == 60
+    assert two.rejected == [] and len(two.requests) == 60
     assert [r.request_id for r in two.requests] == sorted(
         (r.request_id for r in two.requests), key=lambda rid: int(rid[1:])
     )
@@ -177,16 +178,44 @@ def test_a_decode_instance_out_of_kv_recomputes_what_it_preempts() -> None:
     against the blocks left, but does not reserve the growth of those already decoding, so a
     tight cache preempts. The instance recomputes what it preempted, over as many steps as
     its token budget takes (it did not, and those requests never ended: neither finished nor
-    refused; then it stopped after the first chunk, 2026-11-28)."""
+    refused; then it stopped after the first chunk, 2026-11-28). Those placement finds no room
+    for wait for it, and all 8 are served (5 were refused before the router's queue)."""
     cfg = ReplicaConfig(
         num_blocks=40, block_size=16, max_model_len=512, max_num_batched_tokens=64
     )  # a recompute of 100 prompt tokens and more takes several steps
     group = dataclasses.replace(_group(), config=cfg)
     trace = [TraceRequest(0.05 * i, prompt_tokens=100, output_tokens=200) for i in range(8)]
     result = simulate_tetris(group, trace)
-    assert len(result.requests) + len(result.rejected) == 8 and len(result.requests) >= 3
+    assert result.rejected == [] and len(result.requests) == 8
     assert all(len(r.token_times) == 200 for r in result.requests)
     assert sum(r.preemptions for r in result.requests) > 0
+
+
+def test_requests_without_decode_room_wait_in_arrival_order_and_all_finish() -> None:
+    """As the router's queue (operator/router/room_queue.py): a request no decode instance has
+    room for waits until a step frees it, its TTFT counting the wait; a later one waits behind
+    it even when it would fit; only one larger than an empty decode instance is refused (before:
+    the third and the fifth were refused and the fourth served at once)."""
+    cfg = ReplicaConfig(num_blocks=40, block_size=16, max_model_len=1024)  # 640 KV slots
+    group = dataclasses.replace(_group(), config=cfg)
+    trace = [
+        TraceRequest(0.0, prompt_tokens=300, output_tokens=10),  # 19 blocks reserved
+        TraceRequest(0.0, prompt_tokens=300, output_tokens=10),  # 19 more: 2 blocks left
+        TraceRequest(0.001, prompt_tokens=300, output_tokens=10),  # waits
+        TraceRequest(0.002, prompt_tokens=20, output_tokens=2),  # fits 2 blocks, yet waits
+        TraceRequest(0.003, prompt_tokens=600, output_tokens=100),  # never fits 640
+    ]
+    result = simulate_tetris(group, trace)
+    assert [i for i, _ in result.rejected] == [4]
+    assert "700 KV slots" in result.rejected[0][1] and "640" in result.rejected[0][1]
+    times = {r.request_id: r for r in result.requests}
+    assert sorted(times) == ["r0", "r1", "r2", "r3"]
+    assert all(len(r.token_times) == r.output_tokens for r in result.requests)
+    room = min(times["r0"].finished, times["r1"].finished)  # the first room freed
+    for i in (2, 3):  # neither got a first token before room was freed; TTFT counts the wait
+        waited = times[f"r{i}"]
+        assert waited.arrival == trace[i].arrival_s and waited.token_times[0] > room
+        assert waited.ttft > room - trace[i].arrival_s
 
 
 def test_more_requests_than_the_decode_instances_seats_are_all_served() -> None:

@@ -62,6 +62,7 @@ class InstanceLoad:
     kv_slots_reserved: int  # decode: slots held by requests still in transfer
     batch_size: int  # decode: running requests
     node: int = 0  # the node (pod of the group) it runs on
+    kv_slots_total: int = 0  # decode: KV token slots when empty (0: not known yet)
 
 
 @dataclass

@@ -213,6 +213,7 @@ def worker_stats(
             kv_slots_reserved=inst.kv_slots_reserved,
             batch_size=inst.batch_size,
             node=inst.node,
+            kv_slots_total=inst.kv_slots_total,
         )
     # The two figures WorkerStats names on its own (a policy with a host KV tier, re-sharding).
     out.host_kv_usage = stats.policy_stats.get("host_kv_usage", 0.0)

@@ -146,7 +146,7 @@ class GearStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., busy_seconds: _Optional[float] = ...) -> None: ...
 
 class InstanceStats(_message.Message):
-    __slots__ = ("role", "index", "queued_seconds", "kv_slots_free", "kv_slots_reserved", "batch_size", "node")
+    __slots__ = ("role", "index", "queued_seconds", "kv_slots_free", "kv_slots_reserved", "batch_size", "node", "kv_slots_total")
     class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         ROLE_UNSPECIFIED: _ClassVar[InstanceStats.Role]
@@ -162,6 +162,7 @@ class InstanceStats(_message.Message):
     KV_SLOTS_RESERVED_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
+    KV_SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     role: InstanceStats.Role
     index: int
     queued_seconds: float
@@ -169,7 +170,8 @@ class InstanceStats(_message.Message):
     kv_slots_reserved: int
     batch_size: int
     node: int
-    def __init__(self, role: _Optional[_Union[InstanceStats.Role, str]] = ..., index: _Optional[int] = ..., queued_seconds: _Optional[float] = ..., kv_slots_free: _Optional[int] = ..., kv_slots_reserved: _Optional[int] = ..., batch_size: _Optional[int] = ..., node: _Optional[int] = ...) -> None: ...
+    kv_slots_total: int
+    def __init__(self, role: _Optional[_Union[InstanceStats.Role, str]] = ..., index: _Optional[int] = ..., queued_seconds: _Optional[float] = ..., kv_slots_free: _Optional[int] = ..., kv_slots_reserved: _Optional[int] = ..., batch_size: _Optional[int] = ..., node: _Optional[int] = ..., kv_slots_total: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("model", "max_model_len", "running", "waiting", "kv_blocks_total", "kv_blocks_used", "kv_usage", "outstanding_tokens", "gear", "policy", "gears", "gear_switches", "host_kv_usage", "reshard_seconds", "fetched_weight_bytes", "preemptions", "ranks", "instances", "revision", "policy_stats", "replicas", "tetris_models")

@@ -180,7 +180,10 @@ class TetrisGroup(GroupState):
             # Slots not held by admitted requests (InstanceStats): the blocks reserved for
             # requests in transfer are reported apart, as virtual usage.
             free = (stats.kv_blocks_total - stats.kv_blocks_used) * snap.block_size + reserved
-            out.append(InstanceLoad("decode", d, 0.0, free, reserved, stats.num_running, node))
+            total = stats.kv_blocks_total * snap.block_size  # what it holds when empty
+            out.append(
+                InstanceLoad("decode", d, 0.0, free, reserved, stats.num_running, node, total)
+            )
         return out
 
     def stats(self) -> dict[str, float]:

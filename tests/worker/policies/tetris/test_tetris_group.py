@@ -23,15 +23,18 @@ import torch
 
 from gearshift.v1 import worker_pb2
 from gearshift.worker.config import EngineConfig
+from gearshift.worker.engine.llm_engine import EngineStats
 from gearshift.worker.engine.outputs import RequestOutput
 from gearshift.worker.errors import GroupFailure, InvalidRequestError
 from gearshift.worker.launch import start_engine
 from gearshift.worker.launch.group_config import GroupConfig
 from gearshift.worker.launch.tetris.controller import TetrisGroup
+from gearshift.worker.launch.tetris.messages import Snapshot
 from gearshift.worker.launch.tetris.start import start_tetris
 from gearshift.worker.launch.tetris.state import pieces_of
 from gearshift.worker.policies.registry import make_policy
 from gearshift.worker.sampling.params import SamplingParams
+from gearshift.worker.server.convert import worker_stats
 
 ENGINE: dict[str, Any] = {
     "dtype": "float32",
@@ -119,6 +122,28 @@ def _reference(folder: Path, prompts: list[list[int]], max_tokens: int) -> list[
         return [o.token_ids for o in engine.generate(prompts, _greedy(max_tokens))]
     finally:
         engine.shutdown()
+
+
+def test_decode_instances_report_their_kv_room_and_what_they_hold_when_empty() -> None:
+    """The router's planner view (WorkerStats.instances): free slots count the blocks reserved
+    for requests in transfer, reported apart; ``kv_slots_total`` (the blocks times the block
+    size) lets the router refuse at once only what no decode instance could ever hold, and a
+    decode instance not heard from yet reports 0 there (unknown)."""
+    policy = make_policy({"tetris": {"prefill_instances": 2, "decode_instances": 2}})
+    group = TetrisGroup(policy, [], [], [], None, 1.0, lambda *_: None)  # type: ignore[arg-type]
+    group.snapshots = [Snapshot(EngineStats(3, 0, 64, 10, 10 / 64, 0, 0, 0, 0, 0, 0), 32, 16), None]
+    loads = {(i.role, i.index): i for i in group.instances()}
+    busy, unheard = loads[("decode", 0)], loads[("decode", 1)]
+    assert (busy.kv_slots_free, busy.kv_slots_reserved, busy.batch_size) == (54 * 16 + 32, 32, 3)
+    assert busy.kv_slots_total == 64 * 16 and unheard.kv_slots_total == 0
+    assert loads[("prefill", 0)].kv_slots_total == 0
+    # ... and GetStats carries it (InstanceStats.kv_slots_total).
+    empty = EngineStats(0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, instances=group.instances())
+    wire = worker_stats(
+        empty, model="m", max_model_len=1, policy=policy.to_proto(), ranks=4, revision=""
+    )
+    decode = [i for i in wire.instances if i.role == worker_pb2.InstanceStats.DECODE]
+    assert [i.kv_slots_total for i in decode] == [64 * 16, 0]
 
 
 def test_pieces_cut_each_members_rows_at_the_buffer() -> None:
