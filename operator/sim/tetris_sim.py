@@ -13,10 +13,11 @@ on the prefill pool, the KV hand-off, and decode instances that run the engine's
   arrival order, placed (and only then planned on the pool and counted as an arrival by the
   improvement rate) when a decode step ends with room for the oldest waiting request; a later
   request never goes ahead of an older one. Its TTFT counts from its arrival, the wait
-  included. Only a request that needs more KV slots than a decode instance holds when empty
-  (or more than ``max_model_len``) is refused. The router plans waiting requests at its stats
-  polls (every 0.5 s), the simulator as soon as a step frees the room: not modelled, nor the
-  router's ``--queue-timeout``.
+  included. A request that needs more KV slots than a decode instance holds when empty (or
+  more than ``max_model_len``) is refused, and so is one still waiting past the router's
+  ``--queue-timeout`` (``queue_timeout_s``, checked whenever a step ends). The router plans
+  waiting requests at its stats polls (every 0.5 s), the simulator as soon as a step frees the
+  room: that delay is not modelled.
 * **Hand-off** (§4.2): the request's KV over the intra-node link from the last group's members in
   parallel, after its prefill ends, on one of the decode instance's transfer slots
   (``transferBackends``; by default one per prefill instance). As in the engine
@@ -75,6 +76,7 @@ from gearshift.operator.planner.cdsp import Chunk, PlannerRules, plan_request
 from gearshift.operator.planner.decode_placement import DecodeLoad, DecodePlacer, Placement
 from gearshift.operator.planner.improvement_rate import ImprovementRate, RateStep
 from gearshift.operator.planner.instance_pool import Pool
+from gearshift.operator.router.config import RouterConfig
 from gearshift.operator.sim.cost_model import StepCost
 from gearshift.operator.sim.events import EventLoop
 from gearshift.operator.sim.replica import ReplicaConfig, RequestTimes, SimReplica
@@ -185,6 +187,9 @@ class TetrisGroupSim:
     # With host_cores or pool_cores: each piece's hand-off is a rank's work on the pool's cores
     # (module docstring); False: a wait that takes no core.
     handoff_is_work: bool = True
+    # The router's --queue-timeout: a request still waiting for decode room after it is
+    # refused (503), as the router refuses it (None: it waits for ever).
+    queue_timeout_s: float | None = RouterConfig.queue_timeout_s
 
     def __post_init__(self) -> None:
         if self.host_cores is not None and self.host_cores < 1:
@@ -424,6 +429,12 @@ def simulate_tetris(group: TetrisGroupSim, trace: Sequence[TraceRequest]) -> Sim
         admit()
 
     def admit() -> None:
+        # Those that waited past the router's queue timeout were refused then (503).
+        timeout = group.queue_timeout_s
+        if timeout is not None and any(loop.now - r.arrival_s > timeout for _, r in waiting):
+            for index, req in [w for w in waiting if loop.now - w[1].arrival_s > timeout]:
+                waiting.remove((index, req))
+                rejected.append((index, f"no decode instance had room within {timeout:g} s"))
         # The oldest waiting requests, while a decode instance has room for the oldest.
         while waiting and place(*waiting[0]):
             waiting.popleft()

@@ -218,6 +218,26 @@ def test_requests_without_decode_room_wait_in_arrival_order_and_all_finish() -> 
         assert waited.ttft > room - trace[i].arrival_s
 
 
+def test_a_request_waiting_past_the_routers_queue_timeout_is_refused() -> None:
+    """The router answers 503 to a request still waiting for decode room after --queue-timeout;
+    the simulator refuses it the same (a third request behind two that hold the cache)."""
+    cfg = ReplicaConfig(num_blocks=40, block_size=16, max_model_len=1024)  # 640 KV slots
+    trace = [
+        TraceRequest(0.0, prompt_tokens=300, output_tokens=10),  # 19 blocks reserved
+        TraceRequest(0.0, prompt_tokens=300, output_tokens=10),  # 19 more: 2 blocks left
+        TraceRequest(0.001, prompt_tokens=300, output_tokens=10),  # waits for one to end
+    ]
+    waits = simulate_tetris(dataclasses.replace(_group(), config=cfg), trace)
+    assert waits.rejected == [] and len(waits.requests) == 3
+    third = next(r for r in waits.requests if r.request_id == "r2")
+    bound = third.ttft / 2  # it waited longer than this
+    short = dataclasses.replace(_group(), config=cfg, queue_timeout_s=bound)
+    refused = simulate_tetris(short, trace)
+    assert [i for i, _ in refused.rejected] == [2]
+    assert f"within {bound:g} s" in refused.rejected[0][1]
+    assert sorted(r.request_id for r in refused.requests) == ["r0", "r1"]
+
+
 def test_more_requests_than_the_decode_instances_seats_are_all_served() -> None:
     """A request holds a block-table row from its placement on, not only while it has a seat:
     with 4 seats, a burst of 12 holds 12 rows (the engine's table had 4 and failed its decode
