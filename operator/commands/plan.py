@@ -218,9 +218,8 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from gearshift.operator.sim.planning import plan_deployment
+    from gearshift.operator.sim.progress import plan_bar
 
     try:
         model, priced, traffic, goodput, rates, kinds, settings = _inputs(args)
@@ -231,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     say = functools.partial(print, file=sys.stderr if args.json else sys.stdout)
     say(f"pricing: {priced.describe}")
     say(priced.links_text())
-    bar = tqdm(desc="simulating", unit="point", file=sys.stderr, disable=args.no_progress)
+    bar = plan_bar(desc="simulating", unit="point", file=sys.stderr, disable=args.no_progress)
     try:
         report = plan_deployment(
             model,
@@ -340,6 +339,8 @@ def write_outputs(args: argparse.Namespace, data: dict[str, Any], text: str) -> 
 
 
 def table(data: dict[str, Any]) -> str:
+    from gearshift.operator.sim.planning import TIE_RULE
+
     head = (
         f"{'candidate':>12} {'policy':>28} {'KV tok/grp':>10} {'TTFT p50':>9} {'p99':>8} "
         f"{'TPOT p50':>9} {'p99':>8} {'out tok/s':>10} {'max rate':>8}"
@@ -380,8 +381,10 @@ def table(data: dict[str, Any]) -> str:
     if ties:
         lines.append(
             f"tie (=): {', '.join(data['ties'])} are within the simulator's measured error of "
-            f"each other ({_band(data)}); the rule: fewer GPUs, then lower p99 TPOT"
+            f"the first ranked ({_band(data)}); the rule: {data.get('tie_rule') or TIE_RULE}"
         )
+        if data.get("tie_decision"):
+            lines.append(f"tie broken: {data['tie_decision']}")
     if data["recommended"] is None:
         lines.append("recommended: none")
     else:

@@ -11,10 +11,12 @@ TTFT at the declared rate; when no candidate meets the SLO at the declared rate,
 given, the lowest p99 TTFT at the declared rate among the candidates that refused no request
 there (when every one refused some, those that refused the fewest): a refusal is a request the
 candidate can never serve (beyond its context, or more KV than a Tetris decode instance holds:
-the router answers 400; one that only has to wait for room waits, its TTFT counting the wait),
-and a candidate's percentiles cover only what it served. Candidates within the simulator's
-measured error of the leader (``error_band.py``) are a tie, broken by fewer GPUs, then the lower
-p99 TPOT when outside its band (issue 30, item 3). ``reason`` says which rule decided.
+the router answers 400; one that only has to wait for room waits, its TTFT counting the wait, up
+to the router's queue timeout), and a candidate's percentiles cover only what it served.
+Candidates within the simulator's measured error of the leader (``error_band.py``) are a tie,
+broken by ``TIE_RULE`` (issue 30, item 3): fewer GPUs, then the lower p99 TPOT (any
+difference), then the ranking's order. ``reason`` says which rule decided, and of a tie which
+step broke it (also ``tie_decision`` in the JSON).
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class PlanReport:
     ties: list[CandidateResult] = field(default_factory=list)  # the recommended first
     band: ErrorBand = MEASURED
     pricing: Pricing | None = None
+    tie_decision: str | None = None  # how the tie was broken (``Recommendation.decision``)
 
     def to_json(self) -> dict[str, Any]:
         best = self.recommended
@@ -120,6 +123,8 @@ class PlanReport:
             "candidates": candidates,
             "error_band": dataclasses.asdict(self.band),
             "ties": [r.candidate.name for r in self.ties] if len(self.ties) > 1 else [],
+            "tie_rule": TIE_RULE,
+            "tie_decision": self.tie_decision if len(self.ties) > 1 else None,
             "pruned_candidates": sum(r.pruned is not None for r in self.results),
             "simulated_points": sum(len(r.points) for r in self.results),
             "recommended": None if best is None else best.candidate.name,
@@ -163,9 +168,10 @@ def plan_deployment(
     pricing: Pricing | None = None,
 ) -> PlanReport:
     """Simulate every candidate (those ``only`` keeps, when given) at every rate; ``progress``
-    (e.g. a tqdm bar) is updated once per simulated point, its ``total`` the points still to
-    run. ``prune``: skip what cannot change the recommendation (``pruning.py``). ``pricing``:
-    what replaces the candidates' step costs (a profile; ``pricing.py``), reported with them."""
+    (e.g. a tqdm bar; ``progress.py``) shows each phase in turn, updated once per unit of work,
+    its ``total`` the work left as far as it is known. ``prune``: skip what cannot change the
+    recommendation (``pruning.py``). ``pricing``: what replaces the candidates' step costs (a
+    profile; ``pricing.py``), reported with them."""
     settings = settings or PlanSettings()
     sweep = sorted({*(rates or [traffic.rate * m for m in RATE_SWEEP]), traffic.rate})
     candidates = [
@@ -190,18 +196,21 @@ def plan_deployment(
 
         results = run_pruned(candidates, traffic, sweep, goodput, band, progress)
     else:
-        if progress is not None:
-            progress.total = len(candidates) * len(sweep)
+        from gearshift.operator.sim.progress import Progress
+
+        bar = Progress(progress)
+        bar.phase("simulating", len(candidates) * len(sweep))
         results = []
         for candidate in candidates:
             res = CandidateResult(candidate)
             for rate in sweep:
                 run_point(res, traffic, rate, goodput)
-                if progress is not None:
-                    progress.update(1)
+                bar.done(1)
             results.append(res)
-    best, reason, ties = recommend(results, goodput, band)
-    return PlanReport(results, best, reason, sweep, traffic, goodput, ties, band, pricing)
+    rec = decide(results, goodput, band)
+    return PlanReport(
+        results, rec.best, rec.why, sweep, traffic, goodput, rec.ties, band, pricing, rec.decision
+    )
 
 
 def run_point(res: CandidateResult, traffic: Traffic, rate: float, goodput: Goodput | None) -> None:
@@ -215,17 +224,40 @@ def run_point(res: CandidateResult, traffic: Traffic, rate: float, goodput: Good
         res.error = str(exc)
 
 
+# How a tie is broken, word for word in the reason, the table, the JSON (``tie_rule``) and
+# docs/planning.md. A lower p99 TPOT decides even within TPOT's error band (the issue's rule);
+# the decision then says that the difference is below the simulator's resolution.
+TIE_RULE = (
+    "fewer GPUs, then lower p99 TPOT (any difference, even within its error band), "
+    "then the ranking's order"
+)
+
+
+@dataclass
+class Recommendation:
+    best: CandidateResult | None
+    why: str  # which rule decided, the tie's decision included
+    ties: list[CandidateResult]  # the recommended first; a lone winner is a list of one
+    decision: str | None = None  # how the tie was broken (None: no tie)
+
+
 def recommend(
     results: list[CandidateResult], goodput: Goodput | None, band: ErrorBand = MEASURED
 ) -> tuple[CandidateResult | None, str, list[CandidateResult]]:
-    """The recommendation, why, and the candidates tied with it (it first; a lone winner is a
-    list of one). Goodput first: with an SLO, the highest simulated rate meeting it, then the
-    lower p99 TTFT at the declared rate; without one, or when none meets it at the declared
-    rate, the lowest p99 TTFT. Figures within ``band`` of the leader's are a tie, broken by
-    fewer GPUs, then the lower p99 TPOT (when outside its band), then the leader's order."""
+    """The recommendation, why, and the candidates tied with it (``decide``)."""
+    rec = decide(results, goodput, band)
+    return rec.best, rec.why, rec.ties
+
+
+def decide(
+    results: list[CandidateResult], goodput: Goodput | None, band: ErrorBand = MEASURED
+) -> Recommendation:
+    """Goodput first: with an SLO, the highest simulated rate meeting it, then the lower p99
+    TTFT at the declared rate; without one, or when none meets it at the declared rate, the
+    lowest p99 TTFT. Figures within ``band`` of the leader's are a tie, broken by ``TIE_RULE``."""
     ran = [r for r in results if r.error is None and r.at_rate and r.at_rate.get("requests")]
     if not ran:
-        return None, "no candidate could be simulated", []
+        return Recommendation(None, "no candidate could be simulated", [])
 
     def p99(r: CandidateResult) -> float:
         return float(r.at_rate["ttft_p99_s"])  # type: ignore[index]
@@ -244,6 +276,10 @@ def recommend(
             and band.tie(p99(r), p99(lead), "ttft_p99_s")
         ]
         rule = f"highest simulated rate meeting the SLO ({goodput})"
+        on = (
+            f"the highest rate meeting the SLO (within ±{band.of('output_tokens_per_s'):.0%}) "
+            f"and p99 TTFT (within ±{band.of('ttft_p99_s'):.0%})"
+        )
     else:
         # A candidate's percentiles cover only the requests it served: one that refused some
         # looks fast because it dropped load. Only those refusing the fewest (none, if any
@@ -266,26 +302,74 @@ def recommend(
                 else f" among those that refused the fewest requests ({fewest}; every one "
                 "refused some)"
             )
-    best = _break_tie(tied, band)
+        on = f"p99 TTFT (within ±{band.of('ttft_p99_s'):.0%})"
+    best = _break_tie(tied)
     why = _why(best, rule, p99(best))
+    decision = None
     if len(tied) > 1:
+        decision = _decision(best, tied, on, band)
         names = ", ".join(r.candidate.name for r in tied)
-        why += f"; a tie within the simulator's measured error ({names}), broken by fewer GPUs, "
-        why += "then lower p99 TPOT"
-    return best, why, [best, *(r for r in tied if r is not best)]
+        why += f"; a tie within the simulator's measured error of the first ranked ({names}), "
+        why += f"broken by {TIE_RULE}: {decision}"
+    return Recommendation(best, why, [best, *(r for r in tied if r is not best)], decision)
 
 
-def _break_tie(tied: list[CandidateResult], band: ErrorBand) -> CandidateResult:
-    """Fewest GPUs; among those, the lowest p99 TPOT when it is outside the band of the first
-    in the leader's order (else that first one)."""
-    fewest = min(r.candidate.gpus for r in tied)
-    pool = [r for r in tied if r.candidate.gpus == fewest]
+def _tpot(r: CandidateResult) -> float:
+    return float(r.at_rate["tpot_p99_s"])  # type: ignore[index]
 
-    def tpot(r: CandidateResult) -> float:
-        return float(r.at_rate["tpot_p99_s"])  # type: ignore[index]
 
-    lowest = min(pool, key=tpot)
-    return pool[0] if band.tie(tpot(lowest), tpot(pool[0]), "tpot_p99_s") else lowest
+def _name(r: CandidateResult) -> str:
+    return r.candidate.name
+
+
+def _break_tie(tied: list[CandidateResult]) -> CandidateResult:
+    """``TIE_RULE`` over ``tied`` (in the ranking's order): the fewest GPUs, then the lowest p99
+    TPOT, then the first in the ranking (``min`` keeps the first of equals)."""
+    return min(tied, key=lambda r: (r.candidate.gpus, _tpot(r)))
+
+
+def _decision(best: CandidateResult, tied: list[CandidateResult], on: str, band: ErrorBand) -> str:
+    """Which step of ``TIE_RULE`` decided, against the first ranked (or the runner-up)."""
+    lead = tied[0]
+    gpus = best.candidate.gpus
+    pool = [r for r in tied if r.candidate.gpus == gpus]
+
+    def tpots(a: CandidateResult, b: CandidateResult) -> str:
+        close = band.tie(_tpot(a), _tpot(b), "tpot_p99_s")
+        return f"{_tpot(a):.4g} s against {_name(b)}'s {_tpot(b):.4g} s" + (
+            f", within ±{band.of('tpot_p99_s'):.0%} of each other" if close else ""
+        )
+
+    if best is not lead and gpus < lead.candidate.gpus:
+        text = f"{_name(best)} over {_name(lead)}: tied on {on}, fewer GPUs ({gpus} against "
+        text += f"{lead.candidate.gpus})"
+        rest = [r for r in pool if r is not best]
+        if rest:
+            runner = min(rest, key=_tpot)
+            text += f", then of the {len(pool)} with {gpus} GPUs "
+            text += (
+                f"the first ranked at equal p99 TPOT ({_tpot(best):.4g} s, as {_name(runner)})"
+                if _tpot(runner) == _tpot(best)
+                else f"the lowest p99 TPOT ({tpots(best, runner)})"
+            )
+        return text
+    if best is not lead:
+        return (
+            f"{_name(best)} over {_name(lead)}: tied on {on}, same GPUs ({gpus}), lower p99 TPOT "
+            f"({tpots(best, lead)})"
+        )
+    text = f"{_name(lead)} stays first: tied on {on}"
+    rest = [r for r in pool if r is not lead]
+    if not rest:
+        more = min(r.candidate.gpus for r in tied if r is not lead)
+        return f"{text}, fewer GPUs than every other tied ({gpus} against {more} or more)"
+    runner = min(rest, key=_tpot)
+    if _tpot(runner) == _tpot(lead):
+        return (
+            f"{text}, same GPUs ({gpus}) and equal p99 TPOT ({_tpot(lead):.4g} s) as "
+            f"{_name(runner)}: the ranking's order"
+        )
+    return f"{text}, lowest p99 TPOT of the {len(pool)} with {gpus} GPUs ({tpots(lead, runner)})"
 
 
 def _why(best: CandidateResult, rule: str, p99: float) -> str:

@@ -14,6 +14,11 @@ If in the end no simulated candidate meets the SLO at the declared rate, the rec
 back to the lowest p99 TTFT over all, so the candidates pruned for the SLO run their declared
 rate then, unless their bound cannot tie the best. Every candidate stays in the report, a pruned
 one with the reason and its bounds.
+
+The progress bar (``progress.py``) counts the lower bounds, then the points, whose total is the
+most that can still run: a candidate's whole sweep until its turn, one fallback point per
+candidate pruned for the SLO until one meets it, and none for a candidate as soon as its bound
+cannot tie the best (the best only improves, so it stays pruned).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from gearshift.operator.sim.candidates import Candidate
 from gearshift.operator.sim.error_band import ErrorBand
 from gearshift.operator.sim.goodput import Goodput
 from gearshift.operator.sim.planning import CandidateResult, run_point
+from gearshift.operator.sim.progress import Progress
 from gearshift.operator.sim.traffic import Traffic
 
 
@@ -40,35 +46,56 @@ def run_pruned(
     """Each candidate's result, simulated only where it can change the recommendation."""
     trace = traffic.trace()
     results = [CandidateResult(c, sweep_top=max(sweep)) for c in candidates]
+    bar = Progress(progress)
+    bar.phase("lower bounds", len(results), "candidate")
     bounds: dict[int, Bound] = {}
     for i, res in enumerate(results):
         try:
             bounds[i] = alone(res.candidate, trace)
         except RuntimeError as exc:  # a request needs more KV than the group has, even alone
             res.error = str(exc)
-            continue
-        b = bounds[i]
-        res.bound = {"ttft_p99_s": b.ttft_p99, "refused": b.refused}
+        else:
+            b = bounds[i]
+            res.bound = {"ttft_p99_s": b.ttft_p99, "refused": b.refused}
+        bar.done(1)
     order = sorted(bounds, key=lambda i: bounds[i].ttft_p99)
     declared = next(r for r in sweep if r == traffic.rate)
     others = sorted((r for r in sweep if r != declared), reverse=True)
     per = 1 + (len(others) if goodput is not None else 0)
-    bar = _Bar(progress, per * len(order))
+    # Known before any simulation: who misses the SLO even alone. Each runs nothing, but one
+    # point in the fallback, which stays on the total until a candidate meets the SLO.
+    missing = {i for i in order if goodput is not None and not bounds[i].can_meet(goodput)}
+    fallback = len(missing)
+    bar.phase("simulating", per * (len(order) - len(missing)) + fallback, at_most=True)
     deferred: list[int] = []
-    for i in order:
+    gone: set[int] = set()  # taken off the total ahead of their turn
+
+    def cannot_tie(k: int, lead: float | None) -> bool:
+        # Only a bound above the lead's band: one below it may beat the lead, not just tie.
+        b = bounds[k].ttft_p99
+        return lead is not None and b > lead and not band.tie(b, lead, "ttft_p99_s")
+
+    def cut_ahead(rest: Sequence[int], lead: float | None, n: int) -> None:
+        # The lead only falls as candidates are simulated: a bound that cannot tie it now never
+        # will, so that candidate's points leave the total now, not at its turn.
+        for k in rest:
+            if k not in gone and k not in missing and cannot_tie(k, lead):
+                gone.add(k)
+                bar.drop(n)
+
+    for pos, i in enumerate(order):
         res, b = results[i], bounds[i]
-        if goodput is not None and not b.can_meet(goodput):
+        if i in missing:
             res.pruned = f"its lower bounds (no queueing) miss the SLO ({goodput})"
             deferred.append(i)
-            bar.skip(per)
             continue
         lead = _ttft_lead(results, goodput, sweep)
-        # Only a bound above the lead's band: one below it may beat the lead, not just tie.
-        if lead is not None and b.ttft_p99 > lead and not band.tie(b.ttft_p99, lead, "ttft_p99_s"):
+        if cannot_tie(i, lead):
             res.pruned = (
                 f"its lower-bound p99 TTFT {b.ttft_p99:.4g} s cannot tie the best's {lead:.4g} s"
             )
-            bar.skip(per)
+            if i not in gone:
+                bar.drop(per)
             continue
         run_point(res, traffic, declared, goodput)
         bar.done(1)
@@ -83,17 +110,24 @@ def run_pruned(
             left -= 1
             if any(p["rate"] == rate and p.get("met") for p in res.points):
                 break
-        bar.skip(left)
+        bar.drop(left)
+        if res.at_rate_met:  # the fallback will not run
+            bar.drop(fallback)
+            fallback = 0
+        cut_ahead(order[pos + 1 :], _ttft_lead(results, goodput, sweep), per)
     if goodput is not None and not any(r.at_rate_met for r in results):
         # The fallback rule ranks every candidate by p99 TTFT at the declared rate.
-        for i in deferred:
-            res, b = results[i], bounds[i]
-            lead = _ttft_lead(results, None, sweep)
-            if lead is None or b.ttft_p99 <= lead or band.tie(b.ttft_p99, lead, "ttft_p99_s"):
-                res.pruned = None
-                bar.add(1)
-                run_point(res, traffic, declared, goodput)
-                bar.done(1)
+        missing.clear()  # now each deferred one is one point, cut like the others
+        for pos, i in enumerate(deferred):
+            res = results[i]
+            if cannot_tie(i, _ttft_lead(results, None, sweep)):
+                if i not in gone:
+                    bar.drop(1)
+                continue
+            res.pruned = None
+            run_point(res, traffic, declared, goodput)
+            bar.done(1)
+            cut_ahead(deferred[pos + 1 :], _ttft_lead(results, None, sweep), 1)
     return results
 
 
@@ -107,28 +141,3 @@ def _ttft_lead(
     if goodput is not None:
         ran = [r for r in ran if r.at_rate_met and r.max_rate == max(sweep)]
     return min((float(r.at_rate["ttft_p99_s"]) for r in ran), default=None)  # type: ignore[index]
-
-
-class _Bar:
-    """A progress bar whose total is the points still to simulate: a pruned point leaves the
-    total, so the ETA counts only work that will be done."""
-
-    def __init__(self, progress: Any, total: int) -> None:
-        self.progress = progress
-        if progress is not None:
-            progress.total = total
-            progress.refresh()
-
-    def done(self, n: int) -> None:
-        if self.progress is not None:
-            self.progress.update(n)
-
-    def add(self, n: int) -> None:
-        if self.progress is not None:
-            self.progress.total += n
-            self.progress.refresh()
-
-    def skip(self, n: int) -> None:
-        if self.progress is not None and n > 0:
-            self.progress.total -= n
-            self.progress.refresh()

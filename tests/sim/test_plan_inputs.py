@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from gearshift.operator.cli import main
-from gearshift.operator.sim import calibration, hardware, pricing
+from gearshift.operator.sim import calibration, hardware, planning, pricing
 from gearshift.operator.sim.hardware import HardwareError
 from gearshift.operator.sim.traffic import Traffic, TrafficError
 
@@ -236,10 +236,10 @@ def test_no_recommendation_because_of_the_inputs_exits_2_with_the_reason(
 def test_no_recommendation_for_another_reason_exits_1_naming_each_candidate(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def nothing(*args: object, **kwargs: object) -> tuple[None, str, list[Any]]:
-        return None, "no candidate could be simulated", []
+    def nothing(*args: object, **kwargs: object) -> planning.Recommendation:
+        return planning.Recommendation(None, "no candidate could be simulated", [])
 
-    monkeypatch.setattr("gearshift.operator.sim.planning.recommend", nothing)
+    monkeypatch.setattr("gearshift.operator.sim.planning.decide", nothing)
     rc, out, err = _plan(capsys, *BASE, "--rate", "2", "--policies", "static", "--json")
     assert rc == 1
     data = _strict_json(out)

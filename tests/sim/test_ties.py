@@ -135,3 +135,66 @@ def test_the_table_says_how_many_requests_a_candidate_refused() -> None:
     data.update(model="m", hardware="8xH200")
     rows = {line.split()[0]: line for line in table(data).splitlines()}
     assert rows["sp8"].endswith("refused 5 of 10") and "refused" not in rows["tp8"]
+
+
+def _tied_table(results: list[Any], slo: Any = None) -> tuple[Any, dict[str, Any], str]:
+    from gearshift.operator.commands.plan import table
+    from gearshift.operator.sim.planning import decide
+
+    rec = decide(results, slo)
+    report = PlanReport(
+        results, rec.best, rec.why, [4.0], _traffic(), slo, rec.ties, tie_decision=rec.decision
+    )
+    data = report.to_json()
+    data.update(model="m", hardware="8xH200")
+    return rec, data, table(data)
+
+
+def test_a_lower_tpot_within_its_band_still_breaks_the_tie_and_every_output_says_so() -> None:
+    """The 8xL4 case (Llama-3-8B, SLO ttft:1000 tpot:100, 2026-11-28): TP 4 x 2 ranked first on
+    p99 TTFT and TP 8, tied with it, had the lower p99 TPOT (3.37 s against 4.29 s), within
+    TPOT's band of each other; the old code kept the first ranked there while printing "broken
+    by fewer GPUs, then lower p99 TPOT". The stated rule decides now, and says how."""
+    from gearshift.operator.sim.planning import TIE_RULE
+
+    first = _result("tp4x2", 4, ttft=0.397, tpot=0.0429, rate=4.0)
+    lower = _result("tp8", 8, ttft=0.658, tpot=0.0337, rate=4.0)
+    assert first.candidate.gpus == lower.candidate.gpus == 8
+    assert MEASURED.tie(0.0337, 0.0429, "tpot_p99_s")  # the case the old code got wrong
+    rec, data, text = _tied_table([first, lower])
+    assert rec.best is lower and [t.candidate.name for t in rec.ties] == ["tp8", "tp4x2"]
+    assert rec.decision == (
+        "tp8 over tp4x2: tied on p99 TTFT (within ±31%), same GPUs (8), lower p99 TPOT "
+        "(0.0337 s against tp4x2's 0.0429 s, within ±23% of each other)"
+    )
+    # The reason, the JSON and the table state the same rule and the same decision.
+    assert f"broken by {TIE_RULE}: {rec.decision}" in rec.why
+    assert data["tie_rule"] == TIE_RULE and data["tie_decision"] == rec.decision
+    assert data["recommended"] == "tp8" and data["ties"] == ["tp8", "tp4x2"]
+    assert f"the rule: {TIE_RULE}" in text and f"tie broken: {rec.decision}" in text
+    assert "recommended: tp8 " in text
+    # docs/planning.md states the rule word for word.
+    docs = " ".join((ROOT / "docs" / "planning.md").read_text().split())
+    assert TIE_RULE in docs
+
+
+def test_fewer_gpus_and_the_rankings_order_say_which_step_decided() -> None:
+    tp8 = _result("tp8", 8, ttft=0.050, tpot=0.010, rate=4.0)
+    tp2 = _result("tp2x4", 2, ttft=0.051, tpot=0.020, rate=4.0)
+    half = CandidateResult(dataclasses.replace(tp2.candidate, replicas=2), tp2.points)
+    rec, data, _ = _tied_table([tp8, half])
+    assert rec.best is half and data["tie_decision"] == (
+        "tp2x4 over tp8: tied on p99 TTFT (within ±31%), fewer GPUs (4 against 8)"
+    )
+    # Equal GPUs and an equal p99 TPOT (in the 8xL4 case TP 4 x 2 and SiDP 4 x 2 had): the
+    # ranking's order, the last step of the rule.
+    same = _result("pp8", 8, ttft=0.050, tpot=0.010, rate=4.0)
+    rec, data, _ = _tied_table([tp8, same])
+    assert rec.best is tp8
+    assert "equal p99 TPOT (0.01 s) as pp8: the ranking's order" in data["tie_decision"]
+    # The first ranked also has the lowest TPOT: it stays, and the decision says why.
+    slower = _result("pp8", 8, ttft=0.050, tpot=0.011, rate=4.0)
+    rec, _, _ = _tied_table([tp8, slower])
+    assert rec.best is tp8 and rec.decision is not None
+    assert rec.decision.startswith("tp8 stays first: tied on p99 TTFT (within ±31%)")
+    assert "lowest p99 TPOT of the 2 with 8 GPUs (0.01 s against pp8's 0.011 s" in rec.decision
