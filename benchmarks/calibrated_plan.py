@@ -11,7 +11,9 @@ profile, then plan against the measured engine, and record the error of each).
 3. ``gearshift plan --profile`` (calibrated) and ``gearshift plan --hardware`` (uncalibrated: the
    preset scaled by the efficiencies fitted to the recorded GPU runs, what plan prices from
    without a profile) plan the same traffic at the same rate; each report's one candidate (one
-   rank) is read off.
+   rank) is read off. Both read the checkpoint's config.json declaring the dtype the engine ran
+   (``--dtype``; the checkpoint is saved in float32): plan --profile refuses a profile of
+   another dtype than the model's.
 4. Per figure (makespan, output tokens/s, TTFT mean, p50 and p99, TPOT p50 and p99): the measured
    mean and spread over the repeats, each plan's figure, and its error against the measured
    mean and against the worst repeat. Printed, and saved as ``calibrated_plan.json`` in ``--out``.
@@ -73,6 +75,18 @@ def start_replay_engine(flags: list[str]) -> Any:
     return start_engine(config, policy_json.from_dict({"static": {}}))
 
 
+def planned_config(model: Path, dtype: str, folder: Path) -> Path:
+    """The config.json both plans read: the checkpoint's (saved in float32), declaring the dtype
+    the engine runs it in (``--dtype``), which the profile records and plan --profile requires
+    of the model it prices (and the preset prices its bytes by)."""
+    cfg = json.loads((model / "config.json").read_text())
+    if dtype != "auto":
+        cfg["torch_dtype"] = dtype
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
 def plan(
     model: Path, traffic: Path, rate: float, report: Path, batched: int, *pricing: str
 ) -> dict[str, Any]:
@@ -132,6 +146,7 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
             raise SystemExit(f"--hardware {hardware}: {exc}") from exc
     model = random_llama(folder / "model", hidden=args.hidden, layers=args.layers)
     flags = engine_flags(args, model)
+    planned = planned_config(model, args.dtype, folder / "planned")
     profile = folder / "profile.json"
     t0 = time.perf_counter()
     done = subprocess.run(
@@ -163,13 +178,13 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         engine.shutdown()
     plans = {
         "calibrated": plan(
-            model, traffic, args.rate, folder / "plan_profile.json", args.batched_tokens,
+            planned, traffic, args.rate, folder / "plan_profile.json", args.batched_tokens,
             "--profile", str(profile),
         ),
     }  # fmt: skip
     if hardware is not None:
         plans["uncalibrated"] = plan(
-            model, traffic, args.rate, folder / "plan_preset.json", args.batched_tokens,
+            planned, traffic, args.rate, folder / "plan_preset.json", args.batched_tokens,
             "--hardware", hardware,
         )  # fmt: skip
     for p in plans.values():

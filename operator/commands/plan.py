@@ -190,6 +190,11 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, ...]:
     if args.profile is None and hw is None:
         raise ValueError("--hardware: required without --profile")
     profile = calibration.load(args.profile) if args.profile is not None else None
+    if profile is not None:  # its step costs price only the model it measured, in its dtype
+        calibration.check_model(
+            profile, model, f"--profile {args.profile}", f"--model {args.model}",
+            lambda key: f"--model's {'torch_dtype' if key == 'dtype' else key}",
+        )  # fmt: skip
     # policy: auto's rule too (pricing.choose)
     priced = pricing.choose(hw, profile, args.hardware, unprofiled or "exclude")
     traffic = Traffic.load(args.traffic) if args.traffic is not None else _traffic_from_flags(args)
@@ -259,6 +264,8 @@ def run(args: argparse.Namespace) -> int:
         say(f"excluded (not in the profile): {', '.join(priced.excluded)}")
     if priced.roofline_priced:
         say(f"priced from the roofline (not in the profile): {', '.join(priced.roofline_priced)}")
+    if priced.grid_note():
+        say(priced.grid_note())
     say(table(data))
     if failed is None and not args.no_extras and priced.profile is not None:
         say("extras skipped: SiDP's B_th and Tetris's rate table are roofline-priced")

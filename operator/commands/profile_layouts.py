@@ -136,6 +136,7 @@ def run_layouts(args: argparse.Namespace, grid: Any) -> int:
         collective = collective_grid(args)
         config = engine_config(args, enable_prefix_caching=False, skip_tokenizer_init=True)
         api = _api_server(getattr(args, "configmap", None))
+        shape, dtype = measured_model(config)
     except (GearshiftError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -170,8 +171,9 @@ def run_layouts(args: argparse.Namespace, grid: Any) -> int:
         kind,
         max(_ranks(p) for p in policies.values()),
         engine_version(),
-        _dtype(str(config.dtype), str(args.model), str(config.device)),
+        dtype,
         str(args.model),
+        shape,
         layouts,
     )
     try:
@@ -211,17 +213,24 @@ def _ranks(policy: dict[str, Any]) -> int:
     return max([1, *(int(v) for v in body.values())])
 
 
-def _dtype(name: str, model: str, device: str) -> str:
-    """The dtype the engine ran in: ``auto`` resolved as the engine resolves it."""
-    if name != "auto":
-        return name
+def measured_model(config: Any) -> tuple[dict[str, int], str]:
+    """The shape (calibration.SHAPE_KEYS) and dtype of the model ``config`` runs, as the engine
+    reads them (its config.json or GGUF metadata; ``--dtype auto`` resolved as the engine
+    resolves it): what the profile records it measured, for a plan to compare with its own."""
     import torch
 
-    from gearshift.operator.sim import model_desc
-    from gearshift.worker.config import resolve_dtype
+    from gearshift.worker.engine.loading import inspect_model
 
-    try:
-        checkpoint: str | None = model_desc.load(model).dtype
-    except (OSError, ValueError):
-        checkpoint = None  # a GGUF file or a built-in model: no config.json to read
-    return str(resolve_dtype(name, checkpoint, torch.device(device))).removeprefix("torch.")
+    spec, source = inspect_model(config, torch.device(str(config.device)))
+    source.close()
+    c = spec.config
+    shape = {
+        "num_hidden_layers": c.num_layers,
+        "hidden_size": c.hidden_size,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "intermediate_size": c.intermediate_size,
+        "vocab_size": c.vocab_size,
+        "head_dim": c.head_dim,
+    }
+    return shape, str(spec.dtype).removeprefix("torch.")

@@ -226,7 +226,8 @@ def inputs(
     traffic: auto_traffic.PlanTraffic | None = None,
 ) -> tuple[str, str]:
     """The GPU the group runs on and the digest of everything a plan depends on; ``profile``:
-    the text of ``auto.profile``'s ConfigMap (``profile_text``), checked here against the GPU;
+    the text of ``auto.profile``'s ConfigMap (``profile_text``), checked here against the GPU,
+    the model's shape and the dtype it runs in;
     ``traffic``: with ``traffic.source: Observed``, what auto_traffic chose."""
     auto = spec.policy.auto
     gpu = gpu_of(spec, nodes)
@@ -236,7 +237,7 @@ def inputs(
                 f"{PROFILE_FIELD}: ConfigMap {auto.profile} was not read", PROFILE_FIELD
             )
         try:  # refused here, before a plan is started: parsing is cheap and torch-free
-            auto_policy.profile_of(auto, gpu, profile)
+            auto_policy.profile_of(auto, gpu, profile, spec.model.dtype)
         except auto_policy.AutoError as exc:
             raise SpecError(str(exc), exc.field) from None
     return gpu, digest(spec, gpu, profile, traffic)
@@ -298,6 +299,7 @@ def request(
         shape.max_model_len,
         profile,
         traffic.figures if traffic is not None else None,
+        spec.model.dtype,
     )
 
 

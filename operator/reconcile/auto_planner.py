@@ -41,6 +41,7 @@ class PlanRequest:
     # traffic.source: Observed: the router's figures to plan from (auto_traffic.py); None:
     # the declared traffic.
     traffic: dict[str, Any] | None = None
+    dtype: str = "auto"  # spec.model.dtype: the one a profile must have measured
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,9 @@ def run_plan(request: PlanRequest) -> Planned | Failed:
     )
     try:
         auto = policy_pb2.AutoPolicy.FromString(request.auto)
-        choice = auto_policy.choose(auto, request.gpu, shape, request.profile, request.traffic)
+        choice = auto_policy.choose(
+            auto, request.gpu, shape, request.profile, request.traffic, request.dtype
+        )
     except auto_policy.AutoError as exc:
         return Failed(exc.field, str(exc))
     plan = Planned(

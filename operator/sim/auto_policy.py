@@ -210,9 +210,25 @@ PROFILE_FIELD = f"{FIELD}.profile"
 PROFILE_KEY = "profile.json"  # the ConfigMap's key holding the profile
 
 
-def profile_of(auto: policy_pb2.AutoPolicy, gpu: str, text: str) -> calibration.CalibrationProfile:
+# AutoModel's fields in the CRD's names, by calibration.SHAPE_KEYS' (config.json's) names.
+_CRD_NAMES = {
+    "num_hidden_layers": "numHiddenLayers",
+    "hidden_size": "hiddenSize",
+    "num_attention_heads": "numAttentionHeads",
+    "num_key_value_heads": "numKeyValueHeads",
+    "intermediate_size": "intermediateSize",
+    "vocab_size": "vocabSize",
+    "head_dim": "headDim",
+}
+
+
+def profile_of(
+    auto: policy_pb2.AutoPolicy, gpu: str, text: str, dtype: str = "auto"
+) -> calibration.CalibrationProfile:
     """The profile in ConfigMap ``auto.profile`` (its ``profile.json`` text), checked to be
-    measured on ``gpu``; AutoError naming spec.policy.auto.profile if not."""
+    measured on ``gpu``, of the model ``auto.model`` describes, in the dtype the deployment runs
+    it in (``dtype``: spec.model.dtype; ``auto``: the model's torchDtype); AutoError naming
+    spec.policy.auto.profile if not."""
     where = f"ConfigMap {auto.profile} key {PROFILE_KEY}"
     try:
         profile = calibration.parse(text, where)
@@ -225,6 +241,21 @@ def profile_of(auto: policy_pb2.AutoPolicy, gpu: str, text: str) -> calibration.
             f"{where} was measured on {profile.device} ({profile.device_kind}), not on the "
             f"group's GPU {gpu}: profile the group's GPU type (gearshift profile --layouts)",
         )
+    model = model_of(auto)
+    runs = model.dtype if dtype == "auto" else dtype
+
+    def name(key: str) -> str:
+        if key != "dtype":
+            return f"{FIELD}.model.{_CRD_NAMES[key]}"
+        if dtype != "auto":
+            return "spec.model.dtype"
+        set_ = auto.model.HasField("torch_dtype")
+        return f"{FIELD}.model.torchDtype{'' if set_ else ' (default bfloat16)'}"
+
+    try:
+        calibration.check_model(profile, model, where, "this deployment's", name, runs)
+    except calibration.ProfileError as exc:
+        raise AutoError(PROFILE_FIELD, str(exc)) from None
     return profile
 
 
@@ -234,10 +265,12 @@ def choose(
     shape: GroupShape,
     profile_text: str | None = None,
     observed: dict[str, Any] | None = None,
+    dtype: str = "auto",
 ) -> AutoChoice:
     """Plan one group of ``shape`` on ``gpu`` devices, priced from the scaled preset or, with
-    ``auto.profile``, from ``profile_text`` (its ConfigMap's), under the declared traffic or
-    ``observed`` figures (traffic_of); AutoError names the field."""
+    ``auto.profile``, from ``profile_text`` (its ConfigMap's; ``dtype``: spec.model.dtype, which
+    it must have measured, ``profile_of``), under the declared traffic or ``observed`` figures
+    (traffic_of); AutoError names the field."""
     model = model_of(auto)
     hw = hardware_of(gpu, shape)
     profile: calibration.CalibrationProfile | None = None
@@ -245,7 +278,7 @@ def choose(
     if auto.HasField("profile"):
         if profile_text is None:
             raise AutoError(PROFILE_FIELD, f"ConfigMap {auto.profile} was not read")
-        profile = profile_of(auto, gpu, profile_text)
+        profile = profile_of(auto, gpu, profile_text, dtype)
         about = {"configMap": auto.profile, "describe": profile.describe()}
     # gearshift plan's rule (pricing.choose), on the group's own hardware shape: the profile,
     # else the preset scaled by the efficiencies fitted to the recorded GPU measurement.
@@ -279,6 +312,8 @@ def choose(
     at = best.at_rate
     if priced.excluded:
         reason += f"; not in the profile, so not candidates: {', '.join(priced.excluded)}"
+    if priced.grid_note():
+        reason += f"; {priced.grid_note()}"
     if best.candidate.kind == "shift" and profile is not None:
         # The measured step cost is the engine's at its default threshold; tuning would price
         # the other thresholds from the roofline, a second pricing the profile replaces.

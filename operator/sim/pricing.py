@@ -35,7 +35,13 @@ import dataclasses
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gearshift.operator.sim.calibration import CalibrationProfile, layout_of
+from gearshift.operator.sim.calibration import (
+    CalibrationProfile,
+    GridUse,
+    WatchedCost,
+    grid_note,
+    layout_of,
+)
 from gearshift.operator.sim.hardware import (
     GB,
     Device,
@@ -65,6 +71,9 @@ class Pricing:
     unprofiled: str = "exclude"  # or "roofline": what becomes of candidates the profile lacks
     roofline_priced: list[str] = field(default_factory=list)  # filled by ``apply``
     links: list[MeasuredLink] = field(default_factory=list)  # in ``hardware.measured``
+    # Per profiled layout that priced a candidate: the largest steps priced, against the
+    # largest measured (filled as the candidates are simulated).
+    grid: dict[str, GridUse] = field(default_factory=dict)
 
     def apply(self, candidates: list[Any]) -> list[Any]:
         """The candidates to simulate: with a profile, the covered ones with measured costs."""
@@ -82,9 +91,12 @@ class Pricing:
                     self.excluded.append(c.name)
                 continue
             config = replace(c.config, num_blocks=lp.kv_blocks, block_size=lp.block_size)
+            assert name is not None  # a layout the profile has
+            use = self.grid.setdefault(name, GridUse(name, lp.grid()))
+            cost = WatchedCost(lp.step_cost, use)
             kept.append(
                 dataclasses.replace(
-                    c, cost=lp.step_cost, config=config, kv_tokens=lp.kv_blocks * lp.block_size
+                    c, cost=cost, config=config, kv_tokens=lp.kv_blocks * lp.block_size
                 )
             )
         return kept
@@ -103,8 +115,18 @@ class Pricing:
             out["excluded_not_in_profile"] = list(self.excluded)
             out["unprofiled"] = self.unprofiled
             out["priced_from_roofline"] = list(self.roofline_priced)
+            out["beyond_measured_grid"] = {
+                u.layout: {k: {"measured": m, "used": v} for k, m, v in u.beyond()}
+                for u in self.grid.values()
+                if u.beyond()
+            }
+            out["pricing_notes"] = [n for n in (self.grid_note(),) if n]
         out["links"] = self.links_json()
         return out
+
+    def grid_note(self) -> str:
+        """Which profiled layouts priced steps larger than their profile measured ("": none)."""
+        return grid_note(list(self.grid.values()))
 
     def links_json(self) -> dict[str, Any]:
         """Which link constants priced collectives: fitted to the profile, or the preset's."""

@@ -95,6 +95,11 @@ class Profile:
             "decode_linear_mean_abs_error": _mean_rel_error(self.decode, decode.seconds),
             "prefill_samples": len(self.prefill),
             "decode_samples": len(self.decode),
+            # The measured grid's far end (calibration.GRID_KEYS): past it a plan extrapolates.
+            "prefill_max_tokens": max(t for t, _, _ in self.prefill),
+            "prefill_max_attended": max(a for _, a, _ in self.prefill),
+            "decode_max_tokens": max(t for t, _, _ in self.decode),
+            "decode_max_attended": max(a for _, a, _ in self.decode),
         }
         return StepCostModel(model.prefill, model.decode, {**about, **errors}, model.decode_scale)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
-from cpu_profile import H100_NAME, LAYOUTS, MODEL, as_measured_on
+from cpu_profile import DTYPE, H100_NAME, LAYOUTS, MODEL, as_measured_on
 from kmock_harness import (
     Api,
     KmockApi,
@@ -46,6 +46,7 @@ def _body(name: str, image: str = "ghcr.io/gearshift/worker:0.1.0", **auto: Any)
     body = yaml.safe_load((REPO / "docs/examples/auto.yaml").read_text())
     body["metadata"] = cr_metadata(name, NS)
     body["spec"]["group"] = {"nodes": 1, "gpusPerNode": 2}
+    body["spec"]["model"]["dtype"] = DTYPE  # the profile's: it must have measured this dtype
     body["spec"]["images"]["worker"] = image
     a = body["spec"]["policy"]["auto"]
     a.pop("goodput")

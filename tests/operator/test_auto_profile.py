@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
-from cpu_profile import H100_NAME, LAYOUTS, MODEL, as_measured_on
+from cpu_profile import DTYPE, H100_NAME, LAYOUTS, MODEL, as_measured_on
 from google.protobuf import json_format
 
 from gearshift.operator.reconcile import auto
@@ -29,6 +29,7 @@ def _body(**auto_fields: Any) -> dict[str, Any]:
     body = yaml.safe_load((REPO / "docs/examples/auto.yaml").read_text())
     body["metadata"].update(namespace="ns", uid="u", generation=1)
     body["spec"]["group"] = {"nodes": 1, "gpusPerNode": 2}
+    body["spec"]["model"]["dtype"] = DTYPE  # the profile's: it must have measured this dtype
     a = body["spec"]["policy"]["auto"]
     a.pop("goodput")
     a.update(model=dict(MODEL), gpu="H100", requests=20, traffic=copy.deepcopy(TRAFFIC))
@@ -133,3 +134,61 @@ def test_the_profiles_content_is_a_plan_input(cpu_profile: str) -> None:
     changed = json.loads(text)
     changed["layouts"]["tp2"]["kv_blocks"] += 1
     assert auto.inputs(spec, None, json.dumps(changed))[1] != key
+
+
+def _refusal(body: dict[str, Any], text: str) -> str:
+    with pytest.raises(SpecError) as err:
+        auto.inputs(parse(body), None, text)
+    assert err.value.field == FIELD and str(err.value).startswith(f"{FIELD}: "), err.value
+    return str(err.value)
+
+
+def test_a_profile_of_another_model_is_refused_naming_both_sides(cpu_profile: str) -> None:
+    text = as_measured_on(cpu_profile, H100_NAME)
+    message = _refusal(_body(model={**MODEL, "numHiddenLayers": 3, "vocabSize": 32000}), text)
+    assert "model_shape.num_hidden_layers 2 vs spec.policy.auto.model.numHiddenLayers 3" in (
+        message
+    )
+    assert "model_shape.vocab_size 49152 vs spec.policy.auto.model.vocabSize 32000" in message
+    assert "hidden_size" not in message  # only what differs
+    # Neither a plan nor a plan's child prices from it.
+    with pytest.raises(SpecError, match="numHiddenLayers 3"):
+        runnable(_body(model={**MODEL, "numHiddenLayers": 3}), {}, None, NOW, _map(text))
+
+
+def test_a_profile_measured_in_another_dtype_is_refused(cpu_profile: str) -> None:
+    text = as_measured_on(cpu_profile, H100_NAME)
+    body = _body()
+    body["spec"]["model"]["dtype"] = "bfloat16"  # the profile ran float32
+    assert "dtype float32 vs spec.model.dtype bfloat16" in _refusal(body, text)
+    # dtype auto: the checkpoint's, as spec.policy.auto.model.torchDtype declares it.
+    body["spec"]["model"]["dtype"] = "auto"
+    assert auto.inputs(parse(body), None, text)[0] == "H100"
+    del body["spec"]["policy"]["auto"]["model"]["torchDtype"]
+    assert "dtype float32 vs spec.policy.auto.model.torchDtype (default bfloat16) bfloat16" in (
+        _refusal(body, text)
+    )
+
+
+def test_the_planners_child_checks_the_dtype_too(cpu_profile: str) -> None:
+    from dataclasses import replace
+
+    from gearshift.operator.reconcile.auto_planner import Failed, Planned, run_plan
+
+    text = as_measured_on(cpu_profile, H100_NAME)
+    spec = parse(_body())
+    request = auto.request(spec, "H100", text)
+    assert request.dtype == DTYPE
+    assert isinstance(run_plan(request), Planned)
+    failed = run_plan(replace(request, dtype="float16"))
+    assert isinstance(failed, Failed) and failed.field == FIELD
+    assert "dtype float32 vs spec.model.dtype float16" in failed.message
+
+
+def test_a_profile_written_before_the_shape_was_recorded_is_refused(cpu_profile: str) -> None:
+    data = json.loads(as_measured_on(cpu_profile, H100_NAME))
+    data["format"] = "gearshift.profile/1"
+    del data["model_shape"]
+    message = _refusal(_body(), json.dumps(data))
+    assert "key profile.json.format: 'gearshift.profile/1'" in message
+    assert "profile again with gearshift profile --layouts" in message

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
-from cpu_profile import H100_NAME, LAYOUTS, MODEL, as_measured_on
+from cpu_profile import DTYPE, H100_NAME, LAYOUTS, MODEL, as_measured_on
 from kmock_harness import Api, OperatorProcess, condition, cr_metadata, events, wait_for
 
 from gearshift.operator.reconcile import names
@@ -34,6 +34,7 @@ def _body(name: str, profile: str) -> dict[str, Any]:
     body = yaml.safe_load((REPO / "docs/examples/auto.yaml").read_text())
     body["metadata"] = cr_metadata(name, NS)
     body["spec"]["group"] = {"nodes": 1, "gpusPerNode": 2}
+    body["spec"]["model"]["dtype"] = DTYPE  # the profile's: it must have measured this dtype
     a = body["spec"]["policy"]["auto"]
     a.pop("goodput")
     a.update(model=dict(MODEL), gpu="H100", requests=20, traffic=copy.deepcopy(TRAFFIC))

@@ -12,12 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from gearshift.operator.sim import calibration, pricing
+from gearshift.operator.sim import calibration, model_desc, pricing
 from gearshift.operator.sim.hardware import HardwareError, preset
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
 GEARSHIFT = [sys.executable, "-m", "gearshift.operator.cli"]
+LLAMA = Path(__file__).parent / "fixtures" / "llama3_8b_config.json"
+# The largest steps the profile measured (the default grid's, at 2048 batched tokens).
+GRID = {
+    "prefill_max_tokens": 2048,
+    "prefill_max_attended": 1.3e6,
+    "decode_max_tokens": 32,
+    "decode_max_attended": 24608.0,
+}
 
 
 def _profile(**top: object) -> dict[str, object]:
@@ -26,7 +34,12 @@ def _profile(**top: object) -> dict[str, object]:
         "policy": {"static": {"tp": 2}},
         "kv_blocks": 100,
         "block_size": 16,
-        "step_cost": {"format": "gearshift.step-cost/1", "prefill": fit, "decode": fit},
+        "step_cost": {
+            "format": "gearshift.step-cost/1",
+            "prefill": fit,
+            "decode": fit,
+            "about": dict(GRID),
+        },
     }
     data: dict[str, object] = {
         "format": calibration.FORMAT,
@@ -35,7 +48,8 @@ def _profile(**top: object) -> dict[str, object]:
         "devices": 2,
         "engine_version": "0.1.0",
         "dtype": "bfloat16",
-        "model": "m",
+        "model": "llama3-8b",
+        "model_shape": calibration.shape_of(model_desc.load(LLAMA)),
         "layouts": {"tp2": layout},
     }
     data.update(top)
@@ -181,6 +195,7 @@ def _plan_and_engine(folder: Path, hidden: int, layers: int) -> tuple[dict, dict
         device_name,
         engine_version,
         layout_policy,
+        measured_model,
     )
     from gearshift.operator.sim.profile import ProfileGrid, measure
     from gearshift.worker.launch import start_engine
@@ -222,8 +237,9 @@ def _plan_and_engine(folder: Path, hidden: int, layers: int) -> tuple[dict, dict
             engine.shutdown()
     device, kind = device_name(str(config.device))
     prof = folder / "profile.json"
+    shape, dtype = measured_model(config)
     calibration.CalibrationProfile(
-        device, kind, 2, engine_version(), "float32", str(model), layouts
+        device, kind, 2, engine_version(), dtype, str(model), shape, layouts
     ).save(prof)
     traffic = folder / "traffic.json"
     traffic.write_text(

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from gearshift.operator.sim import calibration, links, pricing
+from gearshift.operator.sim import calibration, links, model_desc, pricing
 from gearshift.operator.sim.calibration import Collective
 from gearshift.operator.sim.hardware import GB, US, Link, preset
 from gearshift.operator.sim.roofline import all_reduce, all_to_all, p2p
@@ -89,7 +89,12 @@ def _profile(slow: float) -> dict[str, Any]:
             "policy": policy,
             "kv_blocks": 4096,
             "block_size": 16,
-            "step_cost": {"format": "gearshift.step-cost/1", "prefill": _fit(), "decode": _fit()},
+            "step_cost": {
+                "format": "gearshift.step-cost/1",
+                "prefill": _fit(),
+                "decode": _fit(),
+                "about": dict.fromkeys(calibration.GRID_KEYS, 1e9),
+            },
             "collectives": {n: points(n) for n in used},
         }
 
@@ -101,6 +106,7 @@ def _profile(slow: float) -> dict[str, Any]:
         "engine_version": "0.1.0",
         "dtype": "bfloat16",
         "model": "llama3-8b",
+        "model_shape": calibration.shape_of(model_desc.load(LLAMA)),
         "layouts": {
             "tp2": layout({"static": {"tp": 2}}, ("all_reduce",)),
             "sp2": layout({"static": {"sp": 2}}, ("all_to_all", "all_gather")),

@@ -200,12 +200,12 @@ def test_a_non_finite_profile_figure_is_refused_naming_the_key(value: float) -> 
         "kv_blocks": 100,
         "block_size": 16,
         "step_cost": {"format": "gearshift.step-cost/1", "prefill": {**fit, "a": value},
-                      "decode": fit},
+                      "decode": fit, "about": dict.fromkeys(calibration.GRID_KEYS, 512)},
     }  # fmt: skip
     data = {
         "format": calibration.FORMAT, "device": "NVIDIA H200", "device_kind": "cuda",
         "devices": 2, "engine_version": "0.1.0", "dtype": "bfloat16", "model": "m",
-        "layouts": {"tp2": layout},
+        "model_shape": dict.fromkeys(calibration.SHAPE_KEYS, 64), "layouts": {"tp2": layout},
     }  # fmt: skip
     with pytest.raises(calibration.ProfileError, match=r"step_cost\.prefill\.a: .*finite"):
         calibration.parse(json.dumps(data))
