@@ -53,7 +53,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="with --layouts: also write the profile into this ConfigMap's profile.json, as the "
         "pod's service account (the operator's calibration Job)",
     )
-    p.set_defaults(func=run)
+    p.set_defaults(func=run_interruptible)
+
+
+def run_interruptible(args: argparse.Namespace) -> int:
+    """``run``, stopped at any point by Ctrl-C or SIGTERM (interrupts.py): every rank ends, and
+    the exit code is 130 (143)."""
+    from gearshift.operator.commands.interrupts import interruptible, report
+
+    try:
+        with interruptible():
+            return run(args)
+    except KeyboardInterrupt as exc:
+        return report(exc)
 
 
 def quick_grid() -> ProfileGrid:

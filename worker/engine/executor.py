@@ -116,6 +116,11 @@ class GroupExecutor:
         except RuntimeError as exc:
             self.failure = f"worker group failed: {self.watchdog.diagnose()} ({_first_line(exc)})"
             raise GroupFailure(self.failure) from exc
+        except (KeyboardInterrupt, SystemExit):
+            # Interrupted (Ctrl-C, SIGTERM) in the middle of the step: its ranks may wait in
+            # one of its collectives for good, and would never take a goodbye (shutdown kills).
+            self.failure = "the leader was interrupted in the middle of a step"
+            raise
 
     def submit(self, plan: StepPlan) -> StepHandle:
         def run() -> torch.Tensor | None:
@@ -153,10 +158,15 @@ class GroupExecutor:
         self._closed = True
         try:
             if self.failure is None:
-                self.runner.flush()
-                self.channel.send(SHUTDOWN)
-                self.runner.shutdown()
-                close_group(self.watchdog, self.channel)
+                try:
+                    self.runner.flush()
+                    self.channel.send(SHUTDOWN)
+                    self.runner.shutdown()
+                    close_group(self.watchdog, self.channel)
+                except KeyboardInterrupt:  # interrupted in the goodbye: ranks may wait in it
+                    for proc in self.children:
+                        proc.kill()
+                    raise
             else:
                 self.runner.shutdown()
                 self.watchdog.stop()

@@ -150,7 +150,9 @@ def start_engine(
     local = group.local_ranks(world)
     orphan_guard = local == world
     cores = usable_cores()
-    children = spawn_followers(config, policy, group, range(1, local), port, orphan_guard)
+    children = spawn_followers(
+        config, policy, group, range(1, local), port, orphan_guard, leader_here=True
+    )
     # The leader is this (caller's) process: its old affinity comes back at shutdown.
     previous = bind_rank_cores(config, group, world, 0, cores)
 

@@ -91,14 +91,17 @@ def spawn_followers(
     ranks: Sequence[int],
     port: int,
     orphan_guard: bool,
+    leader_here: bool = False,
 ) -> list[Any]:
+    """Start ``ranks`` as followers; ``leader_here``: the caller is their leader (it stops them,
+    and a Ctrl-C in the terminal is its to handle, not theirs)."""
     ctx = rank_context()
     cores = usable_cores()  # before the leader pins itself: every rank splits the same set
     return [
         start_rank(
             ctx,
             follower_main,
-            (config, policy, group, rank, port, orphan_guard, cores),
+            (config, policy, group, rank, port, orphan_guard, cores, leader_here),
             f"gs-rank-{rank}",
         )
         for rank in ranks

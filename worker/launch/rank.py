@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
@@ -255,10 +256,16 @@ def follower_main(
     port: int,
     orphan_guard: bool,
     cores: Sequence[int] = (),
+    leader_here: bool = False,
 ) -> None:
     """Entry point of a non-leader rank (spawned locally or started by ``run_node``)."""
     if orphan_guard:
         die_with_parent()
+    if leader_here:
+        # As in serve's engine process, the leader that started this rank decides when it stops:
+        # a terminal's Ctrl-C reaches the whole process group, and a rank that died of it would
+        # break the step the leader is in (and print its own traceback).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=logging.WARNING, format=f"rank {rank} %(levelname)s %(name)s: %(message)s"
     )
