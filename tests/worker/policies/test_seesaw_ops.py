@@ -92,7 +92,9 @@ def test_every_stat_moves_and_reaches_the_metrics(
         snapshot, model="m", max_model_len=64, policy=engine.policy.to_proto(), ranks=2, revision=""
     )
     assert proto.host_kv_usage == pytest.approx(snapshot.policy_stats["host_kv_usage"])
-    group = SimpleNamespace(name="g0", serving=True, load=SimpleNamespace(in_flight=0), stats=proto)
+    group = SimpleNamespace(
+        name="g0", serving=True, load=SimpleNamespace(in_flight=0), room=(), stats=proto
+    )
     registry = CollectorRegistry()
     registry.register(GroupCollector("m", lambda: [group]))
     text = generate_latest(registry).decode()
