@@ -78,8 +78,11 @@ def test_two_token_secrets_and_no_secret_data_in_any_annotation(
         assert secret["metadata"]["labels"][names.LABEL_MANAGED_BY] == names.MANAGED_BY
         assert secret["metadata"]["ownerReferences"][0]["uid"] == f"uid-{name}"
         secrets_data |= {_token(secret), secret["data"][names.CONTROL_TOKEN_KEY]}
+    # The pass that created the StatefulSet (and called Admin at its start) writes the router's
+    # Deployment after it: wait for the whole pass, not its first objects.
+    wanted = {"StatefulSet", "Deployment", "Secret"}
+    wait_for(lambda: {o.get("kind") for o in _everything(api, name)} >= wanted, 30, "every kind")
     objects = _everything(api, name)
-    assert {o.get("kind") for o in objects} >= {"StatefulSet", "Deployment", "Secret"}
     for obj in objects:
         annotations = json.dumps((obj.get("metadata") or {}).get("annotations") or {})
         leaked = [d for d in secrets_data if d in annotations]
