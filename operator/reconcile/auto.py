@@ -119,20 +119,24 @@ def misfit(spec: DeploymentSpec, policy: dict[str, Any]) -> str:
     """Why the stored choice ``policy`` cannot run on ``spec``'s group as it is now ("": it
     can): the group was resized since it was planned."""
     try:
-        candidate = with_policy(spec, policy)
+        error = layout_error(with_policy(spec, policy), planned=True)
     except SpecError as exc:
         return str(exc)
-    errors = checks.layout_errors(candidate.policy, candidate.group.ranks)
-    if errors:
-        return "spec." + "; spec.".join(errors)
-    if candidate.engine == "gearshift":  # engine: vllm runs static pp/dp through vLLM itself
+    return str(error) if error is not None else ""
+
+
+def layout_error(spec: DeploymentSpec, planned: bool) -> SpecError | None:
+    """Why ``spec``'s policy (``planned``: auto's choice, checked against the group's size too)
+    does not run on its group, naming the field; None if it does."""
+    errors = checks.layout_errors(spec.policy, spec.group.ranks) if planned else []
+    if errors:  # a stored choice from before a group change
+        return SpecError("spec." + "; spec.".join(errors))
+    if spec.engine == "gearshift":  # engine: vllm runs static pp/dp through vLLM itself
         try:
-            check_supported(
-                candidate.full_policy, candidate.group.ranks, nodes=candidate.group.nodes
-            )
+            check_supported(spec.full_policy, spec.group.ranks, nodes=spec.group.nodes)
         except InvalidRequestError as exc:
-            return exc.message
-    return ""
+            return SpecError(exc.message, exc.field)
+    return None
 
 
 def precheck(spec: DeploymentSpec, gpu: str) -> None:

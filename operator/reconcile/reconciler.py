@@ -38,9 +38,7 @@ from gearshift.operator.reconcile.settings import OperatorSettings
 from gearshift.operator.reconcile.spec import DeploymentSpec, SpecError, parse
 from gearshift.operator.reconcile.tokens import TokenKeeper
 from gearshift.v1 import policy_fields, policy_pb2, router_pb2
-from gearshift.worker.errors import InvalidRequestError
 from gearshift.worker.policies import checks
-from gearshift.worker.policies.support import check_supported
 
 # The router's Admin.GetStatus answer, or None and why not.
 RouterRead = tuple[router_pb2.RouterStatus | None, str]
@@ -614,15 +612,10 @@ def runnable(
 
 def checked(spec: DeploymentSpec, planned: bool) -> DeploymentSpec:
     """``spec`` if its policy (``planned``: auto's choice) runs on its group; SpecError naming
-    the field if not."""
-    errors = checks.layout_errors(spec.policy, spec.group.ranks) if planned else []
-    if errors:  # a stored choice from before a group change; the digest makes this rare
-        raise SpecError("spec." + "; spec.".join(errors))
-    if spec.engine == "gearshift":  # engine: vllm runs static pp/dp through vLLM itself
-        try:
-            check_supported(spec.full_policy, spec.group.ranks, nodes=spec.group.nodes)
-        except InvalidRequestError as exc:
-            raise SpecError(exc.message, exc.field) from exc
+    the field if not (``auto.layout_error``)."""
+    error = auto.layout_error(spec, planned)
+    if error is not None:
+        raise error
     return spec
 
 
